@@ -1,0 +1,111 @@
+"""Load a target for computing: resolve it, pick the dtype, describe it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
+_FLOAT = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+# Files a coordinator needs to tokenize and detokenize without the weights.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+)
+
+
+@dataclass(frozen=True)
+class Identity:
+    name: str
+    fingerprint: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass
+class LoadedTarget:
+    model: nn.Module
+    tokenizer: object  # mlx_lm TokenizerWrapper
+    path: Path
+    dtype: str  # what the weights are computed in: "float32", ..., or "native"
+    identity: Identity
+    max_context: int
+
+
+def device_kind() -> str:
+    return "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
+
+
+def resolve_dtype(requested: str) -> str:
+    """`auto`: float32 on CPU (quantized and half matmuls are slow there), native on GPUs."""
+    if requested not in DTYPES:
+        raise ValueError(f"unknown dtype {requested!r}; choose one of {', '.join(DTYPES)}")
+    if requested != "auto":
+        return requested
+    return "float32" if device_kind() == "cpu" else "native"
+
+
+def convert_dtype(model: nn.Module, dtype: str) -> None:
+    """Dequantize and cast in place; `native` keeps the weights as stored."""
+    if dtype == "native":
+        return
+    from mlx_lm.utils import dequantize_model
+
+    if any(
+        isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules()
+    ):
+        dequantize_model(model)
+    model.set_dtype(_FLOAT[dtype])
+    mx.eval(model.parameters())
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 over the id-ordered vocabulary and the EOS ids: same tokenizer, same print."""
+    vocab = tokenizer.get_vocab()
+    by_id = sorted(vocab.items(), key=lambda kv: kv[1])
+    digest = hashlib.sha256()
+    digest.update(json.dumps(by_id, ensure_ascii=False).encode())
+    digest.update(json.dumps(sorted(tokenizer.eos_token_ids)).encode())
+    return digest.hexdigest()[:32]
+
+
+def _text_config(config: dict) -> dict:
+    return config.get("text_config", config)
+
+
+def load_target(spec: str | None, dtype: str = "auto", cache_dir: Path | None = None):
+    """Load model + tokenizer from a model spec (see `resolve_model`)."""
+    from mlx_lm import load
+
+    from specd.models.resolve import resolve_model
+
+    path = resolve_model(spec, cache_dir)
+    model, tokenizer = load(str(path))
+    dtype = resolve_dtype(dtype)
+    convert_dtype(model, dtype)
+    config = _text_config(json.loads((path / "config.json").read_text()))
+    identity = Identity(
+        name=spec or path.name,
+        fingerprint=tokenizer_fingerprint(tokenizer),
+        vocab_size=int(config.get("vocab_size") or len(tokenizer.get_vocab())),
+        hidden_size=int(config["hidden_size"]),
+        num_layers=len(model.layers),
+        eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
+    )
+    max_context = int(config.get("max_position_embeddings") or 4096)
+    return LoadedTarget(model, tokenizer, path, dtype, identity, max_context)
+
+
+def tokenizer_files(path: Path) -> dict[str, bytes]:
+    return {name: (path / name).read_bytes() for name in TOKENIZER_FILES if (path / name).is_file()}

@@ -1,0 +1,168 @@
+"""What every service shares: status errors, the MLX thread, the aio server with health
+and reflection, process stats."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import resource
+import signal
+import sys
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specd.v1 import common_pb2
+from specd.wire import WireError
+
+log = logging.getLogger("specd")
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # hidden rows of a long prompt fit; anything bigger is refused
+
+
+class ServiceError(Exception):
+    """An error the caller can act on, sent as a gRPC status."""
+
+    code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(ServiceError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class FailedPrecondition(ServiceError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(ServiceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(ServiceError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, ServiceError):
+        return exc.code, exc.message
+    if isinstance(exc, WireError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    log.exception("internal error")
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def rpc(method):
+    """Turn exceptions of a unary aio servicer method into gRPC statuses."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status, never a crash
+            await context.abort(*_status_of(exc))
+
+    return wrapper
+
+
+def rpc_stream(method):
+    """Same as `rpc` for server-streaming methods (async generators)."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            async for item in method(self, request, context):
+                yield item
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await context.abort(*_status_of(exc))
+
+    return wrapper
+
+
+class MlxThread:
+    """All MLX work of a process runs here, one job at a time, off the event loop."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
+
+    async def run(self, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def shutdown(self):
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def process_stats(open_sessions: int = 0) -> common_pb2.ProcessStats:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    rss = 0
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        rss = peak
+    return common_pb2.ProcessStats(peak_rss_bytes=peak, rss_bytes=rss, open_sessions=open_sessions)
+
+
+def channel_options() -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ]
+
+
+class Server:
+    """An aio server with health (NOT_SERVING until `ready()`) and reflection."""
+
+    def __init__(self, host: str, port: int, service_names: Iterable[str]):
+        self.server = grpc.aio.server(options=channel_options())
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = list(service_names)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+        )
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot bind {address}")
+        self.address = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    async def start(self):
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+
+    async def ready(self, serving: bool = True):
+        status = health_pb2.HealthCheckResponse
+        await self._set_all(status.SERVING if serving else status.NOT_SERVING)
+
+    async def _set_all(self, status):
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def run_until_signal(self, grace_s: float = 5.0):
+        """Serve until SIGINT/SIGTERM, then drain in-flight calls for `grace_s`."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+def setup_logging(level: str = "info") -> None:
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr)

@@ -1,0 +1,103 @@
+"""Prefill, verify, rollback and capture on a tiny random model, against plain mlx-lm."""
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from specd.models.load import load_target
+from verifier_svc.engine import Target, prefill, verify
+
+PROMPT = [3, 40, 41, 42, 43, 40, 41, 42, 50, 60, 70]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return Target(load_target(str(tiny_model_dir), dtype="float32"))
+
+
+def plain_greedy(target, prompt, n):
+    out = []
+    for token, _ in generate_step(mx.array(prompt), target.model, max_tokens=n):
+        out.append(token)
+        if token in target.eos_ids:
+            break
+    return out
+
+
+def run_rounds(target, prompt, n, propose):
+    """Speculate with `propose(context, reference_len) -> drafts` until n tokens or EOS."""
+    result = prefill(target, prompt)
+    session, out = result.session, [result.first_token]
+    while len(out) < n and not session.finished:
+        drafts = propose(prompt + out)
+        r = verify(target, session, drafts)
+        out.extend(r.committed)
+        assert session.cache[0].offset == session.position - 1
+    return out[:n] if not session.finished else out
+
+
+def test_verify_matches_plain_greedy_for_any_drafts(target):
+    n = 48
+    reference = plain_greedy(target, PROMPT, n)
+    rng = random.Random(0)
+    vocab = target.identity.vocab_size
+
+    def oracle(context):  # the right continuation, always accepted
+        done = len(context) - len(PROMPT)
+        return reference[done : done + 4]
+
+    def garbage(context):
+        return [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
+
+    def mixed(context):
+        drafts = oracle(context)
+        if drafts and rng.random() < 0.5:
+            drafts[rng.randrange(len(drafts))] = rng.randrange(vocab)
+        return drafts
+
+    for propose in (oracle, garbage, mixed):
+        out = run_rounds(target, PROMPT, n, propose)
+        assert out[: len(reference)] == reference[: len(out)], propose.__name__
+        assert len(out) >= min(n, len(reference))
+
+
+def test_rejected_tail_is_rolled_back(target):
+    session = prefill(target, PROMPT).session
+    before = session.cache[0].offset
+    r = verify(target, session, [0, 0, 0, 0, 0])  # token 0 is never the argmax here? any is ok
+    kept = 1 + r.num_accepted
+    assert session.cache[0].offset == before + kept
+    assert session.position == len(PROMPT) + 1 + len(r.committed)
+
+
+def test_captured_rows_equal_full_forward(target):
+    layers = (0, 1)
+    result = prefill(target, PROMPT, capture=layers, rows_dtype=mx.float32)
+    session = result.session
+    assert result.rows.shape == (len(PROMPT), 2 * target.identity.hidden_size)
+    rows = [result.rows]
+    tokens = list(PROMPT) + [result.first_token]
+    for drafts in ([7, 8, 9], [], [1]):
+        r = verify(target, session, drafts)
+        assert r.rows.shape[0] == 1 + r.num_accepted
+        rows.append(r.rows)
+        tokens.extend(r.committed)
+    got = mx.concatenate(rows, axis=0)  # rows for every position the cache holds
+    cache = target.new_cache()
+    _, full = target.forward(mx.array(tokens[: got.shape[0]]), cache, layers)
+    assert mx.allclose(got, full, atol=1e-4).item()
+
+
+def test_failed_round_leaves_session_unchanged(target, monkeypatch):
+    session = prefill(target, PROMPT).session
+    offset, position = session.cache[0].offset, session.position
+
+    def boom(*a, **k):
+        raise RuntimeError("simulated failure in the middle of a round")
+
+    monkeypatch.setattr("verifier_svc.engine.accept_greedy", boom)
+    with pytest.raises(RuntimeError):
+        verify(target, session, [1, 2, 3])
+    assert (session.cache[0].offset, session.position) == (offset, position)

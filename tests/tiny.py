@@ -1,0 +1,78 @@
+"""Tiny random-weight Llama model directories for logic tests: nothing downloaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _byte_level_tokenizer(extra_specials: tuple[str, ...] = ()) -> Tokenizer:
+    specials = [*SPECIALS, *extra_specials]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    return tok
+
+
+def make_tiny_model_dir(
+    path: Path,
+    seed: int = 0,
+    num_layers: int = 2,
+    hidden: int = 64,
+    extra_specials: tuple[str, ...] = (),
+) -> Path:
+    """A loadable mlx-lm directory: random Llama weights, byte-level tokenizer, chat template."""
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _byte_level_tokenizer(extra_specials)
+    vocab_size = tokenizer.get_vocab_size()
+    config = {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": num_layers,
+        "intermediate_size": hidden * 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab_size,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 1024,
+        "eos_token_id": 2,
+    }
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    # larger-than-default weights make the random model's argmax decisive, not near-ties
+    params = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(path / "model.safetensors"), params)
+    (path / "config.json").write_text(json.dumps(config))
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": CHAT_TEMPLATE,
+                "eos_token": "<|im_end|>",
+                "bos_token": None,
+                "unk_token": None,
+                "pad_token": "<|endoftext|>",
+                "model_max_length": 1024,
+            }
+        )
+    )
+    return path

@@ -1,0 +1,191 @@
+"""The target side of a round: prefill, incremental verify, KV rollback, hidden-row capture.
+
+Pure MLX; the servicer adapts it to gRPC. One call at a time (the MLX thread).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from specd.models.load import LoadedTarget
+from verifier_svc.accept import accept_greedy
+
+PREFILL_CHUNK = 2048  # mlx-lm's prefill step: same chunks, same numerics as plain decoding
+
+
+class _CaptureSink:
+    def __init__(self):
+        self.wanted: frozenset[int] = frozenset()
+        self.outputs: dict[int, mx.array] = {}
+
+
+class CapturingLayer(nn.Module):
+    """Wraps a decoder layer and keeps its output when its index is wanted."""
+
+    def __init__(self, inner: nn.Module, index: int, sink: _CaptureSink):
+        super().__init__()
+        self.inner = inner
+        self._index = index
+        self._sink = sink
+
+    def __getattr__(self, key):
+        # model code reads layer attributes (e.g. `use_sliding`): answer for the wrapped layer
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            if "inner" not in self:  # during __init__, before the layer is set
+                raise
+            return getattr(self["inner"], key)
+
+    def __call__(self, *args, **kwargs):
+        out = self.inner(*args, **kwargs)
+        if self._index in self._sink.wanted:
+            self._sink.outputs[self._index] = out
+        return out
+
+
+class Target:
+    """An mlx-lm model whose forward can also return chosen decoder-layer outputs."""
+
+    def __init__(self, loaded: LoadedTarget):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.identity = loaded.identity
+        self.eos_ids = frozenset(loaded.identity.eos_token_ids)
+        self._sink = _CaptureSink()
+        layers = self.model.layers
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, CapturingLayer):
+                layers[i] = CapturingLayer(layer, i, self._sink)
+
+    def new_cache(self) -> list:
+        return make_prompt_cache(self.model)
+
+    def forward(
+        self, token_ids: mx.array, cache: list, capture: tuple[int, ...] = ()
+    ) -> tuple[mx.array, mx.array | None]:
+        """token_ids [T] appended at the cache end -> (logits [T, V], rows [T, L*H] or None)."""
+        self._sink.wanted = frozenset(capture)
+        self._sink.outputs = {}
+        try:
+            logits = self.model(token_ids[None], cache=cache)[0]
+            rows = None
+            if capture:
+                rows = mx.concatenate([self._sink.outputs[i][0] for i in capture], axis=-1)
+        finally:
+            self._sink.wanted, self._sink.outputs = frozenset(), {}
+        return logits, rows
+
+
+@dataclass
+class Session:
+    cache: list
+    capture: tuple[int, ...]
+    rows_dtype: mx.Dtype
+    position: int  # tokens in context, the pending last token included
+    last_token: int  # committed, not yet in the cache
+    finished: bool = False
+
+
+@dataclass
+class PrefillResult:
+    session: Session
+    first_token: int
+    rows: mx.array | None  # [len(prompt), L*H]
+    compute_s: float
+
+
+@dataclass
+class VerifyResult:
+    committed: list[int]
+    num_accepted: int
+    finished: bool
+    rows: mx.array | None  # [1 + num_accepted, L*H]
+    compute_s: float
+
+
+def _greedy_ids(logits: mx.array) -> list[int]:
+    # argmax of log-probs, as mlx-lm's greedy sampler takes it, so ties break identically
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return mx.argmax(logprobs, axis=-1).tolist()
+
+
+def _cache_len(cache: list) -> int:
+    return cache[0].offset
+
+
+def _rollback(cache: list, keep: int) -> None:
+    """Drop cache entries past `keep` tokens."""
+    excess = _cache_len(cache) - keep
+    if excess > 0:
+        trim_prompt_cache(cache, excess)
+
+
+def prefill(
+    target: Target,
+    prompt_ids: list[int],
+    capture: tuple[int, ...] = (),
+    rows_dtype: mx.Dtype = mx.float16,
+) -> PrefillResult:
+    """Process the prompt like mlx-lm does (all but the last token in chunks, then the last)."""
+    start = time.perf_counter()
+    cache = target.new_cache()
+    prompt = mx.array(prompt_ids, dtype=mx.int32)
+    row_chunks = []
+    done = 0
+    while len(prompt_ids) - done > 1:
+        n = min(PREFILL_CHUNK, len(prompt_ids) - done - 1)
+        _, rows = target.forward(prompt[done : done + n], cache, capture)
+        if rows is not None:
+            row_chunks.append(rows.astype(rows_dtype))
+        mx.eval([c.state for c in cache], row_chunks)
+        done += n
+    logits, rows = target.forward(prompt[done:], cache, capture)
+    if rows is not None:
+        row_chunks.append(rows.astype(rows_dtype))
+    first = _greedy_ids(logits[-1:])[0]
+    all_rows = mx.concatenate(row_chunks, axis=0) if row_chunks else None
+    mx.eval([c.state for c in cache], *([all_rows] if all_rows is not None else []))
+    session = Session(
+        cache=cache,
+        capture=capture,
+        rows_dtype=rows_dtype,
+        position=len(prompt_ids) + 1,
+        last_token=first,
+        finished=first in target.eos_ids,
+    )
+    return PrefillResult(session, first, all_rows, time.perf_counter() - start)
+
+
+def verify(target: Target, session: Session, draft_ids: list[int]) -> VerifyResult:
+    """One forward over [last, d1..dk] at the cache end; keep the accepted prefix's KV."""
+    start = time.perf_counter()
+    base = session.position - 1  # cache length before this round
+    tokens = mx.array([session.last_token, *draft_ids], dtype=mx.int32)
+    try:
+        logits, rows = target.forward(tokens, session.cache, session.capture)
+        target_ids = _greedy_ids(logits)
+        acceptance = accept_greedy(draft_ids, target_ids, target.eos_ids)
+        kept = 1 + acceptance.num_accepted
+        _rollback(session.cache, base + kept)
+        if rows is not None:
+            rows = rows[:kept].astype(session.rows_dtype)
+            mx.eval(rows)
+    except BaseException:
+        _rollback(session.cache, base)  # a failed round leaves the session as it was
+        raise
+    session.position += len(acceptance.committed)
+    session.last_token = acceptance.committed[-1]
+    session.finished = acceptance.finished
+    return VerifyResult(
+        acceptance.committed,
+        acceptance.num_accepted,
+        acceptance.finished,
+        rows,
+        time.perf_counter() - start,
+    )
