@@ -47,6 +47,8 @@ class NgramProposer:
 
     def __init__(self, config: NgramConfig | None = None):
         self.config = config or NgramConfig()
+        self.default_draft_tokens = self.config.num_draft_tokens
+        self.max_draft_tokens = self.config.max_draft_tokens
 
     def open(self, context_ids: list[int], hidden_rows=None) -> list[int]:
         return list(context_ids)

@@ -107,5 +107,19 @@ def load_target(spec: str | None, dtype: str = "auto", cache_dir: Path | None = 
     return LoadedTarget(model, tokenizer, path, dtype, identity, max_context)
 
 
+def describe_tokenizer(spec: str | None, cache_dir: Path | None = None) -> tuple[str, int]:
+    """(fingerprint, vocab size) of a model without loading its weights."""
+    from mlx_lm.utils import load_tokenizer
+
+    from specd.models.resolve import resolve_model
+
+    path = resolve_model(spec, cache_dir)
+    full_config = json.loads((path / "config.json").read_text())
+    config = _text_config(full_config)
+    # the EOS ids as mlx_lm.load sees them, so the print equals the verifier's
+    tokenizer = load_tokenizer(path, eos_token_ids=full_config.get("eos_token_id"))
+    return tokenizer_fingerprint(tokenizer), int(config.get("vocab_size") or 0)
+
+
 def tokenizer_files(path: Path) -> dict[str, bytes]:
     return {name: (path / name).read_bytes() for name in TOKENIZER_FILES if (path / name).is_file()}

@@ -1,0 +1,119 @@
+"""gRPC ports for the round loop, with deadlines; upstream errors keep their status code."""
+
+from __future__ import annotations
+
+import grpc
+
+from coordinator.rounds import Drafted, Opened, Verified
+from specd import wire
+from specd.service import ServiceError, channel_options
+from specd.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+
+class UpstreamError(ServiceError):
+    """A verifier or drafter call failed; re-raised to our caller with the same code."""
+
+    def __init__(self, service: str, err: grpc.aio.AioRpcError):
+        super().__init__(f"{service}: {err.details()}")
+        self.code = err.code()
+        self.rpc_error = err
+
+
+def _channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=channel_options())
+
+
+def _join_rows(rows: list) -> common_pb2.Tensor | None:
+    """Concatenate row tensors along axis 0 without decoding them (row-major, same dtype)."""
+    rows = [r for r in rows if r is not None and not wire.is_empty(r)]
+    if not rows:
+        return None
+    if len(rows) == 1:
+        return rows[0]
+    shape = list(rows[0].shape)
+    shape[0] = sum(r.shape[0] for r in rows)
+    return common_pb2.Tensor(dtype=rows[0].dtype, shape=shape, data=b"".join(r.data for r in rows))
+
+
+class VerifierClient:
+    def __init__(self, address: str, timeout_s: float = 60.0, prefill_timeout_s: float = 600.0):
+        self.address = address
+        self.channel = _channel(address)
+        self.stub = verifier_pb2_grpc.VerifierStub(self.channel)
+        self.timeout_s = timeout_s
+        self.prefill_timeout_s = prefill_timeout_s
+
+    async def _call(self, method, request, timeout: float):
+        try:
+            return await method(request, timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            raise UpstreamError(f"verifier {self.address}", err) from None
+
+    async def info(self) -> verifier_pb2.VerifierInfo:
+        return await self._call(self.stub.GetInfo, common_pb2.InfoRequest(), self.timeout_s)
+
+    async def tokenizer_files(self) -> dict[str, bytes]:
+        files = await self._call(self.stub.GetTokenizer, common_pb2.InfoRequest(), self.timeout_s)
+        return dict(files.files)
+
+    async def open(self, prompt_ids, capture_layers, sampling) -> Opened:
+        request = verifier_pb2.OpenSessionRequest(
+            prompt_ids=prompt_ids, capture_layers=capture_layers, sampling=sampling
+        )
+        r = await self._call(self.stub.OpenSession, request, self.prefill_timeout_s)
+        return Opened(r.session_id, r.first_token, r.finished, r.hidden_rows, r.compute_s)
+
+    async def verify(self, session_id, position, draft_ids, draft_probs) -> Verified:
+        request = verifier_pb2.VerifyRequest(
+            session_id=session_id, position=position, draft_ids=draft_ids, draft_probs=draft_probs
+        )
+        r = await self._call(self.stub.Verify, request, self.timeout_s)
+        return Verified(
+            list(r.committed_ids), r.num_accepted, r.finished, r.hidden_rows, r.compute_s
+        )
+
+    async def close(self, session_id: str) -> None:
+        request = common_pb2.CloseSessionRequest(session_id=session_id)
+        await self._call(self.stub.CloseSession, request, self.timeout_s)
+
+
+class DrafterClient:
+    def __init__(self, address: str, timeout_s: float = 30.0):
+        self.address = address
+        self.channel = _channel(address)
+        self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
+        self.timeout_s = timeout_s
+        self.capture_layers: tuple[int, ...] = ()
+
+    async def _call(self, method, request):
+        try:
+            return await method(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise UpstreamError(f"drafter {self.address}", err) from None
+
+    async def info(self) -> drafter_pb2.DrafterInfo:
+        info = await self._call(self.stub.GetInfo, common_pb2.InfoRequest())
+        self.capture_layers = tuple(info.capture_layers)
+        return info
+
+    async def open(self, context_ids, rows) -> str:
+        request = drafter_pb2.DraftOpenRequest(context_ids=context_ids, hidden_rows=rows)
+        return (await self._call(self.stub.OpenSession, request)).session_id
+
+    async def draft(self, session_id, position, new_ids, rows, k, sampling) -> Drafted:
+        request = drafter_pb2.DraftRequest(
+            session_id=session_id,
+            position=position,
+            new_ids=new_ids,
+            hidden_rows=_join_rows(rows),
+            num_draft_tokens=k,
+            sampling=sampling,
+        )
+        r = await self._call(self.stub.Draft, request)
+        probs = None if wire.is_empty(r.draft_probs) else r.draft_probs
+        return Drafted(list(r.draft_ids), probs, r.compute_s)
+
+    async def close(self, session_id: str) -> None:
+        await self._call(
+            self.stub.CloseSession, common_pb2.CloseSessionRequest(session_id=session_id)
+        )

@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class CoordinatorConfig:
+    verifier: str = "127.0.0.1:50051"
+    drafter: str | None = "127.0.0.1:50052"  # None: no speculation, verify-only rounds
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 50050
+    default_max_tokens: int = 256  # when a request leaves max_tokens at 0
+    verify_timeout_s: float = 60.0  # deadline of one Verify call
+    prefill_timeout_s: float = 600.0  # long prompts on a CPU take minutes
+    draft_timeout_s: float = 30.0
+    connect_timeout_s: float = 600.0  # how long to wait at start for the verifier to load
+    cache_dir: Path | None = None  # where tokenizer files from the verifier are kept

@@ -1,0 +1,176 @@
+"""The round loop: draft, verify, commit. Pure: talks to two ports, knows no transport."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+log = logging.getLogger("specd.rounds")
+
+
+@dataclass
+class Opened:
+    session_id: str
+    first_token: int
+    finished: bool
+    rows: Any  # [len(prompt), L*H] in the port's own form, passed through untouched
+    compute_s: float = 0.0
+
+
+@dataclass
+class Verified:
+    committed: list[int]
+    num_accepted: int
+    finished: bool
+    rows: Any  # [1 + num_accepted, L*H]
+    compute_s: float = 0.0
+
+
+@dataclass
+class Drafted:
+    ids: list[int]
+    probs: Any = None  # [len(ids), vocab] or None for one-hot drafters
+    compute_s: float = 0.0
+
+
+class VerifierPort(Protocol):
+    async def open(self, prompt_ids: list[int], capture_layers, sampling) -> Opened: ...
+    async def verify(self, session_id: str, position: int, draft_ids, draft_probs) -> Verified: ...
+    async def close(self, session_id: str) -> None: ...
+
+
+class DrafterPort(Protocol):
+    capture_layers: tuple[int, ...]
+
+    async def open(self, context_ids: list[int], rows) -> str: ...
+    async def draft(
+        self, session_id: str, position: int, new_ids, rows: list, k: int, sampling
+    ) -> Drafted: ...
+    async def close(self, session_id: str) -> None: ...
+
+
+@dataclass
+class Plan:
+    max_tokens: int
+    num_draft_tokens: int  # k; 0 = verify-only rounds (plain decoding through the verifier)
+    sampling: Any = None
+
+
+@dataclass
+class RoundStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    verify_compute_s: float = 0.0
+    draft_compute_s: float = 0.0
+    total_s: float = 0.0
+    drafter_failed: bool = False
+    round_times: list[tuple[float, float, float]] = field(
+        default_factory=list
+    )  # draft, verify, all
+
+    @property
+    def tau(self) -> float:
+        return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def coordinator_s(self) -> float:
+        return max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s)
+
+
+async def run_rounds(
+    verifier: VerifierPort,
+    drafter: DrafterPort | None,
+    prompt_ids: list[int],
+    plan: Plan,
+    stats: RoundStats,
+) -> AsyncIterator[tuple[list[int], bool]]:
+    """Yield (newly committed ids, finished) per round until EOS or max_tokens.
+
+    The caller may stop early (stop strings); sessions are closed either way.
+    """
+    start = time.perf_counter()
+    stats.prompt_tokens = len(prompt_ids)
+    capture = drafter.capture_layers if drafter and plan.num_draft_tokens else ()
+    opened = await verifier.open(prompt_ids, capture, plan.sampling)
+    stats.prefill_s = time.perf_counter() - start
+    session, draft_session = opened.session_id, None
+    try:
+        committed = [opened.first_token]
+        position = len(prompt_ids) + 1
+        stats.generated_tokens = 1
+        finished = opened.finished or plan.max_tokens <= 1
+        yield committed[:], finished
+        pending_ids: list[int] = []  # committed since the drafter last heard
+        pending_rows: list = []
+        if drafter is not None and plan.num_draft_tokens > 0 and not finished:
+            t = time.perf_counter()
+            try:
+                draft_session = await drafter.open(prompt_ids + committed, opened.rows)
+            except Exception as exc:  # noqa: BLE001 - a drafter fault only costs speed
+                drafter = _drafter_down(stats, exc)
+            stats.draft_s += time.perf_counter() - t
+        while not finished:
+            round_start = time.perf_counter()
+            remaining = plan.max_tokens - stats.generated_tokens
+            k = min(plan.num_draft_tokens, remaining - 1)
+            drafted = Drafted([])
+            if drafter is not None and draft_session is not None and k > 0:
+                try:
+                    drafted = await drafter.draft(
+                        draft_session, position, pending_ids, pending_rows, k, plan.sampling
+                    )
+                    pending_ids, pending_rows = [], []
+                except Exception as exc:  # noqa: BLE001
+                    drafter = _drafter_down(stats, exc)
+            draft_done = time.perf_counter()
+            verified = await verifier.verify(session, position, drafted.ids, drafted.probs)
+            verify_done = time.perf_counter()
+            new = verified.committed[:remaining]
+            position += len(verified.committed)
+            pending_ids.extend(verified.committed)
+            pending_rows.append(verified.rows)
+            stats.rounds += 1
+            stats.drafted += len(drafted.ids)
+            stats.accepted += verified.num_accepted
+            stats.generated_tokens += len(new)
+            stats.draft_s += draft_done - round_start
+            stats.verify_s += verify_done - draft_done
+            stats.draft_compute_s += drafted.compute_s
+            stats.verify_compute_s += verified.compute_s
+            finished = verified.finished or stats.generated_tokens >= plan.max_tokens
+            stats.total_s = time.perf_counter() - start
+            yield new, finished
+            stats.round_times.append(
+                (
+                    draft_done - round_start,
+                    verify_done - draft_done,
+                    time.perf_counter() - round_start,
+                )
+            )
+    finally:
+        stats.total_s = time.perf_counter() - start
+        await _close_quietly(verifier, session)
+        if drafter is not None and draft_session is not None:
+            await _close_quietly(drafter, draft_session)
+
+
+def _drafter_down(stats: RoundStats, exc: Exception) -> None:
+    log.warning("drafter failed (%s); continuing without drafting", exc)
+    stats.drafter_failed = True
+    return None
+
+
+async def _close_quietly(port, session_id: str) -> None:
+    try:
+        await port.close(session_id)
+    except Exception as exc:  # noqa: BLE001 - closing is best effort; idle sessions expire
+        log.debug("close %s failed: %s", session_id, exc)

@@ -1,0 +1,30 @@
+"""`specd serve coordinator`: connect to verifier and drafter, then serve clients."""
+
+from __future__ import annotations
+
+import logging
+
+from coordinator.config import CoordinatorConfig
+from coordinator.servicer import CoordinatorServicer
+from specd.service import Server
+from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger("specd.coordinator")
+SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+
+async def serve(config: CoordinatorConfig) -> None:
+    servicer = CoordinatorServicer(config)
+    server = Server(config.host, config.port, [SERVICE_NAME])
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
+    await server.start()
+    log.info(
+        "coordinator listening on %s; verifier %s, drafter %s",
+        server.address,
+        config.verifier,
+        config.drafter or "none",
+    )
+    if await servicer.connect():
+        await server.ready()
+        log.info("coordinator ready")
+    await server.run_until_signal()

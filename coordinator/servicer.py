@@ -1,0 +1,176 @@
+"""Client-facing Generate: tokenize, run rounds, detokenize, stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import aclosing
+
+import grpc
+
+from coordinator.clients import DrafterClient, UpstreamError, VerifierClient
+from coordinator.config import CoordinatorConfig
+from coordinator.pairing import pairing_error
+from coordinator.rounds import Plan, RoundStats, run_rounds
+from coordinator.text import TextStream
+from coordinator.tokenizer import load_served_tokenizer
+from specd.prompts import encode_chat, encode_text
+from specd.service import (
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+    process_stats,
+    rpc,
+    rpc_stream,
+)
+from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger("specd.coordinator")
+
+
+def stats_message(stats: RoundStats) -> coordinator_pb2.GenerateStats:
+    return coordinator_pb2.GenerateStats(
+        prompt_tokens=stats.prompt_tokens,
+        generated_tokens=stats.generated_tokens,
+        rounds=stats.rounds,
+        drafted=stats.drafted,
+        accepted=stats.accepted,
+        tau=stats.tau,
+        prefill_s=stats.prefill_s,
+        draft_s=stats.draft_s,
+        verify_s=stats.verify_s,
+        coordinator_s=stats.coordinator_s,
+        total_s=stats.total_s,
+        verify_compute_s=stats.verify_compute_s,
+        draft_compute_s=stats.draft_compute_s,
+        drafter_failed=stats.drafter_failed,
+    )
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, config: CoordinatorConfig):
+        self.config = config
+        self.verifier = VerifierClient(
+            config.verifier, config.verify_timeout_s, config.prefill_timeout_s
+        )
+        self.drafter = (
+            DrafterClient(config.drafter, config.draft_timeout_s) if config.drafter else None
+        )
+        self.tokenizer = None
+        self.verifier_info = None
+        self.drafter_info = None
+        self.pairing_error = ""
+
+    async def connect(self) -> bool:
+        """Wait for the verifier (and drafter), fetch the tokenizer, check the pairing."""
+        deadline = asyncio.get_running_loop().time() + self.config.connect_timeout_s
+        while True:
+            try:
+                self.verifier_info = await self.verifier.info()
+                if self.drafter is not None:
+                    self.drafter_info = await self.drafter.info()
+                break
+            except UpstreamError as err:
+                if (
+                    err.code != grpc.StatusCode.UNAVAILABLE
+                    or asyncio.get_running_loop().time() > deadline
+                ):
+                    raise
+                await asyncio.sleep(0.5)
+        files = await self.verifier.tokenizer_files()
+        self.tokenizer = load_served_tokenizer(
+            files, self.verifier_info.model, self.config.cache_dir
+        )
+        if self.drafter_info is not None:
+            self.pairing_error = pairing_error(self.verifier_info, self.drafter_info)
+        if self.pairing_error:
+            log.error("refusing to pair: %s", self.pairing_error)
+        return not self.pairing_error
+
+    def _prompt_ids(self, request) -> list[int]:
+        which = request.WhichOneof("input")
+        if which == "prompt":
+            ids = encode_text(self.tokenizer, request.prompt)
+        elif which == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            if not messages:
+                raise InvalidArgument("chat has no messages")
+            try:
+                ids = encode_chat(self.tokenizer, messages)
+            except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
+                raise InvalidArgument(f"chat template failed: {exc}") from None
+        elif which == "prompt_ids":
+            ids = list(request.prompt_ids.ids)
+        else:
+            raise InvalidArgument("set one of prompt, chat or prompt_ids")
+        if not ids:
+            raise InvalidArgument("the prompt is empty")
+        return ids
+
+    def _plan(self, request) -> Plan:
+        max_tokens = request.max_tokens or self.config.default_max_tokens
+        if max_tokens < 0:
+            raise InvalidArgument(f"max_tokens must be positive, got {request.max_tokens}")
+        sampling = request.sampling
+        if (
+            sampling.temperature < 0
+            or not 0 <= sampling.top_p <= 1
+            or sampling.top_k < 0
+            or not 0 <= sampling.min_p <= 1
+        ):
+            raise InvalidArgument("need temperature >= 0, top_k >= 0, top_p and min_p in [0, 1]")
+        info = self.drafter_info
+        limit = info.max_draft_tokens if info else 0
+        k = (
+            request.num_draft_tokens
+            if request.HasField("num_draft_tokens")
+            else (info.default_draft_tokens if info else 0)
+        )
+        if not 0 <= k <= limit and request.HasField("num_draft_tokens"):
+            raise InvalidArgument(f"num_draft_tokens {k} must be in [0, {limit}]")
+        return Plan(max_tokens=max_tokens, num_draft_tokens=k, sampling=sampling)
+
+    def _check_ready(self) -> None:
+        if self.pairing_error:
+            raise FailedPrecondition(self.pairing_error)
+        if self.tokenizer is None:
+            raise Unavailable("the coordinator is still connecting to its verifier")
+
+    @rpc
+    async def GetInfo(self, request, context):
+        info = coordinator_pb2.CoordinatorInfo(
+            pairing_error=self.pairing_error,
+            process=process_stats(),
+            verifier_address=self.config.verifier,
+            drafter_address=self.config.drafter or "",
+        )
+        info.verifier.CopyFrom(await self.verifier.info())
+        if self.drafter is not None:
+            info.drafter.CopyFrom(await self.drafter.info())
+        return info
+
+    @rpc_stream
+    async def Generate(self, request, context):
+        self._check_ready()
+        prompt_ids = self._prompt_ids(request)
+        plan = self._plan(request)
+        text = TextStream(self.tokenizer.detokenizer, list(request.stop))
+        eos_ids = set(self.verifier_info.model.eos_token_ids)
+        stats, last = RoundStats(), None
+        drafter = self.drafter if plan.num_draft_tokens > 0 else None
+        rounds = run_rounds(self.verifier, drafter, prompt_ids, plan, stats)
+        async with aclosing(rounds):
+            async for new_ids, _finished in rounds:
+                out = []
+                for token in new_ids:
+                    out.append(token)
+                    last = token
+                    if token in eos_ids or text.add(token):
+                        break
+                yield coordinator_pb2.GenerateResponse(text=text.take(), token_ids=out)
+                if text.stopped:
+                    break
+        reason = "stop" if text.stopped else "eos" if last in eos_ids else "length"
+        yield coordinator_pb2.GenerateResponse(
+            text=text.finish(), finish_reason=reason, stats=stats_message(stats)
+        )

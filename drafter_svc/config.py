@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from drafter_svc.ngram import NgramConfig
+
+KINDS = ("ngram",)
+
+
+@dataclass
+class DrafterConfig:
+    kind: str = "ngram"
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 50052
+    ngram: NgramConfig = field(default_factory=NgramConfig)
+    target: str | None = None  # bind to this target: pairing then checks its fingerprint
+    cache_dir: Path | None = None  # where a --target model is resolved
+    max_sessions: int = 1024  # n-gram state is only the token list
+    max_context: int = 1 << 17  # tokens per session

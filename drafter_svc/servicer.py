@@ -1,0 +1,132 @@
+"""gRPC adapter for the proposers."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from specd import wire
+from specd.service import (
+    FailedPrecondition,
+    InvalidArgument,
+    MlxThread,
+    ResourceExhausted,
+    process_stats,
+    rpc,
+)
+from specd.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+
+
+@dataclass
+class DraftSession:
+    state: object  # the proposer's own per-session state: accepted context only
+    position: int  # context length the state covers
+
+
+def _rows(tensor):
+    return None if wire.is_empty(tensor) else wire.decode(tensor, ndim=2)
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    def __init__(
+        self,
+        proposer,
+        config,
+        mlx_thread: MlxThread,
+        target_fingerprint: str = "",
+        vocab_size: int = 0,
+    ):
+        self.proposer = proposer
+        self.config = config
+        self.mlx = mlx_thread
+        self.target_fingerprint = target_fingerprint
+        self.vocab_size = vocab_size
+        self.sessions: dict[str, DraftSession] = {}
+
+    def _check_ids(self, ids, what: str) -> list[int]:
+        ids = list(ids)
+        limit = self.vocab_size or 2**31 - 1
+        bad = [t for t in ids if not 0 <= t < limit]
+        if bad:
+            raise InvalidArgument(f"{what} has ids outside [0, {limit}): {bad[:5]}")
+        return ids
+
+    @rpc
+    async def GetInfo(self, request, context):
+        proposer = self.proposer
+        return drafter_pb2.DrafterInfo(
+            kind=proposer.kind,
+            target_fingerprint=self.target_fingerprint,
+            capture_layers=proposer.capture_layers,
+            default_draft_tokens=proposer.default_draft_tokens,
+            max_draft_tokens=proposer.max_draft_tokens,
+            sends_draft_probs=self.proposer.sends_draft_probs,
+            process=process_stats(len(self.sessions)),
+            params=self.proposer.params(),
+            vocab_size=self.vocab_size,
+        )
+
+    @rpc
+    async def OpenSession(self, request, context):
+        context_ids = self._check_ids(request.context_ids, "context_ids")
+        if not context_ids:
+            raise InvalidArgument("context_ids is empty; send the prompt and the first token")
+        if len(context_ids) > self.config.max_context:
+            raise ResourceExhausted(
+                f"context of {len(context_ids)} tokens exceeds the drafter's "
+                f"limit {self.config.max_context}"
+            )
+        if len(self.sessions) >= self.config.max_sessions:
+            raise ResourceExhausted(
+                f"{len(self.sessions)} drafter sessions open, the limit is "
+                f"{self.config.max_sessions}"
+            )
+        rows = _rows(request.hidden_rows)
+        state = await self.mlx.run(self.proposer.open, context_ids, rows)
+        session_id = uuid.uuid4().hex
+        self.sessions[session_id] = DraftSession(state, len(context_ids))
+        return drafter_pb2.DraftOpenResponse(session_id=session_id)
+
+    @rpc
+    async def Draft(self, request, context):
+        session = self.sessions.get(request.session_id)
+        if session is None:
+            raise FailedPrecondition(f"unknown drafter session {request.session_id!r}")
+        new_ids = self._check_ids(request.new_ids, "new_ids")
+        k = request.num_draft_tokens or self.proposer.default_draft_tokens
+        if not 0 < k <= self.proposer.max_draft_tokens:
+            raise InvalidArgument(
+                f"num_draft_tokens {request.num_draft_tokens} must be in "
+                f"[0, {self.proposer.max_draft_tokens}] (0: the default)"
+            )
+        if request.position != session.position + len(new_ids):
+            raise FailedPrecondition(
+                f"position {request.position} != {session.position} + {len(new_ids)} new ids; "
+                "re-open the session from the committed tokens"
+            )
+        if request.position > self.config.max_context:
+            raise ResourceExhausted(
+                f"context exceeds the drafter's limit {self.config.max_context}"
+            )
+        rows = _rows(request.hidden_rows)
+        start = time.perf_counter()
+        drafts, probs = await self.mlx.run(
+            self._extend_and_propose, session, new_ids, rows, k, request.sampling
+        )
+        return drafter_pb2.DraftResponse(
+            draft_ids=drafts,
+            draft_probs=wire.encode(probs) if probs is not None else None,
+            compute_s=time.perf_counter() - start,
+        )
+
+    def _extend_and_propose(self, session: DraftSession, new_ids, rows, k, sampling):
+        self.proposer.extend(session.state, new_ids, rows)
+        session.position += len(new_ids)
+        return self.proposer.propose(session.state, k, sampling)
+
+    @rpc
+    async def CloseSession(self, request, context):
+        if self.sessions.pop(request.session_id, None) is None:
+            raise FailedPrecondition(f"unknown drafter session {request.session_id!r}")
+        return common_pb2.CloseSessionResponse()

@@ -1,0 +1,273 @@
+"""The `specd` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from specd.platform import ensure_fast_blas
+
+DEFAULT_PORTS = {"coordinator": 50050, "verifier": 50051, "drafter": 50052}
+
+
+def _add_serve(sub) -> None:
+    serve = sub.add_parser("serve", help="run one service")
+    kinds = serve.add_subparsers(dest="service", required=True)
+    for name in ("verifier", "drafter", "coordinator"):
+        p = kinds.add_parser(name, help=f"run the {name}")
+        p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+        p.add_argument(
+            "--port",
+            type=int,
+            default=DEFAULT_PORTS[name],
+            help=f"port (default {DEFAULT_PORTS[name]}; 0 picks a free one)",
+        )
+        p.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+        p.add_argument("--cache-dir", type=Path, help="model/tokenizer cache (~/.cache/specd)")
+    v = kinds.choices["verifier"]
+    v.add_argument("--model", help="mlx-lm dir, .gguf file or hub id (default: embedded)")
+    v.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "native", "float32", "float16", "bfloat16"],
+        help="compute dtype; auto = float32 on CPU, as stored on GPUs",
+    )
+    v.add_argument("--max-sessions", type=int, default=64)
+    v.add_argument("--max-context", type=int, default=0, help="0: the model's own limit")
+    v.add_argument("--max-draft-tokens", type=int, default=64)
+    d = kinds.choices["drafter"]
+    d.add_argument("--kind", default="ngram", choices=["ngram"])
+    d.add_argument("--num-draft-tokens", type=int, help="default k per round")
+    d.add_argument("--ngram-min-n", type=int, help="shortest suffix n-gram to match")
+    d.add_argument("--ngram-max-n", type=int, help="longest suffix n-gram to match")
+    d.add_argument("--target", help="bind to this target: pairing refuses any other")
+    c = kinds.choices["coordinator"]
+    c.add_argument("--verifier", default=f"127.0.0.1:{DEFAULT_PORTS['verifier']}")
+    c.add_argument(
+        "--drafter",
+        default=f"127.0.0.1:{DEFAULT_PORTS['drafter']}",
+        help="drafter address, or 'none' for plain decoding through the verifier",
+    )
+    c.add_argument("--default-max-tokens", type=int, default=256)
+
+
+def _serve(args) -> int:
+    from specd.service import setup_logging
+
+    setup_logging(args.log_level)
+    if args.service == "verifier":
+        from verifier_svc.config import VerifierConfig
+        from verifier_svc.server import serve
+
+        config = VerifierConfig(
+            model=args.model,
+            dtype=args.dtype,
+            host=args.host,
+            port=args.port,
+            max_sessions=args.max_sessions,
+            max_context=args.max_context,
+            max_draft_tokens=args.max_draft_tokens,
+            cache_dir=args.cache_dir,
+        )
+    elif args.service == "drafter":
+        from drafter_svc.config import DrafterConfig
+        from drafter_svc.ngram import NgramConfig
+        from drafter_svc.server import serve
+
+        ngram = NgramConfig()
+        for field_name, value in (
+            ("num_draft_tokens", args.num_draft_tokens),
+            ("min_n", args.ngram_min_n),
+            ("max_n", args.ngram_max_n),
+        ):
+            if value is not None:
+                setattr(ngram, field_name, value)
+        if not 1 <= ngram.min_n <= ngram.max_n or ngram.num_draft_tokens < 1:
+            print(
+                "specd: need 1 <= --ngram-min-n <= --ngram-max-n and --num-draft-tokens >= 1",
+                file=sys.stderr,
+            )
+            return 2
+        config = DrafterConfig(
+            kind=args.kind,
+            host=args.host,
+            port=args.port,
+            ngram=ngram,
+            target=args.target,
+            cache_dir=args.cache_dir,
+        )
+    else:
+        from coordinator.config import CoordinatorConfig
+        from coordinator.server import serve
+
+        config = CoordinatorConfig(
+            verifier=args.verifier,
+            drafter=None if args.drafter == "none" else args.drafter,
+            host=args.host,
+            port=args.port,
+            default_max_tokens=args.default_max_tokens,
+            cache_dir=args.cache_dir,
+        )
+    asyncio.run(serve(config))
+    return 0
+
+
+def _up(args) -> int:
+    from specd.launch import Stack
+
+    drafter = None if args.drafter == "none" else args.drafter
+    stack = Stack(
+        target=args.target,
+        drafter=drafter,
+        dtype=args.dtype,
+        host=args.host,
+        ports={
+            "verifier": args.verifier_port,
+            "drafter": args.drafter_port,
+            "coordinator": args.port,
+        },
+    )
+    print(
+        f"specd: starting verifier, {drafter or 'no'} drafter and coordinator on {args.host}...",
+        file=sys.stderr,
+    )
+    try:
+        stack.start()
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"specd: could not start: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"specd: ready; coordinator at {stack.coordinator} (Ctrl-C stops all three)\n"
+        f"  try: specd generate --coordinator {stack.coordinator} --chat --prompt 'Hello'",
+        file=sys.stderr,
+    )
+    try:
+        while all(s.process.poll() is None for s in stack.services.values()):
+            time.sleep(1.0)
+        dead = [s.name for s in stack.services.values() if s.process.poll() is not None]
+        print(f"specd: {', '.join(dead)} exited; stopping the rest", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("specd: stopping", file=sys.stderr)
+        return 0
+    finally:
+        stack.stop()
+
+
+def _generate(args) -> int:
+    from specd.client import CoordinatorClient, make_request
+
+    messages = [{"role": "user", "content": args.prompt}] if args.chat else None
+    request = make_request(
+        prompt=None if args.chat else args.prompt,
+        messages=messages,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop,
+        num_draft_tokens=args.num_draft_tokens,
+    )
+    client = CoordinatorClient(args.coordinator)
+
+    def show(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    try:
+        result = client.generate(request, timeout_s=args.timeout, on_text=show)
+    except grpc.RpcError as err:
+        print(f"\nspecd: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    sys.stdout.write("\n")
+    if args.json:
+        print(json.dumps(result.as_json()))
+    else:
+        s = result.stats
+        rate = s.get("generated_tokens", 0) / max(s.get("total_s", 0.0), 1e-9)
+        print(
+            f"[{s.get('generated_tokens')} tokens, {result.finish_reason}; "
+            f"tau {s.get('tau', 0):.2f}; {rate:.1f} tok/s]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _model_path(args) -> int:
+    from specd.models.resolve import ModelNotFoundError, resolve_model
+
+    try:
+        print(resolve_model(args.model, args.cache_dir))
+    except ModelNotFoundError as exc:
+        print(f"specd: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+
+    up = sub.add_parser("up", help="run verifier, drafter and coordinator on this machine")
+    up.add_argument("--target", help="model for the verifier (default: embedded SmolLM2)")
+    up.add_argument("--drafter", default="ngram", choices=["ngram", "none"])
+    up.add_argument("--dtype", default="auto")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument(
+        "--port", type=int, default=DEFAULT_PORTS["coordinator"], help="coordinator port"
+    )
+    up.add_argument("--verifier-port", type=int, default=DEFAULT_PORTS["verifier"])
+    up.add_argument("--drafter-port", type=int, default=DEFAULT_PORTS["drafter"])
+
+    gen = sub.add_parser("generate", help="generate through a running coordinator")
+    gen.add_argument("--coordinator", default=f"127.0.0.1:{DEFAULT_PORTS['coordinator']}")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=0.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--num-draft-tokens", type=int, help="k per round; 0 turns drafting off")
+    gen.add_argument("--timeout", type=float, default=3600.0, help="seconds for the request")
+    gen.add_argument("--json", action="store_true", help="end with one JSON line of results")
+
+    mp = sub.add_parser("model-path", help="print the local mlx-lm directory of a model")
+    mp.add_argument("model", nargs="?", help="default: the embedded SmolLM2")
+    mp.add_argument("--cache-dir", type=Path)
+
+    from coordinator.bench import add_bench_args, add_demo_args
+
+    add_bench_args(sub.add_parser("bench", help="speculation vs plain mlx-lm, side by side"))
+    add_demo_args(sub.add_parser("demo", help="the embedded default end to end"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ensure_fast_blas(argv)
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "up":
+        return _up(args)
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "model-path":
+        return _model_path(args)
+    from coordinator.bench import run_bench, run_demo
+
+    return run_bench(args) if args.command == "bench" else run_demo(args)

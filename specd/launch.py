@@ -1,0 +1,152 @@
+"""Start services as separate processes on this machine and wait until they are healthy."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specd.platform import blas_env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def health_status(address: str, timeout_s: float = 2.0) -> int | None:
+    """SERVING/NOT_SERVING/..., or None when nothing answers."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s).status
+        except grpc.RpcError:
+            return None
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    address: str
+    process: subprocess.Popen
+    log_path: Path | None = None
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with code {self.process.returncode}\n{self.log_tail()}"
+                )
+            if health_status(self.address) == health_pb2.HealthCheckResponse.SERVING:
+                return
+            time.sleep(0.3)
+        raise TimeoutError(
+            f"{self.name} at {self.address} not healthy after {timeout_s:.0f}s\n{self.log_tail()}"
+        )
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def spawn(
+    name: str,
+    args: list[str],
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    log_dir: Path | None = None,
+) -> ServiceProcess:
+    """`python -m specd serve NAME --host H --port P ARGS`; output to log_dir/NAME.log if given."""
+    port = port or free_port(host)
+    cmd = [sys.executable, "-m", "specd", "serve", name, "--host", host, "--port", str(port), *args]
+    log_path = None
+    out = None
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"{name}.log"
+        out = open(log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
+    process = subprocess.Popen(cmd, stdout=out, stderr=out, env=blas_env())
+    if out is not None:
+        out.close()
+    return ServiceProcess(name, f"{host}:{port}", process, log_path)
+
+
+@dataclass
+class Stack:
+    """Verifier, optional drafter and coordinator, each its own process on loopback."""
+
+    target: str | None = None
+    drafter: str | None = "ngram"  # None: no drafter, the coordinator runs verify-only rounds
+    dtype: str = "auto"
+    host: str = "127.0.0.1"
+    ports: dict[str, int] = field(default_factory=dict)
+    verifier_args: list[str] = field(default_factory=list)
+    drafter_args: list[str] = field(default_factory=list)
+    coordinator_args: list[str] = field(default_factory=list)
+    log_dir: Path | None = None
+    startup_timeout_s: float = 600.0
+    services: dict[str, ServiceProcess] = field(default_factory=dict)
+
+    def start(self) -> Stack:
+        try:
+            target_args = ["--model", self.target] if self.target else []
+            self._spawn("verifier", [*target_args, "--dtype", self.dtype, *self.verifier_args])
+            if self.drafter:
+                self._spawn("drafter", ["--kind", self.drafter, *self.drafter_args])
+            drafter_address = self.services["drafter"].address if self.drafter else "none"
+            self._spawn(
+                "coordinator",
+                [
+                    "--verifier",
+                    self.services["verifier"].address,
+                    "--drafter",
+                    drafter_address,
+                    *self.coordinator_args,
+                ],
+            )
+            for service in self.services.values():
+                service.wait_healthy(self.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        self.services[name] = spawn(name, args, self.host, self.ports.get(name), self.log_dir)
+
+    @property
+    def coordinator(self) -> str:
+        return self.services["coordinator"].address
+
+    def stop(self) -> None:
+        for service in reversed(list(self.services.values())):
+            service.stop()
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

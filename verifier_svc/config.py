@@ -1,0 +1,16 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class VerifierConfig:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto = float32 on CPU (fastest correct there), as stored on GPUs
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 50051
+    max_sessions: int = 64  # each holds a KV cache; beyond this OpenSession is refused
+    max_context: int = 0  # 0: the model's max_position_embeddings
+    max_draft_tokens: int = 64  # a verify of more tokens costs more than it can save
+    cache_dir: Path | None = None  # where the embedded model is materialized

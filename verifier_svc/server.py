@@ -1,0 +1,36 @@
+"""`specd serve verifier`: load the target, then serve until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+
+from specd.service import MlxThread, Server
+from specd.v1 import verifier_pb2, verifier_pb2_grpc
+from verifier_svc.config import VerifierConfig
+from verifier_svc.servicer import VerifierServicer
+
+log = logging.getLogger("specd.verifier")
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+
+
+async def serve(config: VerifierConfig) -> None:
+    mlx_thread = MlxThread()
+    servicer = VerifierServicer(config, mlx_thread)
+    server = Server(config.host, config.port, [SERVICE_NAME])
+    verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server.server)
+    await server.start()  # health answers NOT_SERVING while the model loads
+    log.info(
+        "verifier listening on %s, loading %s", server.address, config.model or "the embedded model"
+    )
+    await servicer.load()
+    ident = servicer.target.identity
+    log.info(
+        "verifier ready: %s (%s, %d layers, dtype %s)",
+        ident.name,
+        ident.fingerprint[:12],
+        ident.num_layers,
+        servicer.target.loaded.dtype,
+    )
+    await server.ready()
+    await server.run_until_signal()
+    mlx_thread.shutdown()

@@ -1,0 +1,185 @@
+"""gRPC adapter for the verifier engine."""
+
+from __future__ import annotations
+
+import uuid
+
+import mlx.core as mx
+
+from specd import __version__, wire
+from specd.models.load import device_kind, load_target, tokenizer_files
+from specd.service import (
+    FailedPrecondition,
+    InvalidArgument,
+    MlxThread,
+    ResourceExhausted,
+    Unavailable,
+    process_stats,
+    rpc,
+)
+from specd.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from verifier_svc.config import VerifierConfig
+from verifier_svc.engine import Session, Target, prefill, verify
+
+ROWS_DTYPES = {
+    "": mx.float16,
+    "float16": mx.float16,
+    "bfloat16": mx.bfloat16,
+    "float32": mx.float32,
+}
+
+
+def check_token_ids(ids, vocab_size: int, what: str) -> list[int]:
+    ids = list(ids)
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"{what} has ids outside [0, {vocab_size}): {bad[:5]}")
+    return ids
+
+
+def check_layers(layers, num_layers: int) -> tuple[int, ...]:
+    layers = tuple(layers)
+    if any(not 0 <= i < num_layers for i in layers) or len(set(layers)) != len(layers):
+        raise InvalidArgument(
+            f"capture_layers {list(layers)} must be distinct layer indices in [0, {num_layers})"
+        )
+    return layers
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, config: VerifierConfig, mlx_thread: MlxThread):
+        self.config = config
+        self.mlx = mlx_thread
+        self.target: Target | None = None
+        self.sessions: dict[str, Session] = {}
+
+    async def load(self) -> None:
+        self.target = await self.mlx.run(self._load_and_warm)
+
+    def _load_and_warm(self) -> Target:
+        target = Target(load_target(self.config.model, self.config.dtype, self.config.cache_dir))
+        verify(target, prefill(target, [0, 1, 2]).session, [3, 4])  # compile kernels now
+        return target
+
+    def _ready(self) -> Target:
+        if self.target is None:
+            raise Unavailable("the verifier is still loading its model; retry shortly")
+        return self.target
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_context or self._ready().loaded.max_context
+
+    def _session(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise FailedPrecondition(f"unknown session {session_id!r} (closed, or never opened)")
+        return session
+
+    @rpc
+    async def GetInfo(self, request, context):
+        target = self._ready()
+        ident = target.identity
+        return verifier_pb2.VerifierInfo(
+            model=common_pb2.ModelIdentity(
+                name=ident.name,
+                fingerprint=ident.fingerprint,
+                vocab_size=ident.vocab_size,
+                hidden_size=ident.hidden_size,
+                num_layers=ident.num_layers,
+                eos_token_ids=ident.eos_token_ids,
+            ),
+            dtype=target.loaded.dtype,
+            device=device_kind(),
+            max_sessions=self.config.max_sessions,
+            max_context=self.max_context,
+            max_draft_tokens=self.config.max_draft_tokens,
+            process=process_stats(len(self.sessions)),
+            version=__version__,
+        )
+
+    @rpc
+    async def GetTokenizer(self, request, context):
+        return verifier_pb2.TokenizerFiles(files=tokenizer_files(self._ready().loaded.path))
+
+    @rpc
+    async def OpenSession(self, request, context):
+        target = self._ready()
+        ident = target.identity
+        prompt = check_token_ids(request.prompt_ids, ident.vocab_size, "prompt_ids")
+        if not prompt:
+            raise InvalidArgument("prompt_ids is empty; a session needs at least one token")
+        if len(prompt) + 1 > self.max_context:
+            raise ResourceExhausted(
+                f"prompt of {len(prompt)} tokens exceeds the context limit {self.max_context}"
+            )
+        layers = check_layers(request.capture_layers, ident.num_layers)
+        if request.rows_dtype not in ROWS_DTYPES:
+            raise InvalidArgument(
+                f"rows_dtype {request.rows_dtype!r} is not one of float16, bfloat16, float32"
+            )
+        if request.sampling.temperature != 0:
+            raise InvalidArgument("temperature > 0 is not supported by this verifier yet")
+        if len(self.sessions) >= self.config.max_sessions:
+            raise ResourceExhausted(
+                f"{len(self.sessions)} sessions open, the limit (--max-sessions) is "
+                f"{self.config.max_sessions}; close finished sessions"
+            )
+        result = await self.mlx.run(
+            prefill, target, prompt, layers, ROWS_DTYPES[request.rows_dtype]
+        )
+        session_id = uuid.uuid4().hex
+        self.sessions[session_id] = result.session
+        return verifier_pb2.OpenSessionResponse(
+            session_id=session_id,
+            first_token=result.first_token,
+            finished=result.session.finished,
+            position=result.session.position,
+            hidden_rows=_rows(result.rows),
+            compute_s=result.compute_s,
+        )
+
+    @rpc
+    async def Verify(self, request, context):
+        target = self._ready()
+        session = self._session(request.session_id)
+        drafts = check_token_ids(request.draft_ids, target.identity.vocab_size, "draft_ids")
+        if len(drafts) > self.config.max_draft_tokens:
+            raise InvalidArgument(
+                f"{len(drafts)} draft tokens; the limit (--max-draft-tokens) "
+                f"is {self.config.max_draft_tokens}"
+            )
+        result = await self.mlx.run(
+            self._verify_in_order, target, session, request.position, drafts
+        )
+        return verifier_pb2.VerifyResponse(
+            committed_ids=result.committed,
+            num_accepted=result.num_accepted,
+            finished=result.finished,
+            hidden_rows=_rows(result.rows),
+            position=session.position,
+            compute_s=result.compute_s,
+        )
+
+    def _verify_in_order(self, target: Target, session: Session, position: int, drafts):
+        # checked on the MLX thread, so two calls for one session cannot both pass
+        if session.finished:
+            raise FailedPrecondition("session is finished (EOS committed); close it")
+        if position != session.position:
+            raise FailedPrecondition(
+                f"position {position} does not match the session's {session.position}; "
+                "the caller is out of sync (retried or reordered call)"
+            )
+        if session.position + len(drafts) > self.max_context:
+            raise ResourceExhausted(f"context would exceed the limit of {self.max_context} tokens")
+        return verify(target, session, drafts)
+
+    @rpc
+    async def CloseSession(self, request, context):
+        if self.sessions.pop(request.session_id, None) is None:
+            raise FailedPrecondition(f"unknown session {request.session_id!r}")
+        return common_pb2.CloseSessionResponse()
+
+
+def _rows(rows) -> common_pb2.Tensor | None:
+    return wire.encode(rows) if rows is not None else None
