@@ -9,6 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_unflatten
 
 DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
 _FLOAT = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -56,17 +57,42 @@ def resolve_dtype(requested: str) -> str:
     return "float32" if device_kind() == "cpu" else "native"
 
 
-def convert_dtype(model: nn.Module, dtype: str) -> None:
-    """Dequantize and cast in place; `native` keeps the weights as stored."""
-    if dtype == "native":
-        return
-    from mlx_lm.utils import dequantize_model
+def _float_module(module: nn.Module, dtype: mx.Dtype) -> nn.Module:
+    weight = mx.dequantize(
+        module.weight,
+        module.scales,
+        module.get("biases"),
+        module.group_size,
+        module.bits,
+        mode=getattr(module, "mode", "affine"),
+    ).astype(dtype)
+    if isinstance(module, nn.QuantizedEmbedding):
+        new = nn.Embedding(*weight.shape)
+    else:
+        new = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
+        if "bias" in module:
+            new.bias = module.bias.astype(dtype)
+    new.weight = weight
+    return new
 
-    if any(
-        isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules()
-    ):
-        dequantize_model(model)
-    model.set_dtype(_FLOAT[dtype])
+
+def convert_dtype(model: nn.Module, dtype: str) -> None:
+    """Dequantize and cast in place, one module at a time so that the quantized and the
+    float copy of the whole model never sit in memory together; `native` keeps the weights."""
+    if dtype != "native":
+        target = _FLOAT[dtype]
+        quantized = [
+            name
+            for name, m in model.named_modules()
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        ]
+        modules = dict(model.named_modules())
+        for name in quantized:  # by name, so no list keeps replaced modules alive
+            new = _float_module(modules.pop(name), target)
+            mx.eval(new.parameters())
+            model.update_modules(tree_unflatten([(name, new)]))
+        # cast only what differs: astype to the same dtype would still copy
+        model.set_dtype(target, predicate=lambda x: mx.issubdtype(x, mx.floating) and x != target)
     mx.eval(model.parameters())
 
 
@@ -91,7 +117,7 @@ def load_target(spec: str | None, dtype: str = "auto", cache_dir: Path | None = 
     from specd.models.resolve import resolve_model
 
     path = resolve_model(spec, cache_dir)
-    model, tokenizer = load(str(path))
+    model, tokenizer = load(str(path), lazy=True)  # weights arrive as convert_dtype needs them
     dtype = resolve_dtype(dtype)
     convert_dtype(model, dtype)
     config = _text_config(json.loads((path / "config.json").read_text()))

@@ -1,0 +1,96 @@
+"""The round loop in one process: identity with plain decoding, stats, limits, faults."""
+
+import asyncio
+import random
+
+import pytest
+
+from coordinator.local import LocalDrafter, LocalVerifier
+from coordinator.rounds import Plan, RoundStats, run_rounds
+from drafter_svc.ngram import NgramConfig, NgramProposer
+from specd.models.load import load_target
+from verifier_svc.engine import Target
+
+PROMPTS = [[3, 40, 41, 42, 43, 40, 41, 42, 50], [7, 7, 7, 7], list(range(3, 60))]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return Target(load_target(str(tiny_model_dir), dtype="float32"))
+
+
+def collect(verifier, drafter, prompt, plan):
+    async def go():
+        stats, out = RoundStats(), []
+        async for ids, _finished in run_rounds(verifier, drafter, prompt, plan, stats):
+            out.extend(ids)
+        return out, stats
+
+    return asyncio.run(go())
+
+
+class GarbageProposer:
+    kind, capture_layers, sends_draft_probs = "garbage", (), False
+
+    def __init__(self, vocab, seed=0):
+        self.vocab, self.rng = vocab, random.Random(seed)
+
+    def open(self, context, rows):
+        return None
+
+    def extend(self, state, new_ids, rows):
+        pass
+
+    def propose(self, state, k, sampling=None):
+        return [self.rng.randrange(self.vocab) for _ in range(k)], None
+
+
+class FailingDrafter(LocalDrafter):
+    async def draft(self, *args):
+        raise ConnectionError("drafter went away")
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_speculation_equals_plain_rounds(target, prompt):
+    verifier = LocalVerifier(target)
+    plain, _ = collect(verifier, None, prompt, Plan(max_tokens=60, num_draft_tokens=0))
+    ngram = LocalDrafter(NgramProposer(NgramConfig(min_n=1, max_n=3)))
+    spec, stats = collect(verifier, ngram, prompt, Plan(max_tokens=60, num_draft_tokens=5))
+    garbage = LocalDrafter(GarbageProposer(target.identity.vocab_size))
+    noisy, _ = collect(verifier, garbage, prompt, Plan(max_tokens=60, num_draft_tokens=4))
+    assert spec == plain and noisy == plain
+    assert len(plain) <= 60
+    assert stats.generated_tokens == len(spec)
+    assert stats.tau == pytest.approx(1 + stats.accepted / stats.rounds)
+    assert not verifier.sessions  # closed
+
+
+class RecordingDrafter(LocalDrafter):
+    def __init__(self, proposer):
+        super().__init__(proposer)
+        self.calls = []  # (tokens generated so far, k)
+
+    async def draft(self, session_id, position, new_ids, rows, k, sampling):
+        self.calls.append((position - len(PROMPTS[1]), k))
+        return await super().draft(session_id, position, new_ids, rows, k, sampling)
+
+
+def test_max_tokens_is_exact_and_drafts_stop_short_of_it(target):
+    for max_tokens in (1, 2, 7, 33):
+        drafter = RecordingDrafter(NgramProposer())
+        out, _ = collect(
+            LocalVerifier(target),
+            drafter,
+            PROMPTS[1],
+            Plan(max_tokens=max_tokens, num_draft_tokens=8),
+        )
+        assert len(out) == max_tokens or out[-1] in target.eos_ids
+        assert all(done + k + 1 <= max_tokens for done, k in drafter.calls)
+
+
+def test_drafter_failure_falls_back_to_plain_rounds(target):
+    verifier = LocalVerifier(target)
+    plain, _ = collect(verifier, None, PROMPTS[0], Plan(max_tokens=40, num_draft_tokens=0))
+    failing = FailingDrafter(NgramProposer())
+    out, stats = collect(verifier, failing, PROMPTS[0], Plan(max_tokens=40, num_draft_tokens=4))
+    assert out == plain and stats.drafter_failed
