@@ -32,8 +32,10 @@ def propose_ngram(tokens, k: int, min_n: int, max_n: int) -> list[int]:
 
 @dataclass
 class NgramConfig:
-    num_draft_tokens: int = 8  # verify of 9 tokens costs ~1.1x a decode step on CPU fp32
-    min_n: int = 1  # a single-token match still pays when verify is nearly free
+    # Chosen with benchmarks/sweep_ngram.py (docs/benchmarks.md): on CPU fp32 a rejected draft
+    # token costs ~6 ms of verify next to a ~57 ms decode step, so precision matters.
+    num_draft_tokens: int = 8  # long copies (input-grounded tasks) pay off; 4 and 12 measured
+    min_n: int = 2  # 1-token matches were wrong too often: 1.05x vs 1.16x at k=8
     max_n: int = 4  # longer suffixes pick the right earlier copy in repetitive text
     max_draft_tokens: int = 64  # per-request k above this is refused
 

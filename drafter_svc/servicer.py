@@ -12,6 +12,7 @@ from specd.service import (
     InvalidArgument,
     MlxThread,
     ResourceExhausted,
+    check_token_ids,
     process_stats,
     rpc,
 )
@@ -45,12 +46,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.sessions: dict[str, DraftSession] = {}
 
     def _check_ids(self, ids, what: str) -> list[int]:
-        ids = list(ids)
-        limit = self.vocab_size or 2**31 - 1
-        bad = [t for t in ids if not 0 <= t < limit]
-        if bad:
-            raise InvalidArgument(f"{what} has ids outside [0, {limit}): {bad[:5]}")
-        return ids
+        return check_token_ids(ids, self.vocab_size or 2**31 - 1, what)
 
     @rpc
     async def GetInfo(self, request, context):

@@ -51,6 +51,14 @@ class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+def check_token_ids(ids, vocab_size: int, what: str) -> list[int]:
+    ids = list(ids)
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"{what} has ids outside [0, {vocab_size}): {bad[:5]}")
+    return ids
+
+
 def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, ServiceError):
         return exc.code, exc.message

@@ -14,6 +14,7 @@ from specd.service import (
     MlxThread,
     ResourceExhausted,
     Unavailable,
+    check_token_ids,
     process_stats,
     rpc,
 )
@@ -27,14 +28,6 @@ ROWS_DTYPES = {
     "bfloat16": mx.bfloat16,
     "float32": mx.float32,
 }
-
-
-def check_token_ids(ids, vocab_size: int, what: str) -> list[int]:
-    ids = list(ids)
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidArgument(f"{what} has ids outside [0, {vocab_size}): {bad[:5]}")
-    return ids
 
 
 def check_layers(layers, num_layers: int) -> tuple[int, ...]:

@@ -81,11 +81,13 @@ def convert_dtype(model: nn.Module, dtype: str) -> None:
     float copy of the whole model never sit in memory together; `native` keeps the weights."""
     if dtype != "native":
         target = _FLOAT[dtype]
-        quantized = [
-            name
+        # largest first: its dequantize temporaries then meet an almost empty memory
+        sizes = {
+            name: m.weight.size
             for name, m in model.named_modules()
             if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-        ]
+        }
+        quantized = sorted(sizes, key=sizes.get, reverse=True)
         modules = dict(model.named_modules())
         for name in quantized:  # by name, so no list keeps replaced modules alive
             new = _float_module(modules.pop(name), target)

@@ -1,0 +1,97 @@
+"""The `specd` command as a user runs it: up, generate, Ctrl-C, model-path."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+from grpc_health.v1 import health_pb2
+
+from specd.launch import free_port, health_status
+
+
+def test_up_serves_and_ctrl_c_stops_all_three(tiny_model_dir):
+    ports = [free_port() for _ in range(3)]
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specd",
+            "up",
+            "--target",
+            str(tiny_model_dir),
+            "--port",
+            str(ports[0]),
+            "--verifier-port",
+            str(ports[1]),
+            "--drafter-port",
+            str(ports[2]),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    address = f"127.0.0.1:{ports[0]}"
+    try:
+        deadline = time.monotonic() + 120
+        while health_status(address) != health_pb2.HealthCheckResponse.SERVING:
+            assert up.poll() is None, up.stderr.read()
+            assert time.monotonic() < deadline, "specd up did not become healthy"
+            time.sleep(0.3)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "specd",
+                "generate",
+                "--coordinator",
+                address,
+                "--chat",
+                "--prompt",
+                "hi",
+                "--max-tokens",
+                "6",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+        assert json.loads(out.splitlines()[-1])["stats"]["generated_tokens"] >= 1
+    finally:
+        up.send_signal(signal.SIGINT)
+        code = up.wait(60)
+    assert code == 0
+    for port in ports:
+        assert health_status(f"127.0.0.1:{port}", timeout_s=0.5) is None
+
+
+def test_model_path_of_a_directory_and_a_missing_model(tiny_model_dir):
+    run = [sys.executable, "-m", "specd", "model-path"]
+    out = subprocess.run([*run, str(tiny_model_dir)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(tiny_model_dir.resolve())
+    bad = subprocess.run([*run, "/nonexistent/model.gguf"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "does not exist" in bad.stderr
+
+
+def test_generate_against_nothing_says_unavailable():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specd",
+            "generate",
+            "--coordinator",
+            f"127.0.0.1:{free_port()}",
+            "--prompt",
+            "hi",
+            "--timeout",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and "UNAVAILABLE" in out.stderr

@@ -1,0 +1,36 @@
+import subprocess
+import sys
+
+from specd import platform
+
+
+def test_blas_env_preloads_openblas_when_present(monkeypatch):
+    monkeypatch.setattr(platform, "openblas_path", lambda: "/opt/libblas.so.3")
+    env = platform.blas_env({"LD_PRELOAD": "/x.so"})
+    assert env["LD_PRELOAD"] == "/opt/libblas.so.3:/x.so"
+    assert platform.blas_env(env)["LD_PRELOAD"] == env["LD_PRELOAD"]  # not added twice
+
+
+def test_no_preload_without_openblas(monkeypatch):
+    monkeypatch.setattr(platform, "openblas_path", lambda: None)
+    assert "LD_PRELOAD" not in platform.blas_env({})
+
+
+def test_specd_command_runs_with_fast_blas_where_available():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specd.platform",
+            "exec",
+            "--",
+            sys.executable,
+            "-c",
+            "import os; print(os.environ.get('LD_PRELOAD', ''))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    expected = platform.openblas_path()
+    assert (expected in out) if expected else out == ""
