@@ -16,7 +16,15 @@ class LocalVerifier:
         self.sessions = {}
 
     async def open(self, prompt_ids, capture_layers, sampling) -> Opened:
-        result = self._engine.prefill(self.target, list(prompt_ids), tuple(capture_layers))
+        from verifier_svc.sampling import SamplingConfig
+
+        config, seed = SamplingConfig(), None
+        if sampling is not None:
+            config = SamplingConfig.from_proto(sampling)
+            seed = sampling.seed if sampling.HasField("seed") else None
+        result = self._engine.prefill(
+            self.target, list(prompt_ids), tuple(capture_layers), sampling=config, seed=seed
+        )
         session_id = uuid.uuid4().hex
         self.sessions[session_id] = result.session
         return Opened(
@@ -27,7 +35,7 @@ class LocalVerifier:
         session = self.sessions[session_id]
         if position != session.position:
             raise RuntimeError(f"position {position} != session position {session.position}")
-        r = self._engine.verify(self.target, session, list(draft_ids))
+        r = self._engine.verify(self.target, session, list(draft_ids), draft_probs)
         return Verified(r.committed, r.num_accepted, r.finished, r.rows, r.compute_s)
 
     async def close(self, session_id) -> None:

@@ -25,8 +25,12 @@ def accept_greedy(
     accepted = 0
     while accepted < len(draft_ids) and draft_ids[accepted] == target_ids[accepted]:
         accepted += 1
-    committed = [*draft_ids[:accepted], target_ids[accepted]]
+    return cut_at_eos([*draft_ids[:accepted], target_ids[accepted]], accepted, eos_ids)
+
+
+def cut_at_eos(committed: list[int], num_accepted: int, eos_ids: Collection[int]) -> Acceptance:
+    """An EOS anywhere in the committed tokens ends generation right there."""
     for i, token in enumerate(committed):
         if token in eos_ids:
-            return Acceptance(committed[: i + 1], min(accepted, i + 1), True)
-    return Acceptance(committed, accepted, False)
+            return Acceptance(committed[: i + 1], min(num_accepted, i + 1), True)
+    return Acceptance(committed, num_accepted, False)

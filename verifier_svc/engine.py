@@ -10,11 +10,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from specd.models.load import LoadedTarget
 from verifier_svc.accept import accept_greedy
+from verifier_svc.sampling import SamplingConfig, accept_sampled, sample, target_distribution
 
+GREEDY = SamplingConfig()
 PREFILL_CHUNK = 2048  # mlx-lm's prefill step: same chunks, same numerics as plain decoding
 
 
@@ -90,6 +93,8 @@ class Session:
     position: int  # tokens in context, the pending last token included
     last_token: int  # committed, not yet in the cache
     finished: bool = False
+    sampling: SamplingConfig = GREEDY
+    rng: np.random.Generator | None = None  # per session: draws never depend on other sessions
 
 
 @dataclass
@@ -131,6 +136,8 @@ def prefill(
     prompt_ids: list[int],
     capture: tuple[int, ...] = (),
     rows_dtype: mx.Dtype = mx.float16,
+    sampling: SamplingConfig = GREEDY,
+    seed: int | None = None,
 ) -> PrefillResult:
     """Process the prompt like mlx-lm does (all but the last token in chunks, then the last)."""
     start = time.perf_counter()
@@ -148,7 +155,11 @@ def prefill(
     logits, rows = target.forward(prompt[done:], cache, capture)
     if rows is not None:
         row_chunks.append(rows.astype(rows_dtype))
-    first = _greedy_ids(logits[-1:])[0]
+    rng = None if sampling.greedy else np.random.default_rng(seed)
+    if rng is None:
+        first = _greedy_ids(logits[-1:])[0]
+    else:
+        first = sample(target_distribution(np.array(logits[-1], np.float32), sampling), rng)
     all_rows = mx.concatenate(row_chunks, axis=0) if row_chunks else None
     mx.eval([c.state for c in cache], *([all_rows] if all_rows is not None else []))
     session = Session(
@@ -158,19 +169,33 @@ def prefill(
         position=len(prompt_ids) + 1,
         last_token=first,
         finished=first in target.eos_ids,
+        sampling=sampling,
+        rng=rng,
     )
     return PrefillResult(session, first, all_rows, time.perf_counter() - start)
 
 
-def verify(target: Target, session: Session, draft_ids: list[int]) -> VerifyResult:
+def _accept(target: Target, session: Session, draft_ids, draft_probs, logits):
+    if session.rng is None:
+        return accept_greedy(draft_ids, _greedy_ids(logits), target.eos_ids)
+    rows = np.array(logits.astype(mx.float32))  # [k+1, V]
+
+    def target_row(i: int) -> np.ndarray:  # computed only up to the first rejection
+        return target_distribution(rows[i], session.sampling)
+
+    return accept_sampled(draft_ids, draft_probs, target_row, session.rng, target.eos_ids)
+
+
+def verify(
+    target: Target, session: Session, draft_ids: list[int], draft_probs: np.ndarray | None = None
+) -> VerifyResult:
     """One forward over [last, d1..dk] at the cache end; keep the accepted prefix's KV."""
     start = time.perf_counter()
     base = session.position - 1  # cache length before this round
     tokens = mx.array([session.last_token, *draft_ids], dtype=mx.int32)
     try:
         logits, rows = target.forward(tokens, session.cache, session.capture)
-        target_ids = _greedy_ids(logits)
-        acceptance = accept_greedy(draft_ids, target_ids, target.eos_ids)
+        acceptance = _accept(target, session, draft_ids, draft_probs, logits)
         kept = 1 + acceptance.num_accepted
         _rollback(session.cache, base + kept)
         if rows is not None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import uuid
 
 import mlx.core as mx
+import numpy as np
 
 from specd import __version__, wire
 from specd.models.load import device_kind, load_target, tokenizer_files
@@ -21,6 +23,7 @@ from specd.service import (
 from specd.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_svc.config import VerifierConfig
 from verifier_svc.engine import Session, Target, prefill, verify
+from verifier_svc.sampling import SamplingConfig
 
 ROWS_DTYPES = {
     "": mx.float16,
@@ -37,6 +40,32 @@ def check_layers(layers, num_layers: int) -> tuple[int, ...]:
             f"capture_layers {list(layers)} must be distinct layer indices in [0, {num_layers})"
         )
     return layers
+
+
+def check_sampling(params) -> SamplingConfig:
+    values = (params.temperature, params.top_p, params.min_p)
+    if not all(math.isfinite(v) for v in values) or params.temperature < 0:
+        raise InvalidArgument(f"temperature must be a finite number >= 0, got {params.temperature}")
+    if not 0 <= params.top_p <= 1 or not 0 <= params.min_p <= 1 or params.top_k < 0:
+        raise InvalidArgument("top_p and min_p must be in [0, 1] and top_k >= 0")
+    return SamplingConfig.from_proto(params)
+
+
+def check_draft_probs(tensor, drafts: list[int], vocab_size: int) -> np.ndarray | None:
+    """The drafter's q rows [k, V]: absent means one-hot drafts."""
+    if wire.is_empty(tensor):
+        return None
+    q = wire.decode_numpy(tensor, ndim=2).astype(np.float64)
+    if q.shape != (len(drafts), vocab_size):
+        raise InvalidArgument(
+            f"draft_probs has shape {list(q.shape)}, expected "
+            f"[{len(drafts)}, {vocab_size}] (one row per draft token)"
+        )
+    if not np.isfinite(q).all() or (q < 0).any() or not np.allclose(q.sum(1), 1, atol=1e-2):
+        raise InvalidArgument("draft_probs rows must be finite, non-negative and sum to 1")
+    if drafts and (q[np.arange(len(drafts)), drafts] <= 0).any():
+        raise InvalidArgument("a draft token has probability 0 in its own draft_probs row")
+    return q / q.sum(axis=1, keepdims=True)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -111,15 +140,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise InvalidArgument(
                 f"rows_dtype {request.rows_dtype!r} is not one of float16, bfloat16, float32"
             )
-        if request.sampling.temperature != 0:
-            raise InvalidArgument("temperature > 0 is not supported by this verifier yet")
+        sampling = check_sampling(request.sampling)
+        seed = request.sampling.seed if request.sampling.HasField("seed") else None
         if len(self.sessions) >= self.config.max_sessions:
             raise ResourceExhausted(
                 f"{len(self.sessions)} sessions open, the limit (--max-sessions) is "
                 f"{self.config.max_sessions}; close finished sessions"
             )
         result = await self.mlx.run(
-            prefill, target, prompt, layers, ROWS_DTYPES[request.rows_dtype]
+            prefill, target, prompt, layers, ROWS_DTYPES[request.rows_dtype], sampling, seed
         )
         session_id = uuid.uuid4().hex
         self.sessions[session_id] = result.session
@@ -142,8 +171,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 f"{len(drafts)} draft tokens; the limit (--max-draft-tokens) "
                 f"is {self.config.max_draft_tokens}"
             )
+        probs = check_draft_probs(request.draft_probs, drafts, target.identity.vocab_size)
         result = await self.mlx.run(
-            self._verify_in_order, target, session, request.position, drafts
+            self._verify_in_order, target, session, request.position, drafts, probs
         )
         return verifier_pb2.VerifyResponse(
             committed_ids=result.committed,
@@ -154,7 +184,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             compute_s=result.compute_s,
         )
 
-    def _verify_in_order(self, target: Target, session: Session, position: int, drafts):
+    def _verify_in_order(self, target: Target, session: Session, position: int, drafts, probs):
         # checked on the MLX thread, so two calls for one session cannot both pass
         if session.finished:
             raise FailedPrecondition("session is finished (EOS committed); close it")
@@ -165,7 +195,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
         if session.position + len(drafts) > self.max_context:
             raise ResourceExhausted(f"context would exceed the limit of {self.max_context} tokens")
-        return verify(target, session, drafts)
+        return verify(target, session, drafts, probs)
 
     @rpc
     async def CloseSession(self, request, context):

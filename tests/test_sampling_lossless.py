@@ -1,0 +1,118 @@
+"""Speculative sampling keeps the target's distribution: a Markov-chain target and drafter,
+the emitted tokens' marginals at each position against the exact ones."""
+
+import numpy as np
+import pytest
+from stats import chi_square
+
+from verifier_svc.accept import Acceptance
+from verifier_svc.sampling import SamplingConfig, accept_sampled, target_distribution
+
+V = 12
+STEPS = 4  # positions checked after the context
+SAMPLES = 6000
+
+
+def markov(seed: int, concentration: float) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.dirichlet(np.full(V, concentration), size=V)  # [V, V], row = next-token dist
+
+
+TARGET_LOGITS = np.log(markov(1, 0.6))
+DRAFT = markov(2, 0.6)  # a drafter that disagrees with the target
+
+
+def wrong_accept(draft_ids, draft_probs, target_row, rng, eos_ids):
+    """Deliberately wrong: keeps every draft it could have proposed (q(x) > 0)."""
+    committed = list(draft_ids)
+    committed.append(int(rng.choice(V, p=target_row(len(draft_ids)))))
+    return Acceptance(committed, len(draft_ids), False)
+
+
+def run(accept, k: int, cfg: SamplingConfig, one_hot: bool, seed: int = 0) -> np.ndarray:
+    """Emitted tokens [SAMPLES, STEPS], each sequence starting from context token 0."""
+    rng = np.random.default_rng(seed)
+    target = np.stack([target_distribution(row, cfg) for row in TARGET_LOGITS])
+    out = np.zeros((SAMPLES, STEPS), dtype=np.int64)
+    for n in range(SAMPLES):
+        seq = [0]
+        while len(seq) <= STEPS:
+            drafts, q_rows, prev = [], [], seq[-1]
+            for _ in range(k):
+                q = DRAFT[prev]
+                token = int(q.argmax()) if one_hot else int(rng.choice(V, p=q))
+                drafts.append(token)
+                q_rows.append(q)
+                prev = token
+            context = [seq[-1], *drafts]
+            result = accept(
+                drafts,
+                None if one_hot else np.stack(q_rows),
+                lambda i, c=context: target[c[i]],
+                rng,
+                (),
+            )
+            seq.extend(result.committed)
+        out[n] = seq[1 : STEPS + 1]
+    return out, target
+
+
+def marginals(target: np.ndarray) -> list[np.ndarray]:
+    dist, out = np.eye(V)[0], []
+    for _ in range(STEPS):
+        dist = dist @ target
+        out.append(dist)
+    return out
+
+
+def worst_fit(tokens: np.ndarray, target: np.ndarray):
+    fits = []
+    for step, expected in enumerate(marginals(target)):
+        observed = np.bincount(tokens[:, step], minlength=V)
+        assert not observed[expected == 0].any(), "emitted a token the filters exclude"
+        fits.append(chi_square(observed, expected))
+    return max(fits, key=lambda f: f[0] / f[1])
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("one_hot", [False, True], ids=["draft-probs", "one-hot"])
+def test_lossless_distribution_matches_target(k, one_hot):
+    tokens, target = run(accept_sampled, k, SamplingConfig(temperature=1.0), one_hot, seed=k)
+    stat, crit, df = worst_fit(tokens, target)
+    print(f"correct sampler k={k} one_hot={one_hot}: chi2 {stat:.1f} < {crit:.1f} (df {df})")
+    assert stat < crit
+
+
+@pytest.mark.parametrize("one_hot", [False, True], ids=["draft-probs", "one-hot"])
+def test_lossless_check_rejects_a_wrong_sampler(one_hot):
+    tokens, target = run(wrong_accept, 3, SamplingConfig(temperature=1.0), one_hot)
+    stat, crit, df = worst_fit(tokens, target)
+    print(f"wrong sampler one_hot={one_hot}: chi2 {stat:.1f} > {crit:.1f} (df {df})")
+    assert stat > crit
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SamplingConfig(0.7, top_k=4),
+        SamplingConfig(1.3, top_p=0.8),
+        SamplingConfig(1.0, min_p=0.1),
+        SamplingConfig(0.9, top_k=6, top_p=0.9, min_p=0.05),
+    ],
+    ids=["top_k", "top_p", "min_p", "all"],
+)
+def test_lossless_distribution_with_filters(cfg):
+    tokens, target = run(accept_sampled, 3, cfg, one_hot=False, seed=7)
+    stat, crit, df = worst_fit(tokens, target)
+    assert stat < crit
+
+
+def test_distribution_filters_match_their_definitions():
+    logits = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04]))
+    kept = lambda cfg: set(np.flatnonzero(target_distribution(logits, cfg)))  # noqa: E731
+    assert kept(SamplingConfig(1.0, top_k=2)) == {0, 1}
+    assert kept(SamplingConfig(1.0, top_p=0.7)) == {0, 1, 2}  # 0.4 + 0.25 < 0.7
+    assert kept(SamplingConfig(1.0, min_p=0.3)) == {0, 1, 2}  # >= 0.12
+    p = target_distribution(logits, SamplingConfig(0.5))
+    expected = np.exp(logits / 0.5) / np.exp(logits / 0.5).sum()
+    assert np.allclose(p, expected)
