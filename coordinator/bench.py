@@ -108,7 +108,10 @@ def summarize(rows: list[dict]) -> dict:
     return {
         "speedup": base / spec if spec else 0.0,
         "tau": 1 + accepted / rounds if rounds else 0.0,
-        "identical": sum(bool(r["identical"]) for r in rows),
+        # token identity is only defined for greedy decoding
+        "identical": None
+        if any(r["identical"] is None for r in rows)
+        else sum(r["identical"] for r in rows),
         "count": len(rows),
         "baseline_tok_s": sum(r["baseline_tokens"] for r in rows) / base if base else 0.0,
         "spec_tok_s": sum(r["tokens"] for r in rows) / spec if spec else 0.0,
@@ -205,10 +208,10 @@ def run_bench(args) -> int:
                 if pos is not None and pos < len(base.logprobs):
                     row["baseline_margin"] = top2_margin(base.logprobs[pos])
             rows.append(row)
+            same = {None: "", True: "same"}.get(row["identical"], f"DIFF at {pos}")
             print(
                 f"[{i + 1}/{len(questions)}] {question.category:<12} "
-                f"{base.seconds / spec_s:5.2f}x tau {s['tau']:.2f} "
-                f"{'same' if row['identical'] else 'DIFF ' + str(row.get('first_difference'))}",
+                f"{base.seconds / spec_s:5.2f}x tau {s['tau']:.2f} {same}",
                 file=sys.stderr,
             )
         memory = _service_memory(client)
@@ -243,10 +246,10 @@ def format_table(result: dict) -> str:
         f"{'plain tok/s':>13}{'spec tok/s':>12}",
     ]
     for name, s in [*result["by_category"].items(), ("OVERALL", result["overall"])]:
+        same = "-" if s["identical"] is None else f"{s['identical']}/{s['count']}"
         lines.append(
-            f"{name:<16}{s['count']:>4}{s['speedup']:>8.2f}x{s['tau']:>7.2f}"
-            f"{s['identical']:>7}/{s['count']:<3}{s['baseline_tok_s']:>13.2f}"
-            f"{s['spec_tok_s']:>12.2f}"
+            f"{name:<16}{s['count']:>4}{s['speedup']:>8.2f}x{s['tau']:>7.2f}{same:>11}"
+            f"{s['baseline_tok_s']:>13.2f}{s['spec_tok_s']:>12.2f}"
         )
     split = result["overall"]["round_split_ms"]
     lines.append(
