@@ -208,7 +208,9 @@ def run_bench(args) -> int:
                 if pos is not None and pos < len(base.logprobs):
                     row["baseline_margin"] = top2_margin(base.logprobs[pos])
             rows.append(row)
-            same = {None: "", True: "same"}.get(row["identical"], f"DIFF at {pos}")
+            same = {None: "", True: "same"}.get(
+                row["identical"], f"DIFF at {row.get('first_difference')}"
+            )
             print(
                 f"[{i + 1}/{len(questions)}] {question.category:<12} "
                 f"{base.seconds / spec_s:5.2f}x tau {s['tau']:.2f} {same}",
