@@ -38,9 +38,18 @@ def add_bench_args(p) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--limit", type=int, help="first N questions only")
     p.add_argument("--categories", help="comma-separated categories to keep")
-    p.add_argument("--num-draft-tokens", type=int, help="k (default: the drafter's)")
+    p.add_argument("--every", type=int, default=1, help="keep every N-th question (spread sample)")
+    p.add_argument(
+        "--num-draft-tokens", type=int, help="the drafter's k (the most k when adaptive)"
+    )
     p.add_argument("--ngram-min-n", type=int)
     p.add_argument("--ngram-max-n", type=int)
+    p.add_argument(
+        "--no-adaptive",
+        dest="adaptive",
+        action="store_false",
+        help="draft a fixed k every round instead of adapting it",
+    )
     p.add_argument("--json", dest="json_out", type=Path, help="write results here")
     p.add_argument("--log-dir", type=Path, help="service logs (default: a temp dir)")
 
@@ -151,6 +160,7 @@ def run_bench(args) -> int:
 
     categories = args.categories.split(",") if args.categories else None
     questions = load_questions(args.questions, limit=args.limit, categories=categories)
+    questions = questions[:: max(1, args.every)]
     target = load_target(args.target, args.dtype)
     tokenizer, eos = target.tokenizer, set(target.identity.eos_token_ids)
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
@@ -167,6 +177,7 @@ def run_bench(args) -> int:
         drafter=drafter,
         dtype=args.dtype,
         drafter_args=_drafter_args(args),
+        coordinator_args=[] if args.adaptive else ["--no-adaptive"],
         log_dir=log_dir,
     ) as stack:
         client = CoordinatorClient(stack.coordinator)
@@ -179,7 +190,7 @@ def run_bench(args) -> int:
                 prompt_ids=prompt_ids,
                 max_tokens=args.max_tokens,
                 temperature=args.temperature,
-                num_draft_tokens=args.num_draft_tokens,
+                # k comes from the drafter default: a per-request k would pin it
             )
             start = time.perf_counter()
             spec = client.generate(request)
@@ -223,6 +234,7 @@ def run_bench(args) -> int:
         "drafter": args.drafter,
         "dtype": target.dtype,
         "max_tokens": args.max_tokens,
+        "adaptive": args.adaptive,
         "temperature": args.temperature,
         "questions": rows,
         "by_category": {

@@ -11,6 +11,7 @@ class CoordinatorConfig:
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 50050
     default_max_tokens: int = 256  # when a request leaves max_tokens at 0
+    adaptive: bool = True  # choose k per round, up to the drafter's default; off: always that
     verify_timeout_s: float = 60.0  # deadline of one Verify call
     prefill_timeout_s: float = 600.0  # long prompts on a CPU take minutes
     draft_timeout_s: float = 30.0

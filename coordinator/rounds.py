@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from coordinator.adaptive import AdaptiveK
+
 log = logging.getLogger("specd.rounds")
 
 
@@ -55,8 +57,9 @@ class DrafterPort(Protocol):
 @dataclass
 class Plan:
     max_tokens: int
-    num_draft_tokens: int  # k; 0 = verify-only rounds (plain decoding through the verifier)
+    num_draft_tokens: int  # k, or the most k when adaptive; 0 = verify-only rounds
     sampling: Any = None
+    adaptive: AdaptiveK | None = None  # None: k is pinned
 
 
 @dataclass
@@ -122,6 +125,8 @@ async def run_rounds(
             round_start = time.perf_counter()
             remaining = plan.max_tokens - stats.generated_tokens
             k = min(plan.num_draft_tokens, remaining - 1)
+            if plan.adaptive is not None:
+                k = plan.adaptive.choose(remaining - 1)
             drafted = Drafted([])
             if drafter is not None and draft_session is not None and k > 0:
                 try:
@@ -146,6 +151,16 @@ async def run_rounds(
             stats.verify_s += verify_done - draft_done
             stats.draft_compute_s += drafted.compute_s
             stats.verify_compute_s += verified.compute_s
+            if plan.adaptive is not None:
+                _learn(
+                    plan.adaptive,
+                    k,
+                    drafted,
+                    verified,
+                    draft_done - round_start,
+                    verify_done - draft_done,
+                    called_drafter=drafter is not None and k > 0,
+                )
             finished = verified.finished or stats.generated_tokens >= plan.max_tokens
             stats.total_s = time.perf_counter() - start
             yield new, finished
@@ -161,6 +176,21 @@ async def run_rounds(
         await _close_quietly(verifier, session)
         if drafter is not None and draft_session is not None:
             await _close_quietly(drafter, draft_session)
+
+
+def _learn(
+    adaptive: AdaptiveK,
+    k: int,
+    drafted: Drafted,
+    verified: Verified,
+    draft_s: float,
+    verify_s: float,
+    called_drafter: bool,
+) -> None:
+    adaptive.observe(k, len(drafted.ids), verified.num_accepted)
+    adaptive.costs.verify.observe(len(drafted.ids) + 1, verify_s)
+    if called_drafter:
+        adaptive.costs.draft.observe(k, draft_s)
 
 
 def _drafter_down(stats: RoundStats, exc: Exception) -> None:

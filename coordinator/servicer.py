@@ -8,6 +8,7 @@ from contextlib import aclosing
 
 import grpc
 
+from coordinator.adaptive import AdaptiveK, SpeculationCosts
 from coordinator.clients import DrafterClient, UpstreamError, VerifierClient
 from coordinator.config import CoordinatorConfig
 from coordinator.pairing import pairing_error
@@ -60,6 +61,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.verifier_info = None
         self.drafter_info = None
         self.pairing_error = ""
+        self.costs = SpeculationCosts()  # learned across requests: one verifier, one drafter
 
     async def connect(self) -> bool:
         """Wait for the verifier (and drafter), fetch the tokenizer, check the pairing."""
@@ -128,7 +130,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         )
         if not 0 <= k <= limit and request.HasField("num_draft_tokens"):
             raise InvalidArgument(f"num_draft_tokens {k} must be in [0, {limit}]")
-        return Plan(max_tokens=max_tokens, num_draft_tokens=k, sampling=sampling)
+        adaptive = None
+        if self.config.adaptive and k > 0 and not request.HasField("num_draft_tokens"):
+            adaptive = AdaptiveK(self.costs, k_max=k)
+        return Plan(max_tokens=max_tokens, num_draft_tokens=k, sampling=sampling, adaptive=adaptive)
 
     def _check_ready(self) -> None:
         if self.pairing_error:

@@ -55,6 +55,12 @@ def _add_serve(sub) -> None:
         help="drafter address, or 'none' for plain decoding through the verifier",
     )
     c.add_argument("--default-max-tokens", type=int, default=256)
+    c.add_argument(
+        "--no-adaptive",
+        dest="adaptive",
+        action="store_false",
+        help="always draft the drafter's default k instead of adapting it per round",
+    )
 
 
 def _serve(args) -> int:
@@ -112,6 +118,7 @@ def _serve(args) -> int:
             host=args.host,
             port=args.port,
             default_max_tokens=args.default_max_tokens,
+            adaptive=args.adaptive,
             cache_dir=args.cache_dir,
         )
     asyncio.run(serve(config))

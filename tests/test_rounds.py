@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from coordinator.adaptive import AdaptiveK, SpeculationCosts
 from coordinator.local import LocalDrafter, LocalVerifier
 from coordinator.rounds import Plan, RoundStats, run_rounds
 from drafter_svc.ngram import NgramConfig, NgramProposer
@@ -56,6 +57,9 @@ def test_speculation_equals_plain_rounds(target, prompt):
     plain, _ = collect(verifier, None, prompt, Plan(max_tokens=60, num_draft_tokens=0))
     ngram = LocalDrafter(NgramProposer(NgramConfig(min_n=1, max_n=3)))
     spec, stats = collect(verifier, ngram, prompt, Plan(max_tokens=60, num_draft_tokens=5))
+    adaptive = AdaptiveK(SpeculationCosts(), k_max=6)
+    adapted, _ = collect(verifier, ngram, prompt, Plan(60, 6, adaptive=adaptive))
+    assert adapted == plain
     garbage = LocalDrafter(GarbageProposer(target.identity.vocab_size))
     noisy, _ = collect(verifier, garbage, prompt, Plan(max_tokens=60, num_draft_tokens=4))
     assert spec == plain and noisy == plain

@@ -1,0 +1,96 @@
+"""Adaptive draft length: pick k each round to maximize expected tokens per second.
+
+Model (documented in docs/adaptive.md):
+- acceptance is geometric: each draft is accepted with probability a given the previous ones
+  were, so a round with k drafts commits 1 + a (1 - a^k) / (1 - a) tokens on average;
+- a verify of n tokens costs v0 + v1 (n - 1) seconds and a draft of k tokens d0 + d1 k,
+  both fitted online by least squares with forgetting;
+- k = argmax over 0..k_max of expected tokens / (draft cost + verify cost), where k = 0 costs
+  no draft call. After `probe_every` rounds at k = 0 one round drafts k_max again, so a session
+  notices when drafting starts paying.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LinearCost:
+    """seconds ~ base + per_token * n, fitted with exponential forgetting."""
+
+    base: float  # prior until observations say otherwise
+    per_token: float
+    decay: float = 0.97  # ~30 recent observations dominate: costs drift with context length
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, wn, wt, wnn, wnt
+
+    def observe(self, n: int, seconds: float) -> None:
+        w, wn, wt, wnn, wnt = (s * self.decay for s in self._sums)
+        self._sums = [w + 1, wn + n, wt + seconds, wnn + n * n, wnt + n * seconds]
+
+    def predict(self, n: int) -> float:
+        w, wn, wt, wnn, wnt = self._sums
+        if w < 1e-9:
+            return self.base + self.per_token * n
+        mean_n, mean_t = wn / w, wt / w
+        var_n = wnn / w - mean_n**2
+        slope = (wnt / w - mean_n * mean_t) / var_n if var_n > 0.25 else None
+        if slope is None or slope < 0:  # one n seen so far: keep the prior's ratio
+            ratio = self.per_token / (self.base + self.per_token * mean_n)
+            slope = max(slope or 0.0, ratio * mean_t)
+        return max(1e-6, mean_t + slope * (n - mean_n))
+
+
+def expected_tokens(k: int, acceptance: float) -> float:
+    """1 (recovered or bonus) + expected accepted drafts out of k."""
+    a = min(max(acceptance, 0.0), 0.999)
+    return 1.0 + a * (1 - a**k) / (1 - a)
+
+
+@dataclass
+class SpeculationCosts:
+    """Per verifier/drafter pair, shared by all sessions of a coordinator."""
+
+    verify: LinearCost = field(default_factory=lambda: LinearCost(0.06, 0.006))
+    draft: LinearCost = field(default_factory=lambda: LinearCost(0.001, 0.0))
+
+
+@dataclass
+class AdaptiveK:
+    """Per session: acceptance estimate and the choice of k."""
+
+    costs: SpeculationCosts
+    k_max: int
+    probe_every: int = 8  # rounds at k = 0 before drafting is tried again
+    decay: float = 0.9  # acceptance follows the text: recent rounds count most
+    successes: float = 1.0  # prior: acceptance 0.5 over two pseudo-trials
+    trials: float = 2.0
+    rounds_without_drafts: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.successes / self.trials
+
+    def choose(self, limit: int) -> int:
+        """k for the next round, at most `limit` (tokens still wanted - 1)."""
+        k_max = min(self.k_max, limit)
+        if k_max <= 0:
+            return 0
+        if self.rounds_without_drafts >= self.probe_every:
+            return k_max
+        best_k, best_rate = 0, 1.0 / self.costs.verify.predict(1)
+        for k in range(1, k_max + 1):
+            seconds = self.costs.draft.predict(k) + self.costs.verify.predict(k + 1)
+            rate = expected_tokens(k, self.acceptance) / seconds
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def observe(self, asked: int, drafted: int, accepted: int) -> None:
+        """After a round: `asked` k, `drafted` tokens the drafter gave, `accepted` of them."""
+        self.rounds_without_drafts = self.rounds_without_drafts + 1 if asked == 0 else 0
+        if drafted == 0:
+            return  # nothing proposed (e.g. no n-gram match) says nothing about acceptance
+        rejected = 1 if accepted < drafted else 0
+        self.successes = self.successes * self.decay + accepted
+        self.trials = self.trials * self.decay + accepted + rejected

@@ -1,0 +1,57 @@
+import pytest
+
+from coordinator.adaptive import AdaptiveK, LinearCost, SpeculationCosts, expected_tokens
+
+
+def test_linear_cost_recovers_a_line():
+    cost = LinearCost(base=1.0, per_token=1.0)
+    for _ in range(5):
+        for n in (1, 3, 5, 9):
+            cost.observe(n, 0.05 + 0.007 * n)
+    assert cost.predict(1) == pytest.approx(0.057, rel=1e-6)
+    assert cost.predict(12) == pytest.approx(0.05 + 0.084, rel=1e-6)
+
+
+def test_linear_cost_with_one_n_keeps_the_prior_ratio():
+    cost = LinearCost(base=0.06, per_token=0.006)
+    cost.observe(1, 0.1)
+    assert cost.predict(1) == pytest.approx(0.1)
+    assert cost.predict(2) > cost.predict(1)
+
+
+def test_expected_tokens():
+    assert expected_tokens(0, 0.9) == 1
+    assert expected_tokens(3, 0.0) == 1
+    assert expected_tokens(2, 0.5) == pytest.approx(1.75)
+
+
+def chooser(acceptance: float, trials: float = 50.0) -> AdaptiveK:
+    costs = SpeculationCosts()
+    for n in range(1, 10):  # the CPU measured in docs/benchmarks.md: 57 ms + ~6.5 ms a token
+        costs.verify.observe(n, 0.057 + 0.0065 * (n - 1))
+    return AdaptiveK(costs, k_max=8, successes=acceptance * trials, trials=trials)
+
+
+def test_k_follows_acceptance():
+    assert chooser(0.02).choose(100) == 0
+    assert 1 <= chooser(0.5).choose(100) <= 4
+    assert chooser(0.95).choose(100) == 8
+    assert chooser(0.95).choose(3) == 3  # never past what is still wanted
+
+
+def test_probes_after_rounds_without_drafts_and_learns():
+    k = chooser(0.02)
+    for _ in range(k.probe_every):
+        assert k.choose(100) == 0
+        k.observe(0, 0, 0)
+    assert k.choose(100) == 8  # probe
+    for _ in range(20):  # drafts start matching
+        k.observe(8, 8, 8)
+    assert k.acceptance > 0.9 and k.choose(100) == 8
+
+
+def test_empty_proposals_do_not_count_as_rejections():
+    k = chooser(0.5)
+    before = k.acceptance
+    k.observe(8, 0, 0)
+    assert k.acceptance == before
