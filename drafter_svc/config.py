@@ -18,3 +18,4 @@ class DrafterConfig:
     cache_dir: Path | None = None  # where a --target model is resolved
     max_sessions: int = 1024  # n-gram state is only the token list
     max_context: int = 1 << 17  # tokens per session
+    session_idle_timeout_s: float = 600.0  # sessions a dead coordinator left are freed after

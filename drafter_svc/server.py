@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from drafter_svc.config import KINDS, DrafterConfig
@@ -39,5 +40,7 @@ async def serve(config: DrafterConfig) -> None:
     await server.start()
     await server.ready()
     log.info("drafter %s listening on %s %s", config.kind, server.address, proposer.params())
+    sweeper = asyncio.create_task(servicer.sessions.expire_forever())
     await server.run_until_signal()
+    sweeper.cancel()
     mlx_thread.shutdown()

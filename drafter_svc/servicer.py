@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass
 
 from specd import wire
@@ -12,6 +11,7 @@ from specd.service import (
     InvalidArgument,
     MlxThread,
     ResourceExhausted,
+    SessionTable,
     check_token_ids,
     process_stats,
     rpc,
@@ -43,7 +43,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.mlx = mlx_thread
         self.target_fingerprint = target_fingerprint
         self.vocab_size = vocab_size
-        self.sessions: dict[str, DraftSession] = {}
+        self.sessions = SessionTable(
+            config.max_sessions, config.session_idle_timeout_s, "drafter session"
+        )
 
     def _check_ids(self, ids, what: str) -> list[int]:
         return check_token_ids(ids, self.vocab_size or 2**31 - 1, what)
@@ -73,22 +75,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 f"context of {len(context_ids)} tokens exceeds the drafter's "
                 f"limit {self.config.max_context}"
             )
-        if len(self.sessions) >= self.config.max_sessions:
-            raise ResourceExhausted(
-                f"{len(self.sessions)} drafter sessions open, the limit is "
-                f"{self.config.max_sessions}"
-            )
+        self.sessions.ensure_room()
         rows = _rows(request.hidden_rows)
         state = await self.mlx.run(self.proposer.open, context_ids, rows)
-        session_id = uuid.uuid4().hex
-        self.sessions[session_id] = DraftSession(state, len(context_ids))
+        session_id = self.sessions.add(DraftSession(state, len(context_ids)))
         return drafter_pb2.DraftOpenResponse(session_id=session_id)
 
     @rpc
     async def Draft(self, request, context):
         session = self.sessions.get(request.session_id)
-        if session is None:
-            raise FailedPrecondition(f"unknown drafter session {request.session_id!r}")
         new_ids = self._check_ids(request.new_ids, "new_ids")
         k = request.num_draft_tokens or self.proposer.default_draft_tokens
         if not 0 < k <= self.proposer.max_draft_tokens:
@@ -123,6 +118,5 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     @rpc
     async def CloseSession(self, request, context):
-        if self.sessions.pop(request.session_id, None) is None:
-            raise FailedPrecondition(f"unknown drafter session {request.session_id!r}")
+        self.sessions.pop(request.session_id)
         return common_pb2.CloseSessionResponse()

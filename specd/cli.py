@@ -30,6 +30,13 @@ def _add_serve(sub) -> None:
         )
         p.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
         p.add_argument("--cache-dir", type=Path, help="model/tokenizer cache (~/.cache/specd)")
+        if name != "coordinator":
+            p.add_argument(
+                "--session-idle-timeout",
+                type=float,
+                default=600.0,
+                help="seconds after which an unused session is freed",
+            )
     v = kinds.choices["verifier"]
     v.add_argument("--model", help="mlx-lm dir, .gguf file or hub id (default: embedded)")
     v.add_argument(
@@ -80,6 +87,7 @@ def _serve(args) -> int:
             max_context=args.max_context,
             max_draft_tokens=args.max_draft_tokens,
             cache_dir=args.cache_dir,
+            session_idle_timeout_s=args.session_idle_timeout,
         )
     elif args.service == "drafter":
         from drafter_svc.config import DrafterConfig
@@ -107,6 +115,7 @@ def _serve(args) -> int:
             ngram=ngram,
             target=args.target,
             cache_dir=args.cache_dir,
+            session_idle_timeout_s=args.session_idle_timeout,
         )
     else:
         from coordinator.config import CoordinatorConfig

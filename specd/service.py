@@ -10,6 +10,8 @@ import os
 import resource
 import signal
 import sys
+import time
+import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -97,6 +99,64 @@ def rpc_stream(method):
             await context.abort(*_status_of(exc))
 
     return wrapper
+
+
+class SessionTable:
+    """Sessions by id, with a size limit and an idle timeout: sessions a dead client left
+    behind are freed instead of holding memory forever."""
+
+    def __init__(self, limit: int, idle_timeout_s: float, what: str = "session"):
+        self.limit = limit
+        self.idle_timeout_s = idle_timeout_s
+        self.what = what
+        self._items: dict[str, list] = {}  # id -> [value, last used]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def ensure_room(self) -> None:
+        """Raise RESOURCE_EXHAUSTED now rather than after an expensive open."""
+        self.expire()
+        if len(self._items) >= self.limit:
+            raise ResourceExhausted(
+                f"{len(self._items)} {self.what}s open, the limit is {self.limit}; "
+                f"close finished {self.what}s or raise the limit"
+            )
+
+    def add(self, value) -> str:
+        self.ensure_room()
+        session_id = uuid.uuid4().hex
+        self._items[session_id] = [value, time.monotonic()]
+        return session_id
+
+    def get(self, session_id: str):
+        item = self._items.get(session_id)
+        if item is None:
+            raise FailedPrecondition(
+                f"unknown {self.what} {session_id!r} (closed, expired after "
+                f"{self.idle_timeout_s:.0f}s idle, or never opened)"
+            )
+        item[1] = time.monotonic()
+        return item[0]
+
+    def pop(self, session_id: str):
+        value = self.get(session_id)
+        del self._items[session_id]
+        return value
+
+    def expire(self) -> int:
+        cutoff = time.monotonic() - self.idle_timeout_s
+        idle = [sid for sid, (_, used) in self._items.items() if used < cutoff]
+        for sid in idle:
+            del self._items[sid]
+        if idle:
+            log.info("freed %d idle %ss", len(idle), self.what)
+        return len(idle)
+
+    async def expire_forever(self, interval_s: float = 10.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.expire()
 
 
 class MlxThread:

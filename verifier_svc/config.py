@@ -12,5 +12,6 @@ class VerifierConfig:
     port: int = 50051
     max_sessions: int = 64  # each holds a KV cache; beyond this OpenSession is refused
     max_context: int = 0  # 0: the model's max_position_embeddings
+    session_idle_timeout_s: float = 600.0  # sessions a dead coordinator left are freed after
     max_draft_tokens: int = 64  # a verify of more tokens costs more than it can save
     cache_dir: Path | None = None  # where the embedded model is materialized

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from specd.service import MlxThread, Server
@@ -32,5 +33,7 @@ async def serve(config: VerifierConfig) -> None:
         servicer.target.loaded.dtype,
     )
     await server.ready()
+    sweeper = asyncio.create_task(servicer.sessions.expire_forever())
     await server.run_until_signal()
+    sweeper.cancel()
     mlx_thread.shutdown()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import uuid
 
 import mlx.core as mx
 import numpy as np
@@ -15,6 +14,7 @@ from specd.service import (
     InvalidArgument,
     MlxThread,
     ResourceExhausted,
+    SessionTable,
     Unavailable,
     check_token_ids,
     process_stats,
@@ -73,7 +73,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.config = config
         self.mlx = mlx_thread
         self.target: Target | None = None
-        self.sessions: dict[str, Session] = {}
+        self.sessions = SessionTable(config.max_sessions, config.session_idle_timeout_s)
 
     async def load(self) -> None:
         self.target = await self.mlx.run(self._load_and_warm)
@@ -91,12 +91,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     @property
     def max_context(self) -> int:
         return self.config.max_context or self._ready().loaded.max_context
-
-    def _session(self, session_id: str) -> Session:
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise FailedPrecondition(f"unknown session {session_id!r} (closed, or never opened)")
-        return session
 
     @rpc
     async def GetInfo(self, request, context):
@@ -142,16 +136,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
         sampling = check_sampling(request.sampling)
         seed = request.sampling.seed if request.sampling.HasField("seed") else None
-        if len(self.sessions) >= self.config.max_sessions:
-            raise ResourceExhausted(
-                f"{len(self.sessions)} sessions open, the limit (--max-sessions) is "
-                f"{self.config.max_sessions}; close finished sessions"
-            )
+        self.sessions.ensure_room()
         result = await self.mlx.run(
             prefill, target, prompt, layers, ROWS_DTYPES[request.rows_dtype], sampling, seed
         )
-        session_id = uuid.uuid4().hex
-        self.sessions[session_id] = result.session
+        session_id = self.sessions.add(result.session)
         return verifier_pb2.OpenSessionResponse(
             session_id=session_id,
             first_token=result.first_token,
@@ -164,7 +153,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     @rpc
     async def Verify(self, request, context):
         target = self._ready()
-        session = self._session(request.session_id)
+        session = self.sessions.get(request.session_id)
         drafts = check_token_ids(request.draft_ids, target.identity.vocab_size, "draft_ids")
         if len(drafts) > self.config.max_draft_tokens:
             raise InvalidArgument(
@@ -199,8 +188,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     @rpc
     async def CloseSession(self, request, context):
-        if self.sessions.pop(request.session_id, None) is None:
-            raise FailedPrecondition(f"unknown session {request.session_id!r}")
+        self.sessions.pop(request.session_id)
         return common_pb2.CloseSessionResponse()
 
 
