@@ -60,6 +60,7 @@ class Plan:
     num_draft_tokens: int  # k, or the most k when adaptive; 0 = verify-only rounds
     sampling: Any = None
     adaptive: AdaptiveK | None = None  # None: k is pinned
+    drafter_retry_s: float = 1.0  # after a drafter fault, verify-only rounds this long
 
 
 @dataclass
@@ -89,6 +90,67 @@ class RoundStats:
         return max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s)
 
 
+class DrafterLink:
+    """The drafter side of one request: its session, what it has not heard yet, its faults.
+
+    A failing drafter only costs speed: rounds go on without drafts, and after `retry_s` the
+    session is re-opened from the committed tokens (drafters that need no hidden rows).
+    """
+
+    def __init__(self, drafter: DrafterPort, stats: RoundStats, retry_s: float = 1.0):
+        self.drafter = drafter
+        self.stats = stats
+        self.retry_s = retry_s
+        self.session: str | None = None
+        self.context: list[int] = []  # prompt + committed: the source of truth
+        self.pending_ids: list[int] = []  # committed since the drafter last heard
+        self.pending_rows: list = []
+        self.retry_at: float | None = None  # set while the drafter is down
+
+    async def open(self, context_ids: list[int], rows) -> None:
+        self.context = list(context_ids)
+        try:
+            self.session = await self.drafter.open(self.context, rows)
+        except Exception as exc:  # noqa: BLE001 - any drafter fault only costs speed
+            self._down(exc)
+
+    def commit(self, ids: list[int], rows) -> None:
+        self.context.extend(ids)
+        self.pending_ids.extend(ids)
+        self.pending_rows.append(rows)
+
+    async def draft(self, position: int, k: int, sampling) -> Drafted:
+        if self.retry_at is not None:
+            if time.perf_counter() < self.retry_at or self.drafter.capture_layers:
+                return Drafted([])
+            await self.open(self.context, None)
+            if self.session is None:
+                return Drafted([])
+            log.info("drafter is back; drafting again")
+            self.retry_at, self.pending_ids, self.pending_rows = None, [], []
+        if self.session is None:
+            return Drafted([])
+        try:
+            drafted = await self.drafter.draft(
+                self.session, position, self.pending_ids, self.pending_rows, k, sampling
+            )
+        except Exception as exc:  # noqa: BLE001
+            self._down(exc)
+            return Drafted([])
+        self.pending_ids, self.pending_rows = [], []
+        return drafted
+
+    def _down(self, exc: Exception) -> None:
+        log.warning("drafter failed (%s); verify-only rounds until it is back", exc)
+        self.stats.drafter_failed = True
+        self.session = None
+        self.retry_at = time.perf_counter() + self.retry_s
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await _close_quietly(self.drafter, self.session)
+
+
 async def run_rounds(
     verifier: VerifierPort,
     drafter: DrafterPort | None,
@@ -102,24 +164,20 @@ async def run_rounds(
     """
     start = time.perf_counter()
     stats.prompt_tokens = len(prompt_ids)
-    capture = drafter.capture_layers if drafter and plan.num_draft_tokens else ()
+    if plan.num_draft_tokens <= 0:
+        drafter = None
+    capture = drafter.capture_layers if drafter else ()
     opened = await verifier.open(prompt_ids, capture, plan.sampling)
     stats.prefill_s = time.perf_counter() - start
-    session, draft_session = opened.session_id, None
+    link = DrafterLink(drafter, stats, plan.drafter_retry_s) if drafter is not None else None
     try:
-        committed = [opened.first_token]
         position = len(prompt_ids) + 1
         stats.generated_tokens = 1
         finished = opened.finished or plan.max_tokens <= 1
-        yield committed[:], finished
-        pending_ids: list[int] = []  # committed since the drafter last heard
-        pending_rows: list = []
-        if drafter is not None and plan.num_draft_tokens > 0 and not finished:
+        yield [opened.first_token], finished
+        if link is not None and not finished:
             t = time.perf_counter()
-            try:
-                draft_session = await drafter.open(prompt_ids + committed, opened.rows)
-            except Exception as exc:  # noqa: BLE001 - a drafter fault only costs speed
-                drafter = _drafter_down(stats, exc)
+            await link.open([*prompt_ids, opened.first_token], opened.rows)
             stats.draft_s += time.perf_counter() - t
         while not finished:
             round_start = time.perf_counter()
@@ -128,21 +186,17 @@ async def run_rounds(
             if plan.adaptive is not None:
                 k = plan.adaptive.choose(remaining - 1)
             drafted = Drafted([])
-            if drafter is not None and draft_session is not None and k > 0:
-                try:
-                    drafted = await drafter.draft(
-                        draft_session, position, pending_ids, pending_rows, k, plan.sampling
-                    )
-                    pending_ids, pending_rows = [], []
-                except Exception as exc:  # noqa: BLE001
-                    drafter = _drafter_down(stats, exc)
+            if link is not None and k > 0:
+                drafted = await link.draft(position, k, plan.sampling)
             draft_done = time.perf_counter()
-            verified = await verifier.verify(session, position, drafted.ids, drafted.probs)
+            verified = await verifier.verify(
+                opened.session_id, position, drafted.ids, drafted.probs
+            )
             verify_done = time.perf_counter()
             new = verified.committed[:remaining]
             position += len(verified.committed)
-            pending_ids.extend(verified.committed)
-            pending_rows.append(verified.rows)
+            if link is not None:
+                link.commit(verified.committed, verified.rows)
             stats.rounds += 1
             stats.drafted += len(drafted.ids)
             stats.accepted += verified.num_accepted
@@ -159,7 +213,7 @@ async def run_rounds(
                     verified,
                     draft_done - round_start,
                     verify_done - draft_done,
-                    called_drafter=drafter is not None and k > 0,
+                    called_drafter=link is not None and k > 0,
                 )
             finished = verified.finished or stats.generated_tokens >= plan.max_tokens
             stats.total_s = time.perf_counter() - start
@@ -173,9 +227,9 @@ async def run_rounds(
             )
     finally:
         stats.total_s = time.perf_counter() - start
-        await _close_quietly(verifier, session)
-        if drafter is not None and draft_session is not None:
-            await _close_quietly(drafter, draft_session)
+        await _close_quietly(verifier, opened.session_id)
+        if link is not None:
+            await link.close()
 
 
 def _learn(
@@ -191,12 +245,6 @@ def _learn(
     adaptive.costs.verify.observe(len(drafted.ids) + 1, verify_s)
     if called_drafter:
         adaptive.costs.draft.observe(k, draft_s)
-
-
-def _drafter_down(stats: RoundStats, exc: Exception) -> None:
-    log.warning("drafter failed (%s); continuing without drafting", exc)
-    stats.drafter_failed = True
-    return None
 
 
 async def _close_quietly(port, session_id: str) -> None:

@@ -98,3 +98,34 @@ def test_drafter_failure_falls_back_to_plain_rounds(target):
     failing = FailingDrafter(NgramProposer())
     out, stats = collect(verifier, failing, PROMPTS[0], Plan(max_tokens=40, num_draft_tokens=4))
     assert out == plain and stats.drafter_failed
+
+
+class FlakyDrafter(LocalDrafter):
+    """Fails its first `failures` draft calls, then works (a drafter that restarted)."""
+
+    def __init__(self, proposer, failures):
+        super().__init__(proposer)
+        self.failures = failures
+        self.opens = 0
+
+    async def open(self, context_ids, rows):
+        self.opens += 1
+        return await super().open(context_ids, rows)
+
+    async def draft(self, *args):
+        if self.failures:
+            self.failures -= 1
+            self.sessions.clear()  # a restarted drafter has lost its sessions
+            raise ConnectionError("drafter restarting")
+        return await super().draft(*args)
+
+
+def test_drafting_resumes_when_the_drafter_is_back(target):
+    verifier = LocalVerifier(target)
+    plain, _ = collect(verifier, None, PROMPTS[0], Plan(max_tokens=40, num_draft_tokens=0))
+    flaky = FlakyDrafter(NgramProposer(NgramConfig(min_n=1)), failures=2)
+    plan = Plan(max_tokens=40, num_draft_tokens=4, drafter_retry_s=0.0)
+    out, stats = collect(verifier, flaky, PROMPTS[0], plan)
+    assert out == plain and stats.drafter_failed
+    assert flaky.opens == 3  # the first open, then one re-open after each fault
+    assert stats.drafted > 0
