@@ -6,7 +6,7 @@ from pathlib import Path
 
 @dataclass
 class CoordinatorConfig:
-    verifier: str = "127.0.0.1:50051"
+    verifier: str = "127.0.0.1:50051"  # comma-separated: the others take over on a fault
     drafter: str | None = "127.0.0.1:50052"  # None: no speculation, verify-only rounds
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 50050
@@ -15,5 +15,10 @@ class CoordinatorConfig:
     verify_timeout_s: float = 60.0  # deadline of one Verify call
     prefill_timeout_s: float = 600.0  # long prompts on a CPU take minutes
     draft_timeout_s: float = 30.0
+    verifier_recovery_s: float = 60.0  # how long a lost session waits for a verifier to return
     connect_timeout_s: float = 600.0  # how long to wait at start for the verifier to load
     cache_dir: Path | None = None  # where tokenizer files from the verifier are kept
+
+    @property
+    def verifier_addresses(self) -> list[str]:
+        return [a.strip() for a in self.verifier.split(",") if a.strip()]

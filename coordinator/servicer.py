@@ -11,6 +11,7 @@ import grpc
 from coordinator.adaptive import AdaptiveK, SpeculationCosts
 from coordinator.clients import DrafterClient, UpstreamError, VerifierClient
 from coordinator.config import CoordinatorConfig
+from coordinator.failover import VerifierPool
 from coordinator.pairing import pairing_error
 from coordinator.rounds import Plan, RoundStats, run_rounds
 from coordinator.text import TextStream
@@ -51,9 +52,11 @@ def stats_message(stats: RoundStats) -> coordinator_pb2.GenerateStats:
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, config: CoordinatorConfig):
         self.config = config
-        self.verifier = VerifierClient(
-            config.verifier, config.verify_timeout_s, config.prefill_timeout_s
-        )
+        clients = [
+            VerifierClient(address, config.verify_timeout_s, config.prefill_timeout_s)
+            for address in config.verifier_addresses
+        ]
+        self.verifier = VerifierPool(clients, recovery_timeout_s=config.verifier_recovery_s)
         self.drafter = (
             DrafterClient(config.drafter, config.draft_timeout_s) if config.drafter else None
         )
@@ -64,29 +67,49 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.costs = SpeculationCosts()  # learned across requests: one verifier, one drafter
 
     async def connect(self) -> bool:
-        """Wait for the verifier (and drafter), fetch the tokenizer, check the pairing."""
+        """Wait for a verifier, fetch the tokenizer, and pair with the drafter if it is up."""
         deadline = asyncio.get_running_loop().time() + self.config.connect_timeout_s
-        while True:
-            try:
-                self.verifier_info = await self.verifier.info()
-                if self.drafter is not None:
-                    self.drafter_info = await self.drafter.info()
-                break
-            except UpstreamError as err:
-                if (
-                    err.code != grpc.StatusCode.UNAVAILABLE
-                    or asyncio.get_running_loop().time() > deadline
-                ):
-                    raise
+        while self.verifier_info is None:
+            for index, client in enumerate(self.verifier.clients):
+                try:
+                    self.verifier_info = await client.info()
+                    self.verifier.preferred = index
+                    break
+                except UpstreamError as err:
+                    if err.code != grpc.StatusCode.UNAVAILABLE:
+                        raise
+            else:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError(
+                        f"no verifier at {self.config.verifier} answered within "
+                        f"{self.config.connect_timeout_s:.0f}s"
+                    )
                 await asyncio.sleep(0.5)
-        files = await self.verifier.tokenizer_files()
+        self.verifier.fingerprint = self.verifier_info.model.fingerprint
+        files = await self.verifier.clients[self.verifier.preferred].tokenizer_files()
         self.tokenizer = load_served_tokenizer(
             files, self.verifier_info.model, self.config.cache_dir
         )
-        if self.drafter_info is not None:
+        await self._pair_drafter()
+        return not self.pairing_error
+
+    async def _pair_drafter(self) -> bool:
+        """Fetch the drafter's info and check it can serve this target; False if not usable."""
+        if self.drafter is None:
+            return False
+        if self.drafter_info is None:
+            try:
+                self.drafter_info = await self.drafter.info()
+            except UpstreamError as err:
+                log.warning(
+                    "drafter %s not reachable (%s); drafting off until it is",
+                    self.drafter.address,
+                    err.message,
+                )
+                return False
             self.pairing_error = pairing_error(self.verifier_info, self.drafter_info)
-        if self.pairing_error:
-            log.error("refusing to pair: %s", self.pairing_error)
+            if self.pairing_error:
+                log.error("refusing to pair: %s", self.pairing_error)
         return not self.pairing_error
 
     def _prompt_ids(self, request) -> list[int]:
@@ -109,7 +132,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             raise InvalidArgument("the prompt is empty")
         return ids
 
-    def _plan(self, request) -> Plan:
+    def _plan(self, request, drafter_info) -> Plan:
         max_tokens = request.max_tokens or self.config.default_max_tokens
         if max_tokens < 0:
             raise InvalidArgument(f"max_tokens must be positive, got {request.max_tokens}")
@@ -121,17 +144,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             or not 0 <= sampling.min_p <= 1
         ):
             raise InvalidArgument("need temperature >= 0, top_k >= 0, top_p and min_p in [0, 1]")
-        info = self.drafter_info
-        limit = info.max_draft_tokens if info else 0
-        k = (
-            request.num_draft_tokens
-            if request.HasField("num_draft_tokens")
-            else (info.default_draft_tokens if info else 0)
-        )
-        if not 0 <= k <= limit and request.HasField("num_draft_tokens"):
-            raise InvalidArgument(f"num_draft_tokens {k} must be in [0, {limit}]")
+        pinned = request.HasField("num_draft_tokens")
+        if pinned and request.num_draft_tokens < 0:
+            raise InvalidArgument(f"num_draft_tokens must be >= 0, got {request.num_draft_tokens}")
+        info = drafter_info
+        if info is None:  # no drafter, or it is down: plain decoding through the verifier
+            return Plan(max_tokens=max_tokens, num_draft_tokens=0, sampling=sampling)
+        k = request.num_draft_tokens if pinned else info.default_draft_tokens
+        if k > info.max_draft_tokens:
+            raise InvalidArgument(f"num_draft_tokens {k} must be in [0, {info.max_draft_tokens}]")
         adaptive = None
-        if self.config.adaptive and k > 0 and not request.HasField("num_draft_tokens"):
+        if self.config.adaptive and k > 0 and not pinned:
             adaptive = AdaptiveK(self.costs, k_max=k)
         return Plan(max_tokens=max_tokens, num_draft_tokens=k, sampling=sampling, adaptive=adaptive)
 
@@ -158,7 +181,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def Generate(self, request, context):
         self._check_ready()
         prompt_ids = self._prompt_ids(request)
-        plan = self._plan(request)
+        usable = await self._pair_drafter()
+        self._check_ready()  # the drafter may just have turned out to be for another target
+        plan = self._plan(request, self.drafter_info if usable else None)
         text = TextStream(self.tokenizer.detokenizer, list(request.stop))
         eos_ids = set(self.verifier_info.model.eos_token_ids)
         stats, last = RoundStats(), None
@@ -175,6 +200,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 yield coordinator_pb2.GenerateResponse(text=text.take(), token_ids=out)
                 if text.stopped:
                     break
+        if stats.drafter_failed:
+            self.drafter_info = None  # it may come back as another drafter: pair again
         reason = "stop" if text.stopped else "eos" if last in eos_ids else "length"
         yield coordinator_pb2.GenerateResponse(
             text=text.finish(), finish_reason=reason, stats=stats_message(stats)

@@ -55,7 +55,17 @@ def _add_serve(sub) -> None:
     d.add_argument("--ngram-max-n", type=int, help="longest suffix n-gram to match")
     d.add_argument("--target", help="bind to this target: pairing refuses any other")
     c = kinds.choices["coordinator"]
-    c.add_argument("--verifier", default=f"127.0.0.1:{DEFAULT_PORTS['verifier']}")
+    c.add_argument(
+        "--verifier",
+        default=f"127.0.0.1:{DEFAULT_PORTS['verifier']}",
+        help="verifier address; several, comma-separated, take over from each other",
+    )
+    c.add_argument(
+        "--verifier-recovery-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request waits for a lost verifier to come back",
+    )
     c.add_argument(
         "--drafter",
         default=f"127.0.0.1:{DEFAULT_PORTS['drafter']}",
@@ -128,6 +138,7 @@ def _serve(args) -> int:
             port=args.port,
             default_max_tokens=args.default_max_tokens,
             adaptive=args.adaptive,
+            verifier_recovery_s=args.verifier_recovery_timeout,
             cache_dir=args.cache_dir,
         )
     asyncio.run(serve(config))

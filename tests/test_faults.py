@@ -1,0 +1,90 @@
+"""Real processes, real kills: a lost drafter or verifier costs speed, never tokens."""
+
+import grpc
+import pytest
+
+from specd.client import CoordinatorClient, make_request
+from specd.launch import Stack, spawn
+
+PROMPT = "abcabcabc hello hello hello"
+TOKENS = 600
+
+
+@pytest.fixture
+def stack(tiny_model_dir, tmp_path):
+    with Stack(
+        target=str(tiny_model_dir),
+        drafter="ngram",
+        log_dir=tmp_path,
+        coordinator_args=["--verifier-recovery-timeout", "60"],
+    ) as s:
+        yield s
+
+
+def generate_with_fault(client, fault, **request):
+    """Stream a generation and call fault() once the first tokens have arrived."""
+    ids, stats, faulted = [], None, False
+    for message in client.stream(make_request(**request)):
+        ids.extend(message.token_ids)
+        if not faulted and ids:
+            fault()
+            faulted = True
+        if message.finish_reason:
+            stats = message.stats
+    return ids, stats
+
+
+def test_drafter_killed_mid_generation(stack, tiny_model_dir, tmp_path):
+    client = CoordinatorClient(stack.coordinator)
+    reference = client.generate(make_request(prompt=PROMPT, max_tokens=TOKENS)).token_ids
+    drafter = stack.services["drafter"]
+    ids, stats = generate_with_fault(client, drafter.kill, prompt=PROMPT, max_tokens=TOKENS)
+    assert ids == reference
+    assert stats.drafter_failed
+    # a new drafter on the same address: later requests draft again
+    port = drafter.address.rsplit(":", 1)[1]
+    stack.services["drafter"] = spawn(
+        "drafter", ["--kind", "ngram"], port=int(port), log_dir=tmp_path
+    )
+    stack.services["drafter"].wait_healthy(60)
+    again = client.generate(make_request(prompt=PROMPT, max_tokens=TOKENS))
+    assert again.token_ids == reference and again.stats["drafted"] > 0
+    assert not again.stats["drafter_failed"]
+
+
+def test_verifier_killed_then_restarted_on_same_address(stack, tiny_model_dir, tmp_path):
+    client = CoordinatorClient(stack.coordinator)
+    reference = client.generate(make_request(prompt=PROMPT, max_tokens=TOKENS)).token_ids
+    verifier = stack.services["verifier"]
+    port = int(verifier.address.rsplit(":", 1)[1])
+
+    def kill_and_restart():
+        verifier.kill()
+        stack.services["verifier"] = spawn(
+            "verifier", ["--model", str(tiny_model_dir)], port=port, log_dir=tmp_path
+        )
+
+    ids, stats = generate_with_fault(client, kill_and_restart, prompt=PROMPT, max_tokens=TOKENS)
+    assert ids == reference  # no gap, no repeat
+    assert stats.generated_tokens == len(reference)
+    log = stack.services["coordinator"].log_path.read_text()
+    assert "lost the session" in log  # the fault did hit the request in flight
+
+
+def test_verifier_that_never_comes_back(tiny_model_dir, tmp_path):
+    with Stack(
+        target=str(tiny_model_dir),
+        drafter="ngram",
+        log_dir=tmp_path,
+        coordinator_args=["--verifier-recovery-timeout", "2"],
+    ) as stack:
+        client = CoordinatorClient(stack.coordinator)
+        received = []
+        with pytest.raises(grpc.RpcError) as err:
+            for message in client.stream(make_request(prompt=PROMPT, max_tokens=TOKENS)):
+                received.extend(message.token_ids)
+                if len(received) == 1:
+                    stack.services["verifier"].kill()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no verifier answered" in err.value.details()
+        assert received  # what was committed before the fault reached the client
