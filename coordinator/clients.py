@@ -6,6 +6,7 @@ import grpc
 
 from coordinator.rounds import Drafted, Opened, Verified
 from specd import wire
+from specd.security import ClientSecurity
 from specd.service import ServiceError, channel_options
 from specd.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
@@ -19,8 +20,11 @@ class UpstreamError(ServiceError):
         self.rpc_error = err
 
 
-def _channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=channel_options())
+def _channel(address: str, security: ClientSecurity) -> grpc.aio.Channel:
+    credentials = security.credentials()
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=channel_options())
+    return grpc.aio.secure_channel(address, credentials, options=channel_options())
 
 
 def _join_rows(rows: list) -> common_pb2.Tensor | None:
@@ -36,16 +40,24 @@ def _join_rows(rows: list) -> common_pb2.Tensor | None:
 
 
 class VerifierClient:
-    def __init__(self, address: str, timeout_s: float = 60.0, prefill_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 60.0,
+        prefill_timeout_s: float = 600.0,
+        security: ClientSecurity | None = None,
+    ):
+        security = security or ClientSecurity()
         self.address = address
-        self.channel = _channel(address)
+        self.channel = _channel(address, security)
+        self.metadata = security.metadata()
         self.stub = verifier_pb2_grpc.VerifierStub(self.channel)
         self.timeout_s = timeout_s
         self.prefill_timeout_s = prefill_timeout_s
 
     async def _call(self, method, request, timeout: float):
         try:
-            return await method(request, timeout=timeout)
+            return await method(request, timeout=timeout, metadata=self.metadata)
         except grpc.aio.AioRpcError as err:
             raise UpstreamError(f"verifier {self.address}", err) from None
 
@@ -78,16 +90,20 @@ class VerifierClient:
 
 
 class DrafterClient:
-    def __init__(self, address: str, timeout_s: float = 30.0):
+    def __init__(
+        self, address: str, timeout_s: float = 30.0, security: ClientSecurity | None = None
+    ):
+        security = security or ClientSecurity()
         self.address = address
-        self.channel = _channel(address)
+        self.channel = _channel(address, security)
+        self.metadata = security.metadata()
         self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
         self.timeout_s = timeout_s
         self.capture_layers: tuple[int, ...] = ()
 
     async def _call(self, method, request):
         try:
-            return await method(request, timeout=self.timeout_s)
+            return await method(request, timeout=self.timeout_s, metadata=self.metadata)
         except grpc.aio.AioRpcError as err:
             raise UpstreamError(f"drafter {self.address}", err) from None
 

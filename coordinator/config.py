@@ -1,7 +1,9 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from specd.security import ClientSecurity, ServerSecurity
 
 
 @dataclass
@@ -18,6 +20,9 @@ class CoordinatorConfig:
     verifier_recovery_s: float = 60.0  # how long a lost session waits for a verifier to return
     connect_timeout_s: float = 600.0  # how long to wait at start for the verifier to load
     cache_dir: Path | None = None  # where tokenizer files from the verifier are kept
+
+    security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, token
+    upstream: ClientSecurity = field(default_factory=ClientSecurity)  # to verifier/drafter
 
     @property
     def verifier_addresses(self) -> list[str]:

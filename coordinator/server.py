@@ -15,7 +15,7 @@ SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_n
 
 async def serve(config: CoordinatorConfig) -> None:
     servicer = CoordinatorServicer(config)
-    server = Server(config.host, config.port, [SERVICE_NAME])
+    server = Server(config.host, config.port, [SERVICE_NAME], config.security)
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
     await server.start()
     log.info(

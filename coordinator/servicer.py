@@ -53,12 +53,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, config: CoordinatorConfig):
         self.config = config
         clients = [
-            VerifierClient(address, config.verify_timeout_s, config.prefill_timeout_s)
+            VerifierClient(
+                address, config.verify_timeout_s, config.prefill_timeout_s, config.upstream
+            )
             for address in config.verifier_addresses
         ]
         self.verifier = VerifierPool(clients, recovery_timeout_s=config.verifier_recovery_s)
         self.drafter = (
-            DrafterClient(config.drafter, config.draft_timeout_s) if config.drafter else None
+            DrafterClient(config.drafter, config.draft_timeout_s, config.upstream)
+            if config.drafter
+            else None
         )
         self.tokenizer = None
         self.verifier_info = None

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from drafter_svc.ngram import NgramConfig
+from specd.security import ServerSecurity
 
 KINDS = ("ngram",)
 
@@ -19,3 +20,4 @@ class DrafterConfig:
     max_sessions: int = 1024  # n-gram state is only the token list
     max_context: int = 1 << 17  # tokens per session
     session_idle_timeout_s: float = 600.0  # sessions a dead coordinator left are freed after
+    security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, token

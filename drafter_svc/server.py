@@ -35,7 +35,7 @@ async def serve(config: DrafterConfig) -> None:
     proposer = make_proposer(config)
     fingerprint, vocab_size = await mlx_thread.run(target_binding, config)
     servicer = DrafterServicer(proposer, config, mlx_thread, fingerprint, vocab_size)
-    server = Server(config.host, config.port, [SERVICE_NAME])
+    server = Server(config.host, config.port, [SERVICE_NAME], config.security)
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server.server)
     await server.start()
     await server.ready()

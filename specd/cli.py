@@ -12,8 +12,39 @@ from pathlib import Path
 import grpc
 
 from specd.platform import ensure_fast_blas
+from specd.security import ClientSecurity, ServerSecurity
 
 DEFAULT_PORTS = {"coordinator": 50050, "verifier": 50051, "drafter": 50052}
+
+
+def _add_server_security(p) -> None:
+    g = p.add_argument_group("security (for links between hosts)")
+    g.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS")
+    g.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    g.add_argument("--tls-client-ca", type=Path, help="require client certificates (mTLS)")
+    g.add_argument("--auth-token-file", type=Path, help="require this bearer token on calls")
+
+
+def _add_client_security(p, prefix: str = "") -> None:
+    g = p.add_argument_group(f"security of {'outgoing links' if prefix else 'the link'}")
+    g.add_argument(f"--{prefix}tls-ca", type=Path, help="PEM CA of the server: use TLS")
+    g.add_argument(f"--{prefix}tls-cert", type=Path, help="our PEM certificate (for mTLS)")
+    g.add_argument(f"--{prefix}tls-key", type=Path, help="our PEM private key (for mTLS)")
+    g.add_argument(f"--{prefix}token-file", type=Path, help="send this bearer token")
+
+
+def _server_security(args) -> ServerSecurity:
+    return ServerSecurity(args.tls_cert, args.tls_key, args.tls_client_ca, args.auth_token_file)
+
+
+def _client_security(args, prefix: str = "") -> ClientSecurity:
+    get = vars(args).get
+    return ClientSecurity(
+        get(f"{prefix}tls_ca"),
+        get(f"{prefix}tls_cert"),
+        get(f"{prefix}tls_key"),
+        get(f"{prefix}token_file"),
+    )
 
 
 def _add_serve(sub) -> None:
@@ -30,6 +61,7 @@ def _add_serve(sub) -> None:
         )
         p.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
         p.add_argument("--cache-dir", type=Path, help="model/tokenizer cache (~/.cache/specd)")
+        _add_server_security(p)
         if name != "coordinator":
             p.add_argument(
                 "--session-idle-timeout",
@@ -55,6 +87,7 @@ def _add_serve(sub) -> None:
     d.add_argument("--ngram-max-n", type=int, help="longest suffix n-gram to match")
     d.add_argument("--target", help="bind to this target: pairing refuses any other")
     c = kinds.choices["coordinator"]
+    _add_client_security(c, "upstream-")
     c.add_argument(
         "--verifier",
         default=f"127.0.0.1:{DEFAULT_PORTS['verifier']}",
@@ -98,6 +131,7 @@ def _serve(args) -> int:
             max_draft_tokens=args.max_draft_tokens,
             cache_dir=args.cache_dir,
             session_idle_timeout_s=args.session_idle_timeout,
+            security=_server_security(args),
         )
     elif args.service == "drafter":
         from drafter_svc.config import DrafterConfig
@@ -126,6 +160,7 @@ def _serve(args) -> int:
             target=args.target,
             cache_dir=args.cache_dir,
             session_idle_timeout_s=args.session_idle_timeout,
+            security=_server_security(args),
         )
     else:
         from coordinator.config import CoordinatorConfig
@@ -139,6 +174,8 @@ def _serve(args) -> int:
             default_max_tokens=args.default_max_tokens,
             adaptive=args.adaptive,
             verifier_recovery_s=args.verifier_recovery_timeout,
+            security=_server_security(args),
+            upstream=_client_security(args, "upstream_"),
             cache_dir=args.cache_dir,
         )
     asyncio.run(serve(config))
@@ -203,7 +240,7 @@ def _generate(args) -> int:
         stop=args.stop,
         num_draft_tokens=args.num_draft_tokens,
     )
-    client = CoordinatorClient(args.coordinator)
+    client = CoordinatorClient(args.coordinator, _client_security(args))
 
     def show(text: str) -> None:
         sys.stdout.write(text)
@@ -271,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-draft-tokens", type=int, help="k per round; 0 turns drafting off")
     gen.add_argument("--timeout", type=float, default=3600.0, help="seconds for the request")
     gen.add_argument("--json", action="store_true", help="end with one JSON line of results")
+    _add_client_security(gen)
 
     mp = sub.add_parser("model-path", help="print the local mlx-lm directory of a model")
     mp.add_argument("model", nargs="?", help="default: the embedded SmolLM2")

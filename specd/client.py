@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from specd.security import ClientSecurity
 from specd.service import channel_options
 from specd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -61,17 +62,25 @@ def make_request(
 
 
 class CoordinatorClient:
-    def __init__(self, address: str):
-        self.channel = grpc.insecure_channel(address, options=channel_options())
+    def __init__(self, address: str, security: ClientSecurity | None = None):
+        security = security or ClientSecurity()
+        credentials = security.credentials()
+        if credentials is None:
+            self.channel = grpc.insecure_channel(address, options=channel_options())
+        else:
+            self.channel = grpc.secure_channel(address, credentials, options=channel_options())
+        self.metadata = security.metadata()
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
 
     def info(self, timeout_s: float = 30.0) -> coordinator_pb2.CoordinatorInfo:
-        return self.stub.GetInfo(common_pb2.InfoRequest(), timeout=timeout_s)
+        return self.stub.GetInfo(
+            common_pb2.InfoRequest(), timeout=timeout_s, metadata=self.metadata
+        )
 
     def stream(
         self, request, timeout_s: float = 3600.0
     ) -> Iterator[coordinator_pb2.GenerateResponse]:
-        yield from self.stub.Generate(request, timeout=timeout_s)
+        yield from self.stub.Generate(request, timeout=timeout_s, metadata=self.metadata)
 
     def generate(self, request, timeout_s: float = 3600.0, on_text=None) -> Generation:
         out = Generation()

@@ -22,9 +22,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def health_status(address: str, timeout_s: float = 2.0) -> int | None:
+def health_status(
+    address: str, timeout_s: float = 2.0, credentials: grpc.ChannelCredentials | None = None
+) -> int | None:
     """SERVING/NOT_SERVING/..., or None when nothing answers."""
-    with grpc.insecure_channel(address) as channel:
+    channel = (
+        grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    )
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s).status
@@ -44,14 +49,17 @@ class ServiceProcess:
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
-    def wait_healthy(self, timeout_s: float) -> None:
+    def wait_healthy(
+        self, timeout_s: float, credentials: grpc.ChannelCredentials | None = None
+    ) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(
                     f"{self.name} exited with code {self.process.returncode}\n{self.log_tail()}"
                 )
-            if health_status(self.address) == health_pb2.HealthCheckResponse.SERVING:
+            status = health_status(self.address, credentials=credentials)
+            if status == health_pb2.HealthCheckResponse.SERVING:
                 return
             time.sleep(0.3)
         raise TimeoutError(

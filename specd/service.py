@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specd.security import ServerSecurity
 from specd.v1 import common_pb2
 from specd.wire import WireError
 
@@ -194,8 +195,17 @@ def channel_options() -> list[tuple[str, int]]:
 class Server:
     """An aio server with health (NOT_SERVING until `ready()`) and reflection."""
 
-    def __init__(self, host: str, port: int, service_names: Iterable[str]):
-        self.server = grpc.aio.server(options=channel_options())
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        service_names: Iterable[str],
+        security: ServerSecurity | None = None,
+    ):
+        security = security or ServerSecurity()
+        self.server = grpc.aio.server(
+            options=channel_options(), interceptors=security.interceptors()
+        )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
@@ -203,7 +213,11 @@ class Server:
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
         )
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self.port = self.server.add_insecure_port(address)
+        credentials = security.credentials()
+        if credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, credentials)
         if self.port == 0:
             raise OSError(f"cannot bind {address}")
         self.address = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from specd.security import ServerSecurity
 
 
 @dataclass
@@ -15,3 +17,4 @@ class VerifierConfig:
     session_idle_timeout_s: float = 600.0  # sessions a dead coordinator left are freed after
     max_draft_tokens: int = 64  # a verify of more tokens costs more than it can save
     cache_dir: Path | None = None  # where the embedded model is materialized
+    security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, token

@@ -17,7 +17,7 @@ SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 async def serve(config: VerifierConfig) -> None:
     mlx_thread = MlxThread()
     servicer = VerifierServicer(config, mlx_thread)
-    server = Server(config.host, config.port, [SERVICE_NAME])
+    server = Server(config.host, config.port, [SERVICE_NAME], config.security)
     verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server.server)
     await server.start()  # health answers NOT_SERVING while the model loads
     log.info(
