@@ -2,8 +2,8 @@
 
 import grpc
 import pytest
-
 from certs import make_pki
+
 from specd.client import CoordinatorClient, make_request
 from specd.launch import spawn
 from specd.security import ClientSecurity
