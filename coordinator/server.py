@@ -6,17 +6,18 @@ import logging
 
 from coordinator.config import CoordinatorConfig
 from coordinator.servicer import CoordinatorServicer
-from specd.service import Server
-from specd.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specd.service import Server, register
+from specd.v1 import coordinator_pb2
 
 log = logging.getLogger("specd.coordinator")
-SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]
+SERVICE_NAME = SERVICE.full_name
 
 
 async def serve(config: CoordinatorConfig) -> None:
     servicer = CoordinatorServicer(config)
     server = Server(config.host, config.port, [SERVICE_NAME], config.security)
-    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server.server)
+    register(server.server, servicer, SERVICE)
     await server.start()
     log.info(
         "coordinator listening on %s; verifier %s, drafter %s",

@@ -188,6 +188,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         usable = await self._pair_drafter()
         self._check_ready()  # the drafter may just have turned out to be for another target
         plan = self._plan(request, self.drafter_info if usable else None)
+        limit = self.verifier_info.max_context
+        if len(prompt_ids) + plan.max_tokens > limit:
+            raise InvalidArgument(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({plan.max_tokens}) exceeds the "
+                f"verifier's context limit of {limit} tokens; lower max_tokens"
+            )
         text = TextStream(self.tokenizer.detokenizer, list(request.stop))
         eos_ids = set(self.verifier_info.model.eos_token_ids)
         stats, last = RoundStats(), None

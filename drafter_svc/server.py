@@ -8,11 +8,12 @@ import logging
 from drafter_svc.config import KINDS, DrafterConfig
 from drafter_svc.ngram import NgramProposer
 from drafter_svc.servicer import DrafterServicer
-from specd.service import MlxThread, Server
-from specd.v1 import drafter_pb2, drafter_pb2_grpc
+from specd.service import MlxThread, Server, register
+from specd.v1 import drafter_pb2
 
 log = logging.getLogger("specd.drafter")
-SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+SERVICE = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"]
+SERVICE_NAME = SERVICE.full_name
 
 
 def make_proposer(config: DrafterConfig):
@@ -36,7 +37,7 @@ async def serve(config: DrafterConfig) -> None:
     fingerprint, vocab_size = await mlx_thread.run(target_binding, config)
     servicer = DrafterServicer(proposer, config, mlx_thread, fingerprint, vocab_size)
     server = Server(config.host, config.port, [SERVICE_NAME], config.security)
-    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server.server)
+    register(server.server, servicer, SERVICE)
     await server.start()
     await server.ready()
     log.info("drafter %s listening on %s %s", config.kind, server.address, proposer.params())

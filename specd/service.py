@@ -16,6 +16,9 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -71,12 +74,54 @@ def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
+class Malformed:
+    """Stands in for a request whose bytes are not a protobuf message of the right type."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _refuse_malformed(request) -> None:
+    if isinstance(request, Malformed):
+        raise InvalidArgument(f"the request is not a valid protobuf message: {request.error}")
+
+
+def register(server: grpc.aio.Server, servicer, service: ServiceDescriptor) -> None:
+    """Add `servicer` for `service`; undecodable requests become INVALID_ARGUMENT
+    (the generated add_*_to_server would let them surface as UNKNOWN)."""
+    handlers = {}
+    for method in service.methods:
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+
+        def parse(data: bytes, cls=request_cls):
+            try:
+                return cls.FromString(data)
+            except DecodeError as err:
+                return Malformed(err)
+
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=parse,
+            response_serializer=response_cls.SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler(service.full_name, handlers)]
+    )
+
+
 def rpc(method):
     """Turn exceptions of a unary aio servicer method into gRPC statuses."""
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
         try:
+            _refuse_malformed(request)
             return await method(self, request, context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
@@ -92,6 +137,7 @@ def rpc_stream(method):
     @functools.wraps(method)
     async def wrapper(self, request, context):
         try:
+            _refuse_malformed(request)
             async for item in method(self, request, context):
                 yield item
         except (grpc.aio.AbortError, asyncio.CancelledError):

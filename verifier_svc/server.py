@@ -5,20 +5,21 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from specd.service import MlxThread, Server
-from specd.v1 import verifier_pb2, verifier_pb2_grpc
+from specd.service import MlxThread, Server, register
+from specd.v1 import verifier_pb2
 from verifier_svc.config import VerifierConfig
 from verifier_svc.servicer import VerifierServicer
 
 log = logging.getLogger("specd.verifier")
-SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"]
+SERVICE_NAME = SERVICE.full_name
 
 
 async def serve(config: VerifierConfig) -> None:
     mlx_thread = MlxThread()
     servicer = VerifierServicer(config, mlx_thread)
     server = Server(config.host, config.port, [SERVICE_NAME], config.security)
-    verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server.server)
+    register(server.server, servicer, SERVICE)
     await server.start()  # health answers NOT_SERVING while the model loads
     log.info(
         "verifier listening on %s, loading %s", server.address, config.model or "the embedded model"
