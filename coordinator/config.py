@@ -16,7 +16,7 @@ class CoordinatorConfig:
     adaptive: bool = True  # choose k per round, up to the drafter's default; off: always that
     verify_timeout_s: float = 60.0  # deadline of one Verify call
     prefill_timeout_s: float = 600.0  # long prompts on a CPU take minutes
-    draft_timeout_s: float = 30.0
+    draft_timeout_s: float = 5.0  # a hung drafter costs at most this, then rounds go on without
     verifier_recovery_s: float = 60.0  # how long a lost session waits for a verifier to return
     connect_timeout_s: float = 600.0  # how long to wait at start for the verifier to load
     cache_dir: Path | None = None  # where tokenizer files from the verifier are kept

@@ -100,6 +100,15 @@ def _add_serve(sub) -> None:
         help="seconds a request waits for a lost verifier to come back",
     )
     c.add_argument(
+        "--verify-timeout", type=float, default=60.0, help="deadline of one verify call, seconds"
+    )
+    c.add_argument(
+        "--draft-timeout",
+        type=float,
+        default=5.0,
+        help="deadline of one draft call; past it the round goes on without drafts",
+    )
+    c.add_argument(
         "--drafter",
         default=f"127.0.0.1:{DEFAULT_PORTS['drafter']}",
         help="drafter address, or 'none' for plain decoding through the verifier",
@@ -174,6 +183,8 @@ def _serve(args) -> int:
             default_max_tokens=args.default_max_tokens,
             adaptive=args.adaptive,
             verifier_recovery_s=args.verifier_recovery_timeout,
+            verify_timeout_s=args.verify_timeout,
+            draft_timeout_s=args.draft_timeout,
             security=_server_security(args),
             upstream=_client_security(args, "upstream_"),
             cache_dir=args.cache_dir,

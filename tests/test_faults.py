@@ -88,3 +88,26 @@ def test_verifier_that_never_comes_back(tiny_model_dir, tmp_path):
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "no verifier answered" in err.value.details()
         assert received  # what was committed before the fault reached the client
+
+
+def test_hung_drafter_times_out_and_drafting_resumes(tiny_model_dir, tmp_path):
+    """SIGSTOP freezes the drafter: its calls time out, rounds go on, output is unchanged."""
+    import signal
+
+    with Stack(
+        target=str(tiny_model_dir),
+        drafter="ngram",
+        log_dir=tmp_path,
+        coordinator_args=["--draft-timeout", "0.3"],
+    ) as stack:
+        client = CoordinatorClient(stack.coordinator)
+        reference = client.generate(make_request(prompt=PROMPT, max_tokens=200)).token_ids
+        drafter = stack.services["drafter"].process
+        drafter.send_signal(signal.SIGSTOP)
+        try:
+            hung = client.generate(make_request(prompt=PROMPT, max_tokens=200))
+        finally:
+            drafter.send_signal(signal.SIGCONT)
+        assert hung.token_ids == reference and hung.stats["drafter_failed"]
+        after = client.generate(make_request(prompt=PROMPT, max_tokens=200))
+        assert after.token_ids == reference and after.stats["drafted"] > 0
