@@ -157,8 +157,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         k = request.num_draft_tokens if pinned else info.default_draft_tokens
         if k > info.max_draft_tokens:
             raise InvalidArgument(f"num_draft_tokens {k} must be in [0, {info.max_draft_tokens}]")
+        # k follows measured timings, so a seeded sampling request keeps k fixed: the same
+        # seed must give the same output
+        seeded = sampling.temperature > 0 and sampling.HasField("seed")
         adaptive = None
-        if self.config.adaptive and k > 0 and not pinned:
+        if self.config.adaptive and k > 0 and not pinned and not seeded:
             adaptive = AdaptiveK(self.costs, k_max=k)
         return Plan(max_tokens=max_tokens, num_draft_tokens=k, sampling=sampling, adaptive=adaptive)
 
