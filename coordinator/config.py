@@ -12,6 +12,7 @@ class CoordinatorConfig:
     drafter: str | None = "127.0.0.1:50052"  # None: no speculation, verify-only rounds
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 50050
+    http_port: int | None = None  # OpenAI-compatible HTTP API; None: off
     default_max_tokens: int = 256  # when a request leaves max_tokens at 0
     adaptive: bool = True  # choose k per round, up to the drafter's default; off: always that
     verify_timeout_s: float = 60.0  # deadline of one Verify call

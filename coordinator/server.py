@@ -25,7 +25,24 @@ async def serve(config: CoordinatorConfig) -> None:
         config.verifier,
         config.drafter or "none",
     )
-    if await servicer.connect():
+    ready = await servicer.connect()
+    http = await _start_http(servicer, config) if config.http_port is not None else None
+    if ready:
         await server.ready()
         log.info("coordinator ready")
     await server.run_until_signal()
+    if http is not None:
+        await http.cleanup()
+
+
+async def _start_http(servicer: CoordinatorServicer, config: CoordinatorConfig):
+    from aiohttp import web
+
+    from coordinator.http_api import OpenAIApi
+
+    api = OpenAIApi(servicer, servicer.verifier_info.model.name)
+    runner = web.AppRunner(api.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.http_port).start()
+    log.info("OpenAI-compatible API on http://%s:%d/v1", config.host, config.http_port)
+    return runner

@@ -186,6 +186,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @rpc_stream
     async def Generate(self, request, context):
+        async for message in self.generate(request):
+            yield message
+
+    async def generate(self, request):
+        """Stream GenerateResponse messages for a GenerateRequest (gRPC and HTTP share it)."""
         self._check_ready()
         prompt_ids = self._prompt_ids(request)
         usable = await self._pair_drafter()

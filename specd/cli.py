@@ -99,6 +99,7 @@ def _add_serve(sub) -> None:
         default=60.0,
         help="seconds a request waits for a lost verifier to come back",
     )
+    c.add_argument("--http-port", type=int, help="also serve the OpenAI-compatible API here")
     c.add_argument(
         "--verify-timeout", type=float, default=60.0, help="deadline of one verify call, seconds"
     )
@@ -183,6 +184,7 @@ def _serve(args) -> int:
             default_max_tokens=args.default_max_tokens,
             adaptive=args.adaptive,
             verifier_recovery_s=args.verifier_recovery_timeout,
+            http_port=args.http_port,
             verify_timeout_s=args.verify_timeout,
             draft_timeout_s=args.draft_timeout,
             security=_server_security(args),
