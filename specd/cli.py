@@ -209,6 +209,7 @@ def _up(args) -> int:
             "drafter": args.drafter_port,
             "coordinator": args.port,
         },
+        coordinator_args=["--http-port", str(args.http_port)] if args.http_port else [],
     )
     print(
         f"specd: starting verifier, {drafter or 'no'} drafter and coordinator on {args.host}...",
@@ -306,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--verifier-port", type=int, default=DEFAULT_PORTS["verifier"])
     up.add_argument("--drafter-port", type=int, default=DEFAULT_PORTS["drafter"])
+    up.add_argument("--http-port", type=int, help="also serve the OpenAI-compatible API here")
 
     gen = sub.add_parser("generate", help="generate through a running coordinator")
     gen.add_argument("--coordinator", default=f"127.0.0.1:{DEFAULT_PORTS['coordinator']}")
