@@ -17,6 +17,7 @@ import grpc
 
 from coordinator.clients import UpstreamError, VerifierClient
 from coordinator.rounds import Opened, Verified
+from specd import metrics
 from specd.service import Unavailable
 from specd.v1 import common_pb2
 
@@ -99,6 +100,7 @@ class VerifierPool:
                 err.message,
                 len(tracked.context),
             )
+            metrics.VERIFIER_REOPENS.inc()
             sampling = _reseeded(tracked.sampling, tracked.context)
             opened = await self._open_anywhere(tracked, sampling)
             tracked.context.append(opened.first_token)

@@ -16,10 +16,12 @@ from coordinator.pairing import pairing_error
 from coordinator.rounds import Plan, RoundStats, run_rounds
 from coordinator.text import TextStream
 from coordinator.tokenizer import load_served_tokenizer
+from specd import metrics
 from specd.prompts import encode_chat, encode_text
 from specd.service import (
     FailedPrecondition,
     InvalidArgument,
+    ServiceError,
     Unavailable,
     process_stats,
     rpc,
@@ -191,6 +193,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def generate(self, request):
         """Stream GenerateResponse messages for a GenerateRequest (gRPC and HTTP share it)."""
+        try:
+            async for message in self._generate(request):
+                yield message
+        except ServiceError as err:
+            metrics.REQUESTS.labels(err.code.name).inc()
+            raise
+
+    async def _generate(self, request):
         self._check_ready()
         prompt_ids = self._prompt_ids(request)
         usable = await self._pair_drafter()
@@ -221,6 +231,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if stats.drafter_failed:
             self.drafter_info = None  # it may come back as another drafter: pair again
         reason = "stop" if text.stopped else "eos" if last in eos_ids else "length"
+        metrics.observe_request(stats, reason)
         yield coordinator_pb2.GenerateResponse(
             text=text.finish(), finish_reason=reason, stats=stats_message(stats)
         )

@@ -60,6 +60,15 @@ def _add_serve(sub) -> None:
             help=f"port (default {DEFAULT_PORTS[name]}; 0 picks a free one)",
         )
         p.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+        p.add_argument(
+            "--log-format",
+            default="text",
+            choices=["text", "json"],
+            help="json: one JSON object per log line",
+        )
+        p.add_argument(
+            "--metrics-port", type=int, help="serve Prometheus metrics on this port (same host)"
+        )
         p.add_argument("--cache-dir", type=Path, help="model/tokenizer cache (~/.cache/specd)")
         _add_server_security(p)
         if name != "coordinator":
@@ -126,7 +135,11 @@ def _add_serve(sub) -> None:
 def _serve(args) -> int:
     from specd.service import setup_logging
 
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format == "json")
+    if args.metrics_port is not None:
+        from specd.metrics import serve_metrics
+
+        serve_metrics(args.host, args.metrics_port)
     if args.service == "verifier":
         from verifier_svc.config import VerifierConfig
         from verifier_svc.server import serve

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import os
 import resource
@@ -22,6 +23,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specd import metrics
 from specd.security import ServerSecurity
 from specd.v1 import common_pb2
 from specd.wire import WireError
@@ -118,15 +120,24 @@ def register(server: grpc.aio.Server, servicer, service: ServiceDescriptor) -> N
 def rpc(method):
     """Turn exceptions of a unary aio servicer method into gRPC statuses."""
 
+    name = method.__name__
+
     @functools.wraps(method)
     async def wrapper(self, request, context):
+        start, code = time.perf_counter(), grpc.StatusCode.OK
         try:
             _refuse_malformed(request)
             return await method(self, request, context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc:  # noqa: BLE001 - every error becomes a status, never a crash
-            await context.abort(*_status_of(exc))
+            code, message = _status_of(exc)
+            await context.abort(code, message)
+        finally:
+            metrics.RPCS.labels(name, code.name).inc()
+            metrics.RPC_SECONDS.labels(name).observe(time.perf_counter() - start)
+            if hasattr(self, "sessions"):
+                metrics.SESSIONS.set(len(self.sessions))
 
     return wrapper
 
@@ -134,8 +145,11 @@ def rpc(method):
 def rpc_stream(method):
     """Same as `rpc` for server-streaming methods (async generators)."""
 
+    name = method.__name__
+
     @functools.wraps(method)
     async def wrapper(self, request, context):
+        code = grpc.StatusCode.OK
         try:
             _refuse_malformed(request)
             async for item in method(self, request, context):
@@ -143,7 +157,10 @@ def rpc_stream(method):
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc:  # noqa: BLE001
-            await context.abort(*_status_of(exc))
+            code, message = _status_of(exc)
+            await context.abort(code, message)
+        finally:
+            metrics.RPCS.labels(name, code.name).inc()
 
     return wrapper
 
@@ -291,6 +308,24 @@ class Server:
         await self.server.stop(grace_s)
 
 
-def setup_logging(level: str = "info") -> None:
-    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr)
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(level: str = "info", json_lines: bool = False) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        JsonFormatter()
+        if json_lines
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    logging.basicConfig(level=level.upper(), handlers=[handler])
