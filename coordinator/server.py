@@ -25,6 +25,7 @@ async def serve(config: CoordinatorConfig) -> None:
         config.verifier,
         config.drafter or "none",
     )
+    servicer.on_ready = server.ready
     ready = await servicer.connect()
     http = await _start_http(servicer, config) if config.http_port is not None else None
     if ready:

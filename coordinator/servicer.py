@@ -71,6 +71,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.drafter_info = None
         self.pairing_error = ""
         self.costs = SpeculationCosts()  # learned across requests: one verifier, one drafter
+        self.on_ready = None  # async callback: the coordinator can serve (health SERVING)
 
     async def connect(self) -> bool:
         """Wait for a verifier, fetch the tokenizer, and pair with the drafter if it is up."""
@@ -173,18 +174,46 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if self.tokenizer is None:
             raise Unavailable("the coordinator is still connecting to its verifier")
 
-    @rpc
-    async def GetInfo(self, request, context):
+    async def _info(self) -> coordinator_pb2.CoordinatorInfo:
         info = coordinator_pb2.CoordinatorInfo(
             pairing_error=self.pairing_error,
             process=process_stats(),
-            verifier_address=self.config.verifier,
-            drafter_address=self.config.drafter or "",
+            verifier_address=self.verifier.address,
+            drafter_address=self.drafter.address if self.drafter else "",
         )
         info.verifier.CopyFrom(await self.verifier.info())
         if self.drafter is not None:
             info.drafter.CopyFrom(await self.drafter.info())
         return info
+
+    @rpc
+    async def GetInfo(self, request, context):
+        return await self._info()
+
+    @rpc
+    async def SetDrafter(self, request, context):
+        address = request.address.strip()
+        if not address:
+            raise InvalidArgument("address is empty: give the drafter's host:port, or 'none'")
+        drafter, info = None, None
+        if address != "none":
+            drafter = DrafterClient(address, self.config.draft_timeout_s, self.config.upstream)
+            try:
+                info = await drafter.info()
+            except UpstreamError as err:
+                raise FailedPrecondition(
+                    f"drafter {address} did not answer: {err.message}"
+                ) from None
+            error = pairing_error(self.verifier_info, info)
+            if error:
+                raise FailedPrecondition(error)
+        # requests in flight keep the client they started with
+        self.drafter, self.drafter_info, self.pairing_error = drafter, info, ""
+        self.costs = SpeculationCosts()  # another drafter, other costs
+        log.info("drafter set to %s (%s)", address, info.kind if info else "no drafting")
+        if self.on_ready is not None:
+            await self.on_ready()
+        return await self._info()
 
     @rpc_stream
     async def Generate(self, request, context):
@@ -205,7 +234,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         prompt_ids = self._prompt_ids(request)
         usable = await self._pair_drafter()
         self._check_ready()  # the drafter may just have turned out to be for another target
-        plan = self._plan(request, self.drafter_info if usable else None)
+        drafter, drafter_info = self.drafter, self.drafter_info  # a swap now won't touch us
+        plan = self._plan(request, drafter_info if usable else None)
         limit = self.verifier_info.max_context
         if len(prompt_ids) + plan.max_tokens > limit:
             raise InvalidArgument(
@@ -215,7 +245,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         text = TextStream(self.tokenizer.detokenizer, list(request.stop))
         eos_ids = set(self.verifier_info.model.eos_token_ids)
         stats, last = RoundStats(), None
-        drafter = self.drafter if plan.num_draft_tokens > 0 else None
+        drafter = drafter if plan.num_draft_tokens > 0 else None
         rounds = run_rounds(self.verifier, drafter, prompt_ids, plan, stats)
         async with aclosing(rounds):
             async for new_ids, _finished in rounds:
@@ -228,7 +258,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 yield coordinator_pb2.GenerateResponse(text=text.take(), token_ids=out)
                 if text.stopped:
                     break
-        if stats.drafter_failed:
+        if stats.drafter_failed and drafter is self.drafter:
             self.drafter_info = None  # it may come back as another drafter: pair again
         reason = "stop" if text.stopped else "eos" if last in eos_ids else "length"
         metrics.observe_request(stats, reason)

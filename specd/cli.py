@@ -294,6 +294,22 @@ def _generate(args) -> int:
     return 0
 
 
+def _set_drafter(args) -> int:
+    from specd.client import CoordinatorClient
+
+    client = CoordinatorClient(args.coordinator, _client_security(args))
+    try:
+        info = client.set_drafter(args.address)
+    except grpc.RpcError as err:
+        print(f"specd: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    kind = info.drafter.kind if info.HasField("drafter") else "none"
+    print(f"coordinator {args.coordinator} now drafts with {kind} at {info.drafter_address or '-'}")
+    return 0
+
+
 def _model_path(args) -> int:
     from specd.models.resolve import ModelNotFoundError, resolve_model
 
@@ -338,6 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="end with one JSON line of results")
     _add_client_security(gen)
 
+    sd = sub.add_parser("set-drafter", help="point a running coordinator at another drafter")
+    sd.add_argument("address", help="host:port of a running drafter, or 'none'")
+    sd.add_argument("--coordinator", default=f"127.0.0.1:{DEFAULT_PORTS['coordinator']}")
+    _add_client_security(sd)
+
     mp = sub.add_parser("model-path", help="print the local mlx-lm directory of a model")
     mp.add_argument("model", nargs="?", help="default: the embedded SmolLM2")
     mp.add_argument("--cache-dir", type=Path)
@@ -361,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "model-path":
         return _model_path(args)
+    if args.command == "set-drafter":
+        return _set_drafter(args)
     from coordinator.bench import run_bench, run_demo
 
     return run_bench(args) if args.command == "bench" else run_demo(args)

@@ -98,5 +98,9 @@ class CoordinatorClient:
                 )
         return out
 
+    def set_drafter(self, address: str, timeout_s: float = 60.0):
+        request = coordinator_pb2.SetDrafterRequest(address=address)
+        return self.stub.SetDrafter(request, timeout=timeout_s, metadata=self.metadata)
+
     def close(self) -> None:
         self.channel.close()

@@ -13,16 +13,21 @@ def scrape(port: int) -> str:
 
 
 def value(text: str, prefix: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(prefix))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
+    )
 
 
 def test_metrics_after_requests_and_json_logs(tiny_model_dir, tmp_path):
     ports = {name: free_port() for name in ("verifier", "drafter", "coordinator")}
-    with Stack(target=str(tiny_model_dir), drafter="ngram", log_dir=tmp_path,
-               verifier_args=["--metrics-port", str(ports["verifier"]), "--log-format", "json"],
-               drafter_args=["--metrics-port", str(ports["drafter"])],
-               coordinator_args=["--metrics-port", str(ports["coordinator"])]) as stack:
+    with Stack(
+        target=str(tiny_model_dir),
+        drafter="ngram",
+        log_dir=tmp_path,
+        verifier_args=["--metrics-port", str(ports["verifier"]), "--log-format", "json"],
+        drafter_args=["--metrics-port", str(ports["drafter"])],
+        coordinator_args=["--metrics-port", str(ports["coordinator"])],
+    ) as stack:
         client = CoordinatorClient(stack.coordinator)
         for prompt in ("abcabcabc", "hello hello hello"):
             client.generate(make_request(prompt=prompt, max_tokens=30))

@@ -27,27 +27,29 @@ from specd.v1 import drafter_pb2 as specd_dot_v1_dot_drafter__pb2
 from specd.v1 import verifier_pb2 as specd_dot_v1_dot_verifier__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecd/v1/coordinator.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\x1a\x16specd/v1/drafter.proto\x1a\x17specd/v1/verifier.proto\"\xd6\x01\n\x0f\x43oordinatorInfo\x12(\n\x08verifier\x18\x01 \x01(\x0b\x32\x16.specd.v1.VerifierInfo\x12&\n\x07\x64rafter\x18\x02 \x01(\x0b\x32\x15.specd.v1.DrafterInfo\x12\x15\n\rpairing_error\x18\x03 \x01(\t\x12\'\n\x07process\x18\x04 \x01(\x0b\x32\x16.specd.v1.ProcessStats\x12\x18\n\x10verifier_address\x18\x05 \x01(\t\x12\x17\n\x0f\x64rafter_address\x18\x06 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.specd.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x80\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.specd.v1.ChatMessagesH\x00\x12(\n\nprompt_ids\x18\x03 \x01(\x0b\x32\x12.specd.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x1d\n\x10num_draft_tokens\x18\x07 \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05inputB\x13\n\x11_num_draft_tokens\"\xa9\x02\n\rGenerateStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06rounds\x18\x03 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x04 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\x05\x12\x0b\n\x03tau\x18\x06 \x01(\x01\x12\x11\n\tprefill_s\x18\x07 \x01(\x01\x12\x0f\n\x07\x64raft_s\x18\x08 \x01(\x01\x12\x10\n\x08verify_s\x18\t \x01(\x01\x12\x15\n\rcoordinator_s\x18\n \x01(\x01\x12\x0f\n\x07total_s\x18\x0b \x01(\x01\x12\x18\n\x10verify_compute_s\x18\x0c \x01(\x01\x12\x17\n\x0f\x64raft_compute_s\x18\r \x01(\x01\x12\x16\n\x0e\x64rafter_failed\x18\x0e \x01(\x08\"r\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12&\n\x05stats\x18\x04 \x01(\x0b\x32\x17.specd.v1.GenerateStats2\x8f\x01\n\x0b\x43oordinator\x12;\n\x07GetInfo\x12\x15.specd.v1.InfoRequest\x1a\x19.specd.v1.CoordinatorInfo\x12\x43\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecd/v1/coordinator.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\x1a\x16specd/v1/drafter.proto\x1a\x17specd/v1/verifier.proto\"$\n\x11SetDrafterRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"\xd6\x01\n\x0f\x43oordinatorInfo\x12(\n\x08verifier\x18\x01 \x01(\x0b\x32\x16.specd.v1.VerifierInfo\x12&\n\x07\x64rafter\x18\x02 \x01(\x0b\x32\x15.specd.v1.DrafterInfo\x12\x15\n\rpairing_error\x18\x03 \x01(\t\x12\'\n\x07process\x18\x04 \x01(\x0b\x32\x16.specd.v1.ProcessStats\x12\x18\n\x10verifier_address\x18\x05 \x01(\t\x12\x17\n\x0f\x64rafter_address\x18\x06 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.specd.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x80\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.specd.v1.ChatMessagesH\x00\x12(\n\nprompt_ids\x18\x03 \x01(\x0b\x32\x12.specd.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x1d\n\x10num_draft_tokens\x18\x07 \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05inputB\x13\n\x11_num_draft_tokens\"\xa9\x02\n\rGenerateStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06rounds\x18\x03 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x04 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\x05\x12\x0b\n\x03tau\x18\x06 \x01(\x01\x12\x11\n\tprefill_s\x18\x07 \x01(\x01\x12\x0f\n\x07\x64raft_s\x18\x08 \x01(\x01\x12\x10\n\x08verify_s\x18\t \x01(\x01\x12\x15\n\rcoordinator_s\x18\n \x01(\x01\x12\x0f\n\x07total_s\x18\x0b \x01(\x01\x12\x18\n\x10verify_compute_s\x18\x0c \x01(\x01\x12\x17\n\x0f\x64raft_compute_s\x18\r \x01(\x01\x12\x16\n\x0e\x64rafter_failed\x18\x0e \x01(\x08\"r\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12&\n\x05stats\x18\x04 \x01(\x0b\x32\x17.specd.v1.GenerateStats2\xd5\x01\n\x0b\x43oordinator\x12;\n\x07GetInfo\x12\x15.specd.v1.InfoRequest\x1a\x19.specd.v1.CoordinatorInfo\x12\x43\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse0\x01\x12\x44\n\nSetDrafter\x12\x1b.specd.v1.SetDrafterRequest\x1a\x19.specd.v1.CoordinatorInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specd.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COORDINATORINFO']._serialized_start=113
-  _globals['_COORDINATORINFO']._serialized_end=327
-  _globals['_CHATMESSAGE']._serialized_start=329
-  _globals['_CHATMESSAGE']._serialized_end=373
-  _globals['_CHATMESSAGES']._serialized_start=375
-  _globals['_CHATMESSAGES']._serialized_end=430
-  _globals['_TOKENIDS']._serialized_start=432
-  _globals['_TOKENIDS']._serialized_end=455
-  _globals['_GENERATEREQUEST']._serialized_start=458
-  _globals['_GENERATEREQUEST']._serialized_end=714
-  _globals['_GENERATESTATS']._serialized_start=717
-  _globals['_GENERATESTATS']._serialized_end=1014
-  _globals['_GENERATERESPONSE']._serialized_start=1016
-  _globals['_GENERATERESPONSE']._serialized_end=1130
-  _globals['_COORDINATOR']._serialized_start=1133
-  _globals['_COORDINATOR']._serialized_end=1276
+  _globals['_SETDRAFTERREQUEST']._serialized_start=112
+  _globals['_SETDRAFTERREQUEST']._serialized_end=148
+  _globals['_COORDINATORINFO']._serialized_start=151
+  _globals['_COORDINATORINFO']._serialized_end=365
+  _globals['_CHATMESSAGE']._serialized_start=367
+  _globals['_CHATMESSAGE']._serialized_end=411
+  _globals['_CHATMESSAGES']._serialized_start=413
+  _globals['_CHATMESSAGES']._serialized_end=468
+  _globals['_TOKENIDS']._serialized_start=470
+  _globals['_TOKENIDS']._serialized_end=493
+  _globals['_GENERATEREQUEST']._serialized_start=496
+  _globals['_GENERATEREQUEST']._serialized_end=752
+  _globals['_GENERATESTATS']._serialized_start=755
+  _globals['_GENERATESTATS']._serialized_end=1052
+  _globals['_GENERATERESPONSE']._serialized_start=1054
+  _globals['_GENERATERESPONSE']._serialized_end=1168
+  _globals['_COORDINATOR']._serialized_start=1171
+  _globals['_COORDINATOR']._serialized_end=1384
 # @@protoc_insertion_point(module_scope)

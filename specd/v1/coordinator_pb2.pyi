@@ -9,6 +9,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SetDrafterRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
 class CoordinatorInfo(_message.Message):
     __slots__ = ("verifier", "drafter", "pairing_error", "process", "verifier_address", "drafter_address")
     VERIFIER_FIELD_NUMBER: _ClassVar[int]

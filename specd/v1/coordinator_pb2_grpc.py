@@ -47,6 +47,11 @@ class CoordinatorStub:
                 request_serializer=specd_dot_v1_dot_coordinator__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_coordinator__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.SetDrafter = channel.unary_unary(
+                '/specd.v1.Coordinator/SetDrafter',
+                request_serializer=specd_dot_v1_dot_coordinator__pb2.SetDrafterRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_coordinator__pb2.CoordinatorInfo.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -66,6 +71,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetDrafter(self, request, context):
+        """Admin: point new requests at another drafter (or none); requests in flight finish on the
+        one they started with. Refused with FAILED_PRECONDITION if it cannot serve this target.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +91,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=specd_dot_v1_dot_coordinator__pb2.GenerateRequest.FromString,
                     response_serializer=specd_dot_v1_dot_coordinator__pb2.GenerateResponse.SerializeToString,
+            ),
+            'SetDrafter': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetDrafter,
+                    request_deserializer=specd_dot_v1_dot_coordinator__pb2.SetDrafterRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_coordinator__pb2.CoordinatorInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +154,33 @@ class Coordinator:
             '/specd.v1.Coordinator/Generate',
             specd_dot_v1_dot_coordinator__pb2.GenerateRequest.SerializeToString,
             specd_dot_v1_dot_coordinator__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetDrafter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.Coordinator/SetDrafter',
+            specd_dot_v1_dot_coordinator__pb2.SetDrafterRequest.SerializeToString,
+            specd_dot_v1_dot_coordinator__pb2.CoordinatorInfo.FromString,
             options,
             channel_credentials,
             insecure,
