@@ -52,6 +52,11 @@ def _add_serve(sub) -> None:
     kinds = serve.add_subparsers(dest="service", required=True)
     for name in ("verifier", "drafter", "coordinator"):
         p = kinds.add_parser(name, help=f"run the {name}")
+        p.add_argument(
+            "--config",
+            type=Path,
+            help=f"deployment TOML: its [{name}] table sets defaults; flags win",
+        )
         p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
         p.add_argument(
             "--port",
@@ -208,8 +213,47 @@ def _serve(args) -> int:
     return 0
 
 
+def _up_from_config(args) -> int:
+    """Every service the deployment file names, on this machine, with its options."""
+    from specd import deployment
+    from specd.launch import start_service
+
+    try:
+        tables = deployment.load(args.config)
+    except deployment.DeploymentError as exc:
+        print(f"specd: {exc}", file=sys.stderr)
+        return 2
+    services = []
+    try:
+        for name in deployment.SERVICES:
+            if name in tables:
+                address = deployment.address(args.config, name, DEFAULT_PORTS[name])
+                services.append(start_service(name, ["--config", str(args.config)], address))
+        for service in services:
+            service.wait_healthy(600)
+        print(
+            f"specd: ready: {', '.join(f'{s.name} {s.address}' for s in services)} "
+            "(Ctrl-C stops all)",
+            file=sys.stderr,
+        )
+        while all(s.process.poll() is None for s in services):
+            time.sleep(1.0)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"specd: could not start: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for service in reversed(services):
+            service.stop()
+
+
 def _up(args) -> int:
     from specd.launch import Stack
+
+    if args.config is not None:
+        return _up_from_config(args)
 
     drafter = None if args.drafter == "none" else args.drafter
     stack = Stack(
@@ -337,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--verifier-port", type=int, default=DEFAULT_PORTS["verifier"])
     up.add_argument("--drafter-port", type=int, default=DEFAULT_PORTS["drafter"])
     up.add_argument("--http-port", type=int, help="also serve the OpenAI-compatible API here")
+    up.add_argument(
+        "--config", type=Path, help="deployment TOML: run the services it names with its options"
+    )
 
     gen = sub.add_parser("generate", help="generate through a running coordinator")
     gen.add_argument("--coordinator", default=f"127.0.0.1:{DEFAULT_PORTS['coordinator']}")
@@ -370,10 +417,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """Parse; for `serve NAME --config F`, F's [NAME] table becomes the defaults."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "serve" or args.config is None:
+        return args
+    from specd.deployment import DeploymentError, service_table
+
+    sub = next(a for a in parser._subparsers._group_actions if a.dest == "command")
+    service_parser = sub.choices["serve"]._subparsers._group_actions[0].choices[args.service]
+    known = {a.dest for a in service_parser._actions}
+    try:
+        table = service_table(args.config, args.service, known)
+    except DeploymentError as exc:
+        parser.error(str(exc))
+    service_parser.set_defaults(**table)
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ensure_fast_blas(argv)
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     if args.command == "serve":
         return _serve(args)
     if args.command == "up":

@@ -89,7 +89,16 @@ def spawn(
 ) -> ServiceProcess:
     """`python -m specd serve NAME --host H --port P ARGS`; output to log_dir/NAME.log if given."""
     port = port or free_port(host)
-    cmd = [sys.executable, "-m", "specd", "serve", name, "--host", host, "--port", str(port), *args]
+    return start_service(
+        name, ["--host", host, "--port", str(port), *args], f"{host}:{port}", log_dir
+    )
+
+
+def start_service(
+    name: str, args: list[str], address: str, log_dir: Path | None = None
+) -> ServiceProcess:
+    """`python -m specd serve NAME ARGS`, reachable at `address` once healthy."""
+    cmd = [sys.executable, "-m", "specd", "serve", name, *args]
     log_path = None
     out = None
     if log_dir is not None:
@@ -99,7 +108,7 @@ def spawn(
     process = subprocess.Popen(cmd, stdout=out, stderr=out, env=blas_env())
     if out is not None:
         out.close()
-    return ServiceProcess(name, f"{host}:{port}", process, log_path)
+    return ServiceProcess(name, address, process, log_path)
 
 
 @dataclass
