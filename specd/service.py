@@ -7,7 +7,6 @@ import asyncio
 import functools
 import json
 import logging
-import os
 import resource
 import signal
 import sys
@@ -236,16 +235,29 @@ class MlxThread:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def process_stats(open_sessions: int = 0) -> common_pb2.ProcessStats:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    peak *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
-    rss = 0
+def _status_kib(field: str) -> int | None:
     try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
     except OSError:
-        rss = peak
-    return common_pb2.ProcessStats(peak_rss_bytes=peak, rss_bytes=rss, open_sessions=open_sessions)
+        pass
+    return None
+
+
+def process_stats(open_sessions: int = 0) -> common_pb2.ProcessStats:
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec, so a service started by a big
+    # parent would report the parent's size
+    peak_kib, rss_kib = _status_kib("VmHWM"), _status_kib("VmRSS")
+    if peak_kib is None:  # macOS: ru_maxrss in bytes
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return common_pb2.ProcessStats(
+            peak_rss_bytes=peak, rss_bytes=peak, open_sessions=open_sessions
+        )
+    return common_pb2.ProcessStats(
+        peak_rss_bytes=peak_kib * 1024, rss_bytes=rss_kib * 1024, open_sessions=open_sessions
+    )
 
 
 def channel_options() -> list[tuple[str, int]]:
