@@ -83,11 +83,30 @@ def test_lossless_distribution_matches_target(k, one_hot):
     assert stat < crit
 
 
+def resample_from_p(draft_ids, draft_probs, target_row, rng, eos_ids):
+    """Subtly wrong: the right acceptance test, but a rejected draft is replaced by a sample
+    from p instead of from normalize(max(0, p - q))."""
+    committed = []
+    for i, token in enumerate(draft_ids):
+        p = target_row(i)
+        q = 1.0 if draft_probs is None else draft_probs[i, token]
+        if rng.random() * q < p[token]:
+            committed.append(token)
+            continue
+        committed.append(int(rng.choice(V, p=p)))
+        return Acceptance(committed, i, False)
+    committed.append(int(rng.choice(V, p=target_row(len(draft_ids)))))
+    return Acceptance(committed, len(draft_ids), False)
+
+
+@pytest.mark.parametrize("wrong", [wrong_accept, resample_from_p], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("one_hot", [False, True], ids=["draft-probs", "one-hot"])
-def test_lossless_check_rejects_a_wrong_sampler(one_hot):
-    tokens, target = run(wrong_accept, 3, SamplingConfig(temperature=1.0), one_hot)
+def test_lossless_check_rejects_a_wrong_sampler(one_hot, wrong):
+    tokens, target = run(wrong, 3, SamplingConfig(temperature=1.0), one_hot)
     stat, crit, df = worst_fit(tokens, target)
-    print(f"wrong sampler one_hot={one_hot}: chi2 {stat:.1f} > {crit:.1f} (df {df})")
+    print(
+        f"wrong sampler {wrong.__name__} one_hot={one_hot}: chi2 {stat:.1f} > {crit:.1f} (df {df})"
+    )
     assert stat > crit
 
 
