@@ -50,6 +50,11 @@ def add_bench_args(p) -> None:
         action="store_false",
         help="draft a fixed k every round instead of adapting it",
     )
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="also run the round loop in this process (no gRPC) for comparison",
+    )
     p.add_argument("--json", dest="json_out", type=Path, help="write results here")
     p.add_argument("--log-dir", type=Path, help="service logs (default: a temp dir)")
 
@@ -125,6 +130,12 @@ def summarize(rows: list[dict]) -> dict:
         "baseline_tok_s": sum(r["baseline_tokens"] for r in rows) / base if base else 0.0,
         "spec_tok_s": sum(r["tokens"] for r in rows) / spec if spec else 0.0,
         "round_split_ms": {k.removesuffix("_s"): round(v, 2) for k, v in split.items()},
+        # in-process seconds / split seconds: what the three processes cost, 1.0 = nothing
+        "split_vs_inprocess": (
+            sum(r["inproc_s"] for r in rows) / spec
+            if rows and "inproc_s" in rows[0] and spec
+            else None
+        ),
     }
 
 
@@ -149,6 +160,49 @@ def _drafter_args(args) -> list[str]:
         if value is not None:
             out += [flag, str(value)]
     return out
+
+
+def in_process_runner(args):
+    """The same round loop with no gRPC (coordinator/local.py), for the cost of the split."""
+    import asyncio
+
+    from coordinator.adaptive import AdaptiveK, SpeculationCosts
+    from coordinator.local import LocalDrafter, LocalVerifier
+    from coordinator.rounds import Plan, RoundStats, run_rounds
+    from drafter_svc.ngram import NgramConfig, NgramProposer
+    from specd.models.load import load_target
+    from specd.v1 import common_pb2
+    from verifier_svc.engine import Target
+
+    config = NgramConfig()
+    for name, value in (
+        ("num_draft_tokens", args.num_draft_tokens),
+        ("min_n", args.ngram_min_n),
+        ("max_n", args.ngram_max_n),
+    ):
+        if value is not None:
+            setattr(config, name, value)
+    # its own copy of the model: the baseline's stays free of the capture wrappers
+    verifier = LocalVerifier(Target(load_target(args.target, args.dtype)))
+    drafter = None if args.drafter == "none" else LocalDrafter(NgramProposer(config))
+    costs = SpeculationCosts()
+
+    async def consume(prompt_ids, plan, stats):
+        async for _ in run_rounds(verifier, drafter, prompt_ids, plan, stats):
+            pass
+
+    def run(prompt_ids) -> tuple[float, RoundStats]:
+        k = config.num_draft_tokens if drafter else 0
+        adaptive = AdaptiveK(costs, k) if args.adaptive and k else None
+        plan = Plan(
+            args.max_tokens, k, common_pb2.SamplingParams(temperature=args.temperature), adaptive
+        )
+        stats = RoundStats()
+        start = time.perf_counter()
+        asyncio.run(consume(prompt_ids, plan, stats))
+        return time.perf_counter() - start, stats
+
+    return run
 
 
 def run_bench(args) -> int:
@@ -184,6 +238,9 @@ def run_bench(args) -> int:
         # warm both paths so neither pays first-call compilation in the timings
         plain_decode(target.model, prompts[0], 8, eos)
         client.generate(make_request(prompt_ids=prompts[0], max_tokens=8))
+        in_process = in_process_runner(args) if args.in_process else None
+        if in_process:
+            in_process(prompts[0][:8])
         for i, (question, prompt_ids) in enumerate(zip(questions, prompts, strict=True)):
             base = plain_decode(target.model, prompt_ids, args.max_tokens, eos, args.temperature)
             request = make_request(
@@ -213,6 +270,9 @@ def run_bench(args) -> int:
                 "coordinator_s": s["coordinator_s"],
                 "prefill_s": s["prefill_s"],
             }
+            if in_process:
+                row["inproc_s"], inproc = in_process(prompt_ids)
+                row["inproc_round_ms"] = 1000 * inproc.total_s / max(inproc.rounds, 1)
             if args.temperature == 0 and not row["identical"]:
                 pos = first_difference(spec.token_ids, base.token_ids)
                 row["first_difference"] = pos
@@ -265,6 +325,9 @@ def format_table(result: dict) -> str:
             f"{name:<16}{s['count']:>4}{s['speedup']:>8.2f}x{s['tau']:>7.2f}{same:>11}"
             f"{s['baseline_tok_s']:>13.2f}{s['spec_tok_s']:>12.2f}"
         )
+    ratio = result["overall"].get("split_vs_inprocess")
+    if ratio:
+        lines.append(f"split vs in-process: {ratio:.3f} (1.0 = the three processes cost nothing)")
     split = result["overall"]["round_split_ms"]
     lines.append(
         f"per round: draft {split['draft']:.1f} ms, verify {split['verify']:.1f} ms, "
