@@ -10,14 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEMO_PROMPT = (
-    "Rewrite the following note so that it is polite and clear, keeping every fact:\n\n"
-    "hey team, the server migration is moved to friday 6pm because the database backup "
-    "took longer than planned. the old server stays online until sunday. if you have jobs "
-    "scheduled on the old server, move them to the new server before friday 6pm. the new "
-    "server address is build-02.internal and your old passwords still work. ask maria if "
-    "something breaks."
-)
+BENCH_DRAFTERS = ("ngram", "none")  # comma-separated in --drafter; none = no drafting
 
 
 def add_bench_args(p) -> None:
@@ -29,8 +22,8 @@ def add_bench_args(p) -> None:
     p.add_argument(
         "--drafter",
         default="ngram",
-        choices=["ngram", "none"],
-        help="none: the services without drafting (what the split costs)",
+        help="comma-separated: ngram, none (none = the services without drafting: what the "
+        "split costs); all run side by side",
     )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -57,13 +50,6 @@ def add_bench_args(p) -> None:
     )
     p.add_argument("--json", dest="json_out", type=Path, help="write results here")
     p.add_argument("--log-dir", type=Path, help="service logs (default: a temp dir)")
-
-
-def add_demo_args(p) -> None:
-    p.add_argument("--prompt", default=DEMO_PROMPT)
-    p.add_argument("--max-tokens", type=int, default=160)
-    p.add_argument("--target")
-    p.add_argument("--drafter", default="ngram", choices=["ngram", "none"])
 
 
 @dataclass
@@ -139,7 +125,7 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
-def _service_memory(client) -> dict:
+def service_memory(client) -> dict:
     info = client.info()
     out = {
         "coordinator": info.process.peak_rss_bytes,
@@ -162,7 +148,7 @@ def _drafter_args(args) -> list[str]:
     return out
 
 
-def in_process_runner(args):
+def in_process_runner(args, drafter_kind: str):
     """The same round loop with no gRPC (coordinator/local.py), for the cost of the split."""
     import asyncio
 
@@ -184,7 +170,7 @@ def in_process_runner(args):
             setattr(config, name, value)
     # its own copy of the model: the baseline's stays free of the capture wrappers
     verifier = LocalVerifier(Target(load_target(args.target, args.dtype)))
-    drafter = None if args.drafter == "none" else LocalDrafter(NgramProposer(config))
+    drafter = None if drafter_kind == "none" else LocalDrafter(NgramProposer(config))
     costs = SpeculationCosts()
 
     async def consume(prompt_ids, plan, stats):
@@ -205,93 +191,123 @@ def in_process_runner(args):
     return run
 
 
+def _spec_row(question, base: Baseline, spec, spec_s: float, temperature: float) -> dict:
+    s = spec.stats
+    row = {
+        "question_id": question.question_id,
+        "category": question.category,
+        "tokens": len(spec.token_ids),
+        "baseline_tokens": len(base.token_ids),
+        "baseline_s": base.seconds,
+        "spec_s": spec_s,
+        "tau": s["tau"],
+        "identical": spec.token_ids == base.token_ids if temperature == 0 else None,
+        **{
+            k: s[k]
+            for k in (
+                "rounds",
+                "drafted",
+                "accepted",
+                "draft_s",
+                "verify_s",
+                "coordinator_s",
+                "prefill_s",
+            )
+        },
+    }
+    if temperature == 0 and not row["identical"]:
+        pos = first_difference(spec.token_ids, base.token_ids)
+        row["first_difference"] = pos
+        if pos is not None and pos < len(base.logprobs):
+            row["baseline_margin"] = top2_margin(base.logprobs[pos])
+    return row
+
+
 def run_bench(args) -> int:
+    from contextlib import ExitStack
+
     from specd.client import CoordinatorClient, make_request
     from specd.datasets import load_questions
     from specd.launch import Stack
     from specd.models.load import load_target
     from specd.prompts import encode_chat
 
+    drafters = [d.strip() for d in args.drafter.split(",") if d.strip()]
+    unknown = sorted(set(drafters) - set(BENCH_DRAFTERS))
+    if unknown or not drafters:
+        print(
+            f"specd: unknown drafter(s) {unknown}; choose from {', '.join(BENCH_DRAFTERS)}",
+            file=sys.stderr,
+        )
+        return 2
     categories = args.categories.split(",") if args.categories else None
     questions = load_questions(args.questions, limit=args.limit, categories=categories)
     questions = questions[:: max(1, args.every)]
     target = load_target(args.target, args.dtype)
     tokenizer, eos = target.tokenizer, set(target.identity.eos_token_ids)
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
-    drafter = None if args.drafter == "none" else args.drafter
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specd-bench-"))
     print(
         f"bench: {len(questions)} questions, target {target.identity.name} ({target.dtype}), "
-        f"drafter {args.drafter}, {args.max_tokens} tokens; logs in {log_dir}",
+        f"drafters {', '.join(drafters)}, {args.max_tokens} tokens; logs in {log_dir}",
         file=sys.stderr,
     )
-    rows = []
-    with Stack(
-        target=args.target,
-        drafter=drafter,
-        dtype=args.dtype,
-        drafter_args=_drafter_args(args),
-        coordinator_args=[] if args.adaptive else ["--no-adaptive"],
-        log_dir=log_dir,
-    ) as stack:
-        client = CoordinatorClient(stack.coordinator)
-        # warm both paths so neither pays first-call compilation in the timings
+    rows: dict[str, list[dict]] = {d: [] for d in drafters}
+    memory = {}
+    with ExitStack() as running:
+        clients, in_process = {}, {}
+        for d in drafters:  # one stack each, all up: idle ones cost memory, not time
+            stack = running.enter_context(
+                Stack(
+                    target=args.target,
+                    drafter=None if d == "none" else d,
+                    dtype=args.dtype,
+                    drafter_args=_drafter_args(args),
+                    coordinator_args=[] if args.adaptive else ["--no-adaptive"],
+                    log_dir=log_dir / d,
+                )
+            )
+            clients[d] = CoordinatorClient(stack.coordinator)
+            # warm every path so none pays first-call compilation in the timings
+            clients[d].generate(make_request(prompt_ids=prompts[0], max_tokens=8))
+            if args.in_process:
+                in_process[d] = in_process_runner(args, d)
+                in_process[d](prompts[0][:8])
         plain_decode(target.model, prompts[0], 8, eos)
-        client.generate(make_request(prompt_ids=prompts[0], max_tokens=8))
-        in_process = in_process_runner(args) if args.in_process else None
-        if in_process:
-            in_process(prompts[0][:8])
         for i, (question, prompt_ids) in enumerate(zip(questions, prompts, strict=True)):
             base = plain_decode(target.model, prompt_ids, args.max_tokens, eos, args.temperature)
-            request = make_request(
-                prompt_ids=prompt_ids,
-                max_tokens=args.max_tokens,
-                temperature=args.temperature,
-                # k comes from the drafter default: a per-request k would pin it
-            )
-            start = time.perf_counter()
-            spec = client.generate(request)
-            spec_s = time.perf_counter() - start
-            s = spec.stats
-            row = {
-                "question_id": question.question_id,
-                "category": question.category,
-                "tokens": len(spec.token_ids),
-                "baseline_tokens": len(base.token_ids),
-                "baseline_s": base.seconds,
-                "spec_s": spec_s,
-                "tau": s["tau"],
-                "identical": spec.token_ids == base.token_ids if args.temperature == 0 else None,
-                "rounds": s["rounds"],
-                "drafted": s["drafted"],
-                "accepted": s["accepted"],
-                "draft_s": s["draft_s"],
-                "verify_s": s["verify_s"],
-                "coordinator_s": s["coordinator_s"],
-                "prefill_s": s["prefill_s"],
-            }
-            if in_process:
-                row["inproc_s"], inproc = in_process(prompt_ids)
-                row["inproc_round_ms"] = 1000 * inproc.total_s / max(inproc.rounds, 1)
-            if args.temperature == 0 and not row["identical"]:
-                pos = first_difference(spec.token_ids, base.token_ids)
-                row["first_difference"] = pos
-                if pos is not None and pos < len(base.logprobs):
-                    row["baseline_margin"] = top2_margin(base.logprobs[pos])
-            rows.append(row)
-            same = {None: "", True: "same"}.get(
-                row["identical"], f"DIFF at {row.get('first_difference')}"
-            )
-            print(
-                f"[{i + 1}/{len(questions)}] {question.category:<12} "
-                f"{base.seconds / spec_s:5.2f}x tau {s['tau']:.2f} {same}",
-                file=sys.stderr,
-            )
-        memory = _service_memory(client)
-        client.close()
-    result = {
+            line = [f"[{i + 1}/{len(questions)}] {question.category:<12}"]
+            for d in drafters:
+                request = make_request(
+                    prompt_ids=prompt_ids, max_tokens=args.max_tokens, temperature=args.temperature
+                )
+                start = time.perf_counter()
+                spec = clients[d].generate(request)
+                row = _spec_row(question, base, spec, time.perf_counter() - start, args.temperature)
+                if d in in_process:
+                    row["inproc_s"], inproc = in_process[d](prompt_ids)
+                    row["inproc_round_ms"] = 1000 * inproc.total_s / max(inproc.rounds, 1)
+                rows[d].append(row)
+                same = {None: "", True: "same"}.get(
+                    row["identical"], f"DIFF at {row.get('first_difference')}"
+                )
+                line.append(f"{d} {base.seconds / row['spec_s']:5.2f}x tau {row['tau']:.2f} {same}")
+            print("  ".join(line), file=sys.stderr)
+        for d in drafters:
+            memory[d] = service_memory(clients[d])
+            clients[d].close()
+    results = {d: _result(args, target, d, rows[d], memory[d]) for d in drafters}
+    for result in results.values():
+        print(format_table(result))
+    if args.json_out:
+        write_outputs(args.json_out, results)
+    return 0
+
+
+def _result(args, target, drafter: str, rows: list[dict], memory: dict) -> dict:
+    return {
         "target": target.identity.name,
-        "drafter": args.drafter,
+        "drafter": drafter,
         "dtype": target.dtype,
         "max_tokens": args.max_tokens,
         "adaptive": args.adaptive,
@@ -305,11 +321,68 @@ def run_bench(args) -> int:
         "peak_rss_bytes": memory,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    print(format_table(result))
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps(result, indent=1))
-    return 0
+
+
+def write_outputs(path: Path, results: dict[str, dict]) -> None:
+    """JSON per drafter (path itself when there is one), a markdown table, a PNG chart."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for drafter, result in results.items():
+        out = path if len(results) == 1 else path.with_name(f"{path.stem}-{drafter}.json")
+        out.write_text(json.dumps(result, indent=1))
+    path.with_suffix(".md").write_text(markdown_table(results))
+    try:
+        plot_chart(results, path.with_suffix(".png"))
+    except ImportError:
+        print("bench: no chart (pip install 'specd[plot]' for matplotlib)", file=sys.stderr)
+
+
+def markdown_table(results: dict[str, dict]) -> str:
+    lines = [
+        "| drafter | category | n | speed-up | τ | identical |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for drafter, result in results.items():
+        for name, s in [*result["by_category"].items(), ("**overall**", result["overall"])]:
+            same = "–" if s["identical"] is None else f"{s['identical']}/{s['count']}"
+            lines.append(
+                f"| {drafter} | {name} | {s['count']} | {s['speedup']:.2f}× | "
+                f"{s['tau']:.2f} | {same} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot_chart(results: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    categories = sorted({c for r in results.values() for c in r["by_category"]}) + ["overall"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / len(results)
+    for i, (drafter, result) in enumerate(results.items()):
+        stats = [
+            result["by_category"].get(c, result["overall"]) if c != "overall" else result["overall"]
+            for c in categories
+        ]
+        xs = [x + i * width for x in range(len(categories))]
+        axes[0].bar(xs, [s["speedup"] for s in stats], width, label=drafter)
+        axes[1].bar(xs, [s["tau"] for s in stats], width, label=drafter)
+    for ax, title in zip(
+        axes, ("speed-up over plain mlx-lm", "τ (mean acceptance length)"), strict=True
+    ):
+        ax.set_xticks(
+            [x + 0.4 - width / 2 for x in range(len(categories))],
+            categories,
+            rotation=30,
+            ha="right",
+        )
+        ax.set_title(title)
+        ax.legend()
+    axes[0].axhline(1.0, color="grey", linewidth=0.8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def format_table(result: dict) -> str:
@@ -334,75 +407,3 @@ def format_table(result: dict) -> str:
         f"coordinator {split['coordinator']:.1f} ms"
     )
     return "\n".join(lines)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.0f} MiB"
-
-
-def run_demo(args) -> int:
-    """Start the three services, answer one chat prompt, compare with plain mlx-lm."""
-    from mlx.utils import tree_flatten
-
-    from specd.client import CoordinatorClient, make_request
-    from specd.launch import Stack
-    from specd.models.load import load_target
-    from specd.prompts import encode_chat
-
-    drafter = None if args.drafter == "none" else args.drafter
-    log_dir = Path(tempfile.mkdtemp(prefix="specd-demo-"))
-    print(
-        f"demo: starting verifier, {drafter or 'no'} drafter and coordinator "
-        f"(logs in {log_dir}) ...",
-        file=sys.stderr,
-    )
-    with Stack(target=args.target, drafter=drafter, log_dir=log_dir) as stack:
-        client = CoordinatorClient(stack.coordinator)
-        print(
-            f"demo: ready at {stack.coordinator}\n\nuser: {args.prompt}\n\nassistant: ",
-            end="",
-            flush=True,
-        )
-        messages = [{"role": "user", "content": args.prompt}]
-        spec = client.generate(
-            make_request(messages=messages, max_tokens=args.max_tokens),
-            on_text=lambda t: print(t, end="", flush=True),
-        )
-        memory = _service_memory(client)
-        info = client.info()
-        client.close()
-    print("\n", flush=True)
-    target = load_target(
-        args.target, info.verifier.dtype if info.verifier.dtype != "native" else "native"
-    )
-    prompt_ids = encode_chat(target.tokenizer, messages)
-    eos = set(target.identity.eos_token_ids)
-    plain_decode(target.model, prompt_ids, 4, eos)  # warm up, as the verifier did
-    base = plain_decode(target.model, prompt_ids, args.max_tokens, eos)
-    s = spec.stats
-    weights = sum(v.nbytes for _, v in tree_flatten(target.model.parameters()))
-    model = info.verifier.model
-    kv_heads = target.model.args.num_key_value_heads
-    head_dim = model.hidden_size // target.model.args.num_attention_heads
-    context = s["prompt_tokens"] + s["generated_tokens"]
-    kv = 2 * model.num_layers * kv_heads * head_dim * 4 * ((context + 255) // 256 * 256)
-    print(
-        f"tokens            {s['generated_tokens']} ({spec.finish_reason}), "
-        f"prompt {s['prompt_tokens']}"
-    )
-    print(
-        f"speculation       {s['generated_tokens'] / s['total_s']:.2f} tok/s, "
-        f"tau {s['tau']:.2f} over {s['rounds']} rounds"
-    )
-    print(f"plain mlx-lm      {len(base.token_ids) / base.seconds:.2f} tok/s")
-    print(
-        f"speed-up          {base.seconds / s['total_s']:.2f}x  (same model, "
-        f"{info.verifier.dtype}, {info.verifier.device})"
-    )
-    print(f"identical output  {spec.token_ids == base.token_ids}")
-    print(
-        f"peak RSS          verifier {_mib(memory['verifier'])}, drafter "
-        f"{_mib(memory.get('drafter', 0))}, coordinator {_mib(memory['coordinator'])}; "
-        f"weights {_mib(weights)} + KV cache {_mib(kv)}"
-    )
-    return 0

@@ -410,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("model", nargs="?", help="default: the embedded SmolLM2")
     mp.add_argument("--cache-dir", type=Path)
 
-    from coordinator.bench import add_bench_args, add_demo_args
+    from coordinator.bench import add_bench_args
+    from coordinator.demo import add_demo_args
 
     add_bench_args(sub.add_parser("bench", help="speculation vs plain mlx-lm, side by side"))
     add_demo_args(sub.add_parser("demo", help="the embedded default end to end"))
@@ -450,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         return _model_path(args)
     if args.command == "set-drafter":
         return _set_drafter(args)
-    from coordinator.bench import run_bench, run_demo
+    from coordinator.bench import run_bench
+    from coordinator.demo import run_demo
 
     return run_bench(args) if args.command == "bench" else run_demo(args)

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 
-def test_bench_writes_the_documented_json(tiny_model_dir, tmp_path):
+def test_bench_compares_drafters_and_writes_json_markdown_chart(tiny_model_dir, tmp_path):
     questions = tmp_path / "q.jsonl"
     questions.write_text(
         '{"question_id": 1, "category": "a", "turns": ["abcabcabc abc"]}\n'
@@ -25,6 +25,8 @@ def test_bench_writes_the_documented_json(tiny_model_dir, tmp_path):
             "--max-tokens",
             "24",
             "--in-process",
+            "--drafter",
+            "ngram,none",
             "--json",
             str(out),
         ],
@@ -33,7 +35,12 @@ def test_bench_writes_the_documented_json(tiny_model_dir, tmp_path):
         timeout=300,
     )
     assert run.returncode == 0, run.stderr
-    result = json.loads(out.read_text())
+    result = json.loads((tmp_path / "out-ngram.json").read_text())
+    none = json.loads((tmp_path / "out-none.json").read_text())
+    assert none["drafter"] == "none" and none["overall"]["tau"] == 1.0
+    table = (tmp_path / "out.md").read_text()
+    assert "| ngram | **overall** |" in table and "| none | **overall** |" in table
+    assert (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG"
     assert {
         "target",
         "drafter",

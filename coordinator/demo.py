@@ -1,0 +1,97 @@
+"""`specd demo`: the embedded default end to end, next to plain mlx-lm."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+from coordinator.bench import plain_decode, service_memory
+
+DEMO_PROMPT = (
+    "Rewrite the following note so that it is polite and clear, keeping every fact:\n\n"
+    "hey team, the server migration is moved to friday 6pm because the database backup "
+    "took longer than planned. the old server stays online until sunday. if you have jobs "
+    "scheduled on the old server, move them to the new server before friday 6pm. the new "
+    "server address is build-02.internal and your old passwords still work. ask maria if "
+    "something breaks."
+)
+
+
+def add_demo_args(p) -> None:
+    p.add_argument("--prompt", default=DEMO_PROMPT)
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--target")
+    p.add_argument("--drafter", default="ngram", choices=["ngram", "none"])
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def run_demo(args) -> int:
+    """Start the three services, answer one chat prompt, compare with plain mlx-lm."""
+    from mlx.utils import tree_flatten
+
+    from specd.client import CoordinatorClient, make_request
+    from specd.launch import Stack
+    from specd.models.load import load_target
+    from specd.prompts import encode_chat
+
+    drafter = None if args.drafter == "none" else args.drafter
+    log_dir = Path(tempfile.mkdtemp(prefix="specd-demo-"))
+    print(
+        f"demo: starting verifier, {drafter or 'no'} drafter and coordinator "
+        f"(logs in {log_dir}) ...",
+        file=sys.stderr,
+    )
+    with Stack(target=args.target, drafter=drafter, log_dir=log_dir) as stack:
+        client = CoordinatorClient(stack.coordinator)
+        print(
+            f"demo: ready at {stack.coordinator}\n\nuser: {args.prompt}\n\nassistant: ",
+            end="",
+            flush=True,
+        )
+        messages = [{"role": "user", "content": args.prompt}]
+        spec = client.generate(
+            make_request(messages=messages, max_tokens=args.max_tokens),
+            on_text=lambda t: print(t, end="", flush=True),
+        )
+        memory = service_memory(client)
+        info = client.info()
+        client.close()
+    print("\n", flush=True)
+    target = load_target(
+        args.target, info.verifier.dtype if info.verifier.dtype != "native" else "native"
+    )
+    prompt_ids = encode_chat(target.tokenizer, messages)
+    eos = set(target.identity.eos_token_ids)
+    plain_decode(target.model, prompt_ids, 4, eos)  # warm up, as the verifier did
+    base = plain_decode(target.model, prompt_ids, args.max_tokens, eos)
+    s = spec.stats
+    weights = sum(v.nbytes for _, v in tree_flatten(target.model.parameters()))
+    model = info.verifier.model
+    kv_heads = target.model.args.num_key_value_heads
+    head_dim = model.hidden_size // target.model.args.num_attention_heads
+    context = s["prompt_tokens"] + s["generated_tokens"]
+    kv = 2 * model.num_layers * kv_heads * head_dim * 4 * ((context + 255) // 256 * 256)
+    print(
+        f"tokens            {s['generated_tokens']} ({spec.finish_reason}), "
+        f"prompt {s['prompt_tokens']}"
+    )
+    print(
+        f"speculation       {s['generated_tokens'] / s['total_s']:.2f} tok/s, "
+        f"tau {s['tau']:.2f} over {s['rounds']} rounds"
+    )
+    print(f"plain mlx-lm      {len(base.token_ids) / base.seconds:.2f} tok/s")
+    print(
+        f"speed-up          {base.seconds / s['total_s']:.2f}x  (same model, "
+        f"{info.verifier.dtype}, {info.verifier.device})"
+    )
+    print(f"identical output  {spec.token_ids == base.token_ids}")
+    print(
+        f"peak RSS          verifier {_mib(memory['verifier'])}, drafter "
+        f"{_mib(memory.get('drafter', 0))}, coordinator {_mib(memory['coordinator'])}; "
+        f"weights {_mib(weights)} + KV cache {_mib(kv)}"
+    )
+    return 0
