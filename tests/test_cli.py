@@ -1,12 +1,10 @@
 """The `specd` command as a user runs it: up, generate, Ctrl-C, model-path."""
 
-import json
 import signal
 import subprocess
 import sys
-import time
 
-from grpc_health.v1 import health_pb2
+from helpers import generate_json, wait_serving
 
 from specd.launch import free_port, health_status
 
@@ -34,32 +32,9 @@ def test_up_serves_and_ctrl_c_stops_all_three(tiny_model_dir):
     )
     address = f"127.0.0.1:{ports[0]}"
     try:
-        deadline = time.monotonic() + 120
-        while health_status(address) != health_pb2.HealthCheckResponse.SERVING:
-            assert up.poll() is None, up.stderr.read()
-            assert time.monotonic() < deadline, "specd up did not become healthy"
-            time.sleep(0.3)
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "specd",
-                "generate",
-                "--coordinator",
-                address,
-                "--chat",
-                "--prompt",
-                "hi",
-                "--max-tokens",
-                "6",
-                "--json",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        ).stdout
-        assert json.loads(out.splitlines()[-1])["stats"]["generated_tokens"] >= 1
+        wait_serving(address, up)
+        _, result = generate_json(address, "--chat", "--prompt", "hi", "--max-tokens", "6")
+        assert result["stats"]["generated_tokens"] >= 1
     finally:
         up.send_signal(signal.SIGINT)
         code = up.wait(60)

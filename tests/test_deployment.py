@@ -1,14 +1,12 @@
 """One deployment file read by `specd up --config` and by each `specd serve --config`."""
 
-import json
 import signal
 import subprocess
 import sys
-import time
 
-from grpc_health.v1 import health_pb2
+from helpers import generate_json, wait_serving
 
-from specd.launch import free_port, health_status
+from specd.launch import free_port
 
 
 def write_config(path, tiny_model_dir, ports) -> None:
@@ -43,31 +41,9 @@ def test_up_with_a_deployment_file(tiny_model_dir, tmp_path):
     )
     address = f"127.0.0.1:{ports[0]}"
     try:
-        deadline = time.monotonic() + 120
-        while health_status(address) != health_pb2.HealthCheckResponse.SERVING:
-            assert up.poll() is None and time.monotonic() < deadline, up.stderr.read()
-            time.sleep(0.3)
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "specd",
-                "generate",
-                "--coordinator",
-                address,
-                "--prompt",
-                "abcabc",
-                "--max-tokens",
-                "12",
-                "--json",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        ).stdout
-        stats = json.loads(out.splitlines()[-1])["stats"]
-        assert stats["generated_tokens"] == 12
+        wait_serving(address, up)
+        _, result = generate_json(address, "--prompt", "abcabc", "--max-tokens", "12")
+        assert result["stats"]["generated_tokens"] == 12
     finally:
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0

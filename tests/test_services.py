@@ -8,6 +8,7 @@ import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+from helpers import generate_json
 from test_rounds import GarbageProposer
 
 from coordinator.bench import plain_decode
@@ -261,29 +262,6 @@ def test_incompatible_drafter_is_refused(stack, other_tiny_model_dir, tmp_path):
 
 
 def test_generate_command_prints_text_then_json(stack):
-    import json
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "specd",
-            "generate",
-            "--coordinator",
-            stack.coordinator,
-            "--prompt",
-            "abcabc",
-            "--max-tokens",
-            "12",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
-    result = json.loads(out.strip().splitlines()[-1])
+    out, result = generate_json(stack.coordinator, "--prompt", "abcabc", "--max-tokens", "12")
     assert len(result["token_ids"]) == result["stats"]["generated_tokens"] > 0
     assert out.startswith(result["text"])
