@@ -19,6 +19,7 @@ class CoordinatorConfig:
     prefill_timeout_s: float = 600.0  # long prompts on a CPU take minutes
     draft_timeout_s: float = 5.0  # a hung drafter costs at most this, then rounds go on without
     verifier_recovery_s: float = 60.0  # how long a lost session waits for a verifier to return
+    drafter_wait_s: float = 30.0  # at start, how long to wait for the drafter before serving
     connect_timeout_s: float = 600.0  # how long to wait at start for the verifier to load
     cache_dir: Path | None = None  # where tokenizer files from the verifier are kept
 

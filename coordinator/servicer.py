@@ -97,7 +97,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.tokenizer = load_served_tokenizer(
             files, self.verifier_info.model, self.config.cache_dir
         )
-        await self._pair_drafter()
+        # give a drafter started alongside a moment to come up; then serve without it
+        deadline = asyncio.get_running_loop().time() + self.config.drafter_wait_s
+        while (
+            not await self._pair_drafter()
+            and self.drafter is not None
+            and not self.pairing_error
+            and asyncio.get_running_loop().time() < deadline
+        ):
+            await asyncio.sleep(0.5)
         return not self.pairing_error
 
     async def _pair_drafter(self) -> bool:
@@ -175,6 +183,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             raise Unavailable("the coordinator is still connecting to its verifier")
 
     async def _info(self) -> coordinator_pb2.CoordinatorInfo:
+        if self.verifier_info is not None:
+            await self._pair_drafter()  # report the pairing as it is now
         info = coordinator_pb2.CoordinatorInfo(
             pairing_error=self.pairing_error,
             process=process_stats(),

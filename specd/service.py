@@ -264,6 +264,11 @@ def channel_options() -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        # a restarted drafter or verifier is found within a second, not after gRPC's
+        # default backoff of up to two minutes
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
     ]
 
 

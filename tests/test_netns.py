@@ -21,10 +21,14 @@ import json, sys, time
 from specd.client import CoordinatorClient, make_request
 from specd.launch import health_status
 deadline = time.monotonic() + 180
-while health_status(sys.argv[1]) != 1:
-    assert time.monotonic() < deadline, "coordinator not healthy"
-    time.sleep(0.3)
-out = CoordinatorClient(sys.argv[1]).generate(make_request(prompt=sys.argv[2], max_tokens=64))
+for address in sys.argv[3:] + [sys.argv[1]]:  # drafter, then coordinator
+    while health_status(address) != 1:
+        assert time.monotonic() < deadline, address + " not healthy"
+        time.sleep(0.3)
+# k pinned: on a tiny target a draft RPC costs as much as a verify, so adaptation would stop
+# drafting, and this test is about drafts crossing hosts
+request = make_request(prompt=sys.argv[2], max_tokens=64, num_draft_tokens=4)
+out = CoordinatorClient(sys.argv[1]).generate(request)
 print(json.dumps(out.as_json()))
 """
 
@@ -46,7 +50,7 @@ def test_netns_three_hosts_match_loopback(tiny_model_dir, tmp_path):
     prompt = "abcabcabc hello hello"
     with Stack(target=str(tiny_model_dir), drafter="ngram", log_dir=tmp_path / "lo") as stack:
         expected = CoordinatorClient(stack.coordinator).generate(
-            make_request(prompt=prompt, max_tokens=64)
+            make_request(prompt=prompt, max_tokens=64, num_draft_tokens=4)
         )
     prefix = f"sd{uuid.uuid4().hex[:6]}"
     subprocess.run([str(SCRIPT), "up", prefix], check=True, capture_output=True)
@@ -104,6 +108,7 @@ def test_netns_three_hosts_match_loopback(tiny_model_dir, tmp_path):
                 CLIENT,
                 "10.231.0.3:50050",
                 prompt,
+                "10.231.0.2:50052",
             ],
             capture_output=True,
             text=True,
@@ -118,7 +123,7 @@ def test_netns_three_hosts_match_loopback(tiny_model_dir, tmp_path):
             f"{got['token_ids'] == expected.token_ids}"
         )
         assert got["token_ids"] == expected.token_ids
-        assert got["stats"]["drafted"] > 0
+        assert got["stats"]["drafted"] > 0, (tmp_path / "coordinator.log").read_text()
     finally:
         for process in processes:
             process.terminate()

@@ -98,7 +98,7 @@ def test_full_stack_over_mtls_with_token(pki, tiny_model_dir, tmp_path):
         for service in (verifier, drafter, coordinator):
             service.wait_healthy(120, credentials=client.credentials())
         out = CoordinatorClient(coordinator.address, client).generate(
-            make_request(prompt="abcabcabc", max_tokens=20)
+            make_request(prompt="abcabcabc", max_tokens=20, num_draft_tokens=4)
         )
         assert len(out.token_ids) == 20 and out.stats["drafted"] > 0
         with pytest.raises(grpc.RpcError) as err:
