@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -213,11 +214,22 @@ def _serve(args) -> int:
     return 0
 
 
+def _stop_on_signals() -> None:
+    """Ctrl-C or a service manager's SIGTERM stops the services `up` started, not just `up`."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def _up_from_config(args) -> int:
     """Every service the deployment file names, on this machine, with its options."""
     from specd import deployment
     from specd.launch import start_service
 
+    _stop_on_signals()
     try:
         tables = deployment.load(args.config)
     except deployment.DeploymentError as exc:
@@ -254,6 +266,7 @@ def _up(args) -> int:
 
     if args.config is not None:
         return _up_from_config(args)
+    _stop_on_signals()
 
     drafter = None if args.drafter == "none" else args.drafter
     stack = Stack(

@@ -6,7 +6,7 @@ import sys
 
 from helpers import generate_json, wait_serving
 
-from specd.launch import free_port
+from specd.launch import free_port, health_status
 
 
 def write_config(path, tiny_model_dir, ports) -> None:
@@ -45,8 +45,10 @@ def test_up_with_a_deployment_file(tiny_model_dir, tmp_path):
         _, result = generate_json(address, "--prompt", "abcabc", "--max-tokens", "12")
         assert result["stats"]["generated_tokens"] == 12
     finally:
-        up.send_signal(signal.SIGINT)
+        up.send_signal(signal.SIGTERM)  # as a service manager stops it
         assert up.wait(60) == 0
+    for port in ports:  # and its services went with it
+        assert health_status(f"127.0.0.1:{port}", timeout_s=0.5) is None
 
 
 def test_unknown_option_in_the_file_is_an_error(tmp_path):
