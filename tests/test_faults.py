@@ -131,3 +131,26 @@ def test_hung_drafter_times_out_and_drafting_resumes(tiny_model_dir, tmp_path):
             if after.stats["drafted"] > 0 or time.monotonic() > deadline:
                 break
         assert after.stats["drafted"] > 0
+
+
+def test_another_verifier_takes_over(tiny_model_dir, tmp_path):
+    """--verifier A,B: A dies mid-generation and B carries the session on."""
+    first = spawn("verifier", ["--model", str(tiny_model_dir)], log_dir=tmp_path / "a")
+    second = spawn("verifier", ["--model", str(tiny_model_dir)], log_dir=tmp_path / "b")
+    coordinator = spawn(
+        "coordinator",
+        ["--verifier", f"{first.address},{second.address}", "--drafter", "none"],
+        log_dir=tmp_path,
+    )
+    try:
+        for service in (first, second, coordinator):
+            service.wait_healthy(120)
+        client = CoordinatorClient(coordinator.address)
+        reference = client.generate(make_request(prompt=PROMPT, max_tokens=TOKENS)).token_ids
+        ids, stats = generate_with_fault(client, first.kill, prompt=PROMPT, max_tokens=TOKENS)
+        assert ids == reference and stats.generated_tokens == len(reference)
+        assert "lost the session" in coordinator.log_path.read_text()
+        assert client.info().verifier_address == second.address
+    finally:
+        for service in (coordinator, second, first):
+            service.stop()

@@ -265,3 +265,42 @@ def test_generate_command_prints_text_then_json(stack):
     out, result = generate_json(stack.coordinator, "--prompt", "abcabc", "--max-tokens", "12")
     assert len(result["token_ids"]) == result["stats"]["generated_tokens"] > 0
     assert out.startswith(result["text"])
+
+
+def test_limits_say_which_limit(tiny_model_dir, tmp_path):
+    verifier = spawn(
+        "verifier",
+        ["--model", str(tiny_model_dir), "--max-sessions", "2", "--max-context", "64"],
+        log_dir=tmp_path,
+    )
+    try:
+        verifier.wait_healthy(120)
+        with grpc.insecure_channel(verifier.address) as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            code, msg = code_of(
+                stub.OpenSession, verifier_pb2.OpenSessionRequest(prompt_ids=[5] * 80)
+            )
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "context limit 64" in msg
+            opened = [
+                stub.OpenSession(verifier_pb2.OpenSessionRequest(prompt_ids=[5, 6]), timeout=30)
+                for _ in range(2)
+            ]
+            code, msg = code_of(stub.OpenSession, verifier_pb2.OpenSessionRequest(prompt_ids=[5]))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit is 2" in msg
+            huge = common_pb2.Tensor(dtype="float32", shape=[1], data=b"\0" * (65 << 20))
+            code, msg = code_of(
+                stub.Verify,
+                verifier_pb2.VerifyRequest(
+                    session_id=opened[0].session_id, position=opened[0].position, draft_probs=huge
+                ),
+            )
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in msg
+            ok = stub.Verify(
+                verifier_pb2.VerifyRequest(
+                    session_id=opened[1].session_id, position=opened[1].position
+                ),
+                timeout=30,
+            )
+            assert len(ok.committed_ids) == 1
+    finally:
+        verifier.stop()
