@@ -44,6 +44,11 @@ def add_bench_args(p) -> None:
         help="draft a fixed k every round instead of adapting it",
     )
     p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="coordinators draft the next block while verifying (--overlap-drafting)",
+    )
+    p.add_argument(
         "--in-process",
         action="store_true",
         help="also run the round loop in this process (no gRPC) for comparison",
@@ -263,7 +268,8 @@ def run_bench(args) -> int:
                     drafter=None if d == "none" else d,
                     dtype=args.dtype,
                     drafter_args=_drafter_args(args),
-                    coordinator_args=[] if args.adaptive else ["--no-adaptive"],
+                    coordinator_args=([] if args.adaptive else ["--no-adaptive"])
+                    + (["--overlap-drafting"] if args.overlap else []),
                     log_dir=log_dir / d,
                 )
             )
@@ -311,6 +317,7 @@ def _result(args, target, drafter: str, rows: list[dict], memory: dict) -> dict:
         "dtype": target.dtype,
         "max_tokens": args.max_tokens,
         "adaptive": args.adaptive,
+        "overlap": args.overlap,
         "temperature": args.temperature,
         "questions": rows,
         "by_category": {

@@ -100,6 +100,7 @@ class DrafterClient:
         self.stub = drafter_pb2_grpc.DrafterStub(self.channel)
         self.timeout_s = timeout_s
         self.capture_layers: tuple[int, ...] = ()
+        self.accepts_speculative_ids = False
 
     async def _call(self, method, request):
         try:
@@ -110,13 +111,16 @@ class DrafterClient:
     async def info(self) -> drafter_pb2.DrafterInfo:
         info = await self._call(self.stub.GetInfo, common_pb2.InfoRequest())
         self.capture_layers = tuple(info.capture_layers)
+        self.accepts_speculative_ids = info.accepts_speculative_ids
         return info
 
     async def open(self, context_ids, rows) -> str:
         request = drafter_pb2.DraftOpenRequest(context_ids=context_ids, hidden_rows=rows)
         return (await self._call(self.stub.OpenSession, request)).session_id
 
-    async def draft(self, session_id, position, new_ids, rows, k, sampling) -> Drafted:
+    async def draft(
+        self, session_id, position, new_ids, rows, k, sampling, speculative_ids=()
+    ) -> Drafted:
         request = drafter_pb2.DraftRequest(
             session_id=session_id,
             position=position,
@@ -124,6 +128,7 @@ class DrafterClient:
             hidden_rows=_join_rows(rows),
             num_draft_tokens=k,
             sampling=sampling,
+            speculative_ids=speculative_ids,
         )
         r = await self._call(self.stub.Draft, request)
         probs = None if wire.is_empty(r.draft_probs) else r.draft_probs

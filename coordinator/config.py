@@ -14,6 +14,7 @@ class CoordinatorConfig:
     port: int = 50050
     http_port: int | None = None  # OpenAI-compatible HTTP API; None: off
     default_max_tokens: int = 256  # when a request leaves max_tokens at 0
+    overlap_drafting: bool = False  # draft the next block during the verify (across hosts)
     adaptive: bool = True  # choose k per round, up to the drafter's default; off: always that
     verify_timeout_s: float = 60.0  # deadline of one Verify call
     prefill_timeout_s: float = 600.0  # long prompts on a CPU take minutes

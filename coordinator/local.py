@@ -46,6 +46,7 @@ class LocalDrafter:
     def __init__(self, proposer):
         self.proposer = proposer
         self.capture_layers = tuple(proposer.capture_layers)
+        self.accepts_speculative_ids = getattr(proposer, "accepts_speculative_ids", False)
         self.sessions = {}
 
     async def open(self, context_ids, rows) -> str:
@@ -53,10 +54,15 @@ class LocalDrafter:
         self.sessions[session_id] = self.proposer.open(list(context_ids), rows)
         return session_id
 
-    async def draft(self, session_id, position, new_ids, rows, k, sampling) -> Drafted:
+    async def draft(
+        self, session_id, position, new_ids, rows, k, sampling, speculative_ids=()
+    ) -> Drafted:
         state = self.sessions[session_id]
         self.proposer.extend(state, list(new_ids), rows)
-        ids, probs = self.proposer.propose(state, k, sampling)
+        if speculative_ids:
+            ids, probs = self.proposer.propose(state, k, sampling, list(speculative_ids))
+        else:
+            ids, probs = self.proposer.propose(state, k, sampling)
         return Drafted(ids, probs)
 
     async def close(self, session_id) -> None:

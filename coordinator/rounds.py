@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -49,7 +50,14 @@ class DrafterPort(Protocol):
 
     async def open(self, context_ids: list[int], rows) -> str: ...
     async def draft(
-        self, session_id: str, position: int, new_ids, rows: list, k: int, sampling
+        self,
+        session_id: str,
+        position: int,
+        new_ids,
+        rows: list,
+        k: int,
+        sampling,
+        speculative_ids=(),
     ) -> Drafted: ...
     async def close(self, session_id: str) -> None: ...
 
@@ -61,6 +69,7 @@ class Plan:
     sampling: Any = None
     adaptive: AdaptiveK | None = None  # None: k is pinned
     drafter_retry_s: float = 1.0  # after a drafter fault, verify-only rounds this long
+    overlap: bool = False  # draft the next block while the verify runs, assuming acceptance
 
 
 @dataclass
@@ -77,6 +86,7 @@ class RoundStats:
     draft_compute_s: float = 0.0
     total_s: float = 0.0
     drafter_failed: bool = False
+    predrafted_rounds: int = 0  # rounds whose drafts were ready when the verify returned
     round_times: list[tuple[float, float, float]] = field(
         default_factory=list
     )  # draft, verify, all
@@ -106,6 +116,7 @@ class DrafterLink:
         self.pending_ids: list[int] = []  # committed since the drafter last heard
         self.pending_rows: list = []
         self.retry_at: float | None = None  # set while the drafter is down
+        self.carried: Drafted | None = None  # next block, drafted while the last verify ran
 
     async def open(self, context_ids: list[int], rows) -> None:
         self.context = list(context_ids)
@@ -119,7 +130,7 @@ class DrafterLink:
         self.pending_ids.extend(ids)
         self.pending_rows.append(rows)
 
-    async def draft(self, position: int, k: int, sampling) -> Drafted:
+    async def draft(self, position: int, k: int, sampling, speculative_ids=()) -> Drafted:
         if self.retry_at is not None:
             if time.perf_counter() < self.retry_at or self.drafter.capture_layers:
                 return Drafted([])
@@ -131,14 +142,32 @@ class DrafterLink:
         if self.session is None:
             return Drafted([])
         try:
+            extra = (speculative_ids,) if speculative_ids else ()
             drafted = await self.drafter.draft(
-                self.session, position, self.pending_ids, self.pending_rows, k, sampling
+                self.session, position, self.pending_ids, self.pending_rows, k, sampling, *extra
             )
         except Exception as exc:  # noqa: BLE001
             self._down(exc)
             return Drafted([])
         self.pending_ids, self.pending_rows = [], []
         return drafted
+
+    def take_carried(self, k: int) -> Drafted | None:
+        carried, self.carried = self.carried, None
+        return Drafted(carried.ids[:k]) if carried is not None else None
+
+    def carry(self, predrafted: Drafted, drafted: Drafted, verified: Verified) -> None:
+        """Keep the next block when the bet held: every draft accepted and the bonus token
+        equal to the pre-draft's first (one-hot drafts only: rows of q cannot be sliced here)."""
+        self.carried = None
+        bet_held = (
+            verified.num_accepted == len(drafted.ids)
+            and not verified.finished
+            and len(predrafted.ids) > 1
+            and predrafted.ids[0] == verified.committed[-1]
+        )
+        if bet_held and predrafted.probs is None:
+            self.carried = Drafted(predrafted.ids[1:])
 
     def _down(self, exc: Exception) -> None:
         log.warning("drafter failed (%s); verify-only rounds until it is back", exc)
@@ -187,11 +216,19 @@ async def run_rounds(
                 k = plan.adaptive.choose(remaining - 1)
             drafted = Drafted([])
             if link is not None and k > 0:
-                drafted = await link.draft(position, k, plan.sampling)
+                carried = link.take_carried(k)
+                if carried is not None:
+                    stats.predrafted_rounds += 1
+                drafted = carried or await link.draft(position, k, plan.sampling)
             draft_done = time.perf_counter()
-            verified = await verifier.verify(
-                opened.session_id, position, drafted.ids, drafted.probs
-            )
+            if plan.overlap and link is not None and drafted.ids:
+                verified = await _verify_and_predraft(
+                    verifier, link, opened.session_id, position, drafted, plan.sampling
+                )
+            else:
+                verified = await verifier.verify(
+                    opened.session_id, position, drafted.ids, drafted.probs
+                )
             verify_done = time.perf_counter()
             new = verified.committed[:remaining]
             position += len(verified.committed)
@@ -230,6 +267,24 @@ async def run_rounds(
         await _close_quietly(verifier, opened.session_id)
         if link is not None:
             await link.close()
+
+
+async def _verify_and_predraft(
+    verifier, link: DrafterLink, session_id: str, position: int, drafted: Drafted, sampling
+) -> Verified:
+    """Verify, and meanwhile ask the drafter for the block after it, betting that every draft
+    is accepted; its first token is the guess for the bonus. Hides the draft RPC when it holds."""
+    verify = asyncio.ensure_future(
+        verifier.verify(session_id, position, drafted.ids, drafted.probs)
+    )
+    try:
+        predrafted = await link.draft(position, len(drafted.ids) + 1, sampling, drafted.ids)
+    except BaseException:
+        verify.cancel()
+        raise
+    verified = await verify
+    link.carry(predrafted, drafted, verified)
+    return verified
 
 
 def _learn(

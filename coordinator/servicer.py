@@ -48,6 +48,7 @@ def stats_message(stats: RoundStats) -> coordinator_pb2.GenerateStats:
         verify_compute_s=stats.verify_compute_s,
         draft_compute_s=stats.draft_compute_s,
         drafter_failed=stats.drafter_failed,
+        predrafted_rounds=stats.predrafted_rounds,
     )
 
 
@@ -174,7 +175,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         adaptive = None
         if self.config.adaptive and k > 0 and not pinned and not seeded:
             adaptive = AdaptiveK(self.costs, k_max=k)
-        return Plan(max_tokens=max_tokens, num_draft_tokens=k, sampling=sampling, adaptive=adaptive)
+        overlap = self.config.overlap_drafting and info.accepts_speculative_ids
+        return Plan(
+            max_tokens=max_tokens,
+            num_draft_tokens=k,
+            sampling=sampling,
+            adaptive=adaptive,
+            overlap=overlap,
+        )
 
     def _check_ready(self) -> None:
         if self.pairing_error:

@@ -46,6 +46,7 @@ class NgramProposer:
     kind = "ngram"
     capture_layers: tuple[int, ...] = ()
     sends_draft_probs = False
+    accepts_speculative_ids = True  # needs no hidden rows for assumed tokens
 
     def __init__(self, config: NgramConfig | None = None):
         self.config = config or NgramConfig()
@@ -58,9 +59,10 @@ class NgramProposer:
     def extend(self, state: list[int], new_ids: list[int], hidden_rows=None) -> None:
         state.extend(new_ids)
 
-    def propose(self, state: list[int], k: int, sampling=None) -> tuple[list[int], None]:
+    def propose(self, state: list[int], k: int, sampling=None, speculative=()) -> tuple:
         cfg = self.config
-        return propose_ngram(state, k, cfg.min_n, cfg.max_n), None
+        context = [*state, *speculative] if speculative else state
+        return propose_ngram(context, k, cfg.min_n, cfg.max_n), None
 
     def params(self) -> dict[str, str]:
         cfg = self.config

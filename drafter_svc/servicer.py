@@ -63,6 +63,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             process=process_stats(len(self.sessions)),
             params=self.proposer.params(),
             vocab_size=self.vocab_size,
+            accepts_speculative_ids=getattr(proposer, "accepts_speculative_ids", False),
         )
 
     @rpc
@@ -100,10 +101,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             raise ResourceExhausted(
                 f"context exceeds the drafter's limit {self.config.max_context}"
             )
+        speculative = self._check_ids(request.speculative_ids, "speculative_ids")
+        if speculative and not getattr(self.proposer, "accepts_speculative_ids", False):
+            raise InvalidArgument(
+                f"the {self.proposer.kind} drafter cannot draft past "
+                "uncommitted tokens; send no speculative_ids"
+            )
         rows = _rows(request.hidden_rows)
         start = time.perf_counter()
         drafts, probs = await self.mlx.run(
-            self._extend_and_propose, session, new_ids, rows, k, request.sampling
+            self._extend_and_propose, session, new_ids, rows, k, request.sampling, speculative
         )
         return drafter_pb2.DraftResponse(
             draft_ids=drafts,
@@ -111,9 +118,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             compute_s=time.perf_counter() - start,
         )
 
-    def _extend_and_propose(self, session: DraftSession, new_ids, rows, k, sampling):
+    def _extend_and_propose(
+        self, session: DraftSession, new_ids, rows, k, sampling, speculative=()
+    ):
         self.proposer.extend(session.state, new_ids, rows)
         session.position += len(new_ids)
+        if speculative:
+            return self.proposer.propose(session.state, k, sampling, speculative)
         return self.proposer.propose(session.state, k, sampling)
 
     @rpc

@@ -116,6 +116,12 @@ def _add_serve(sub) -> None:
     )
     c.add_argument("--http-port", type=int, help="also serve the OpenAI-compatible API here")
     c.add_argument(
+        "--overlap-drafting",
+        action="store_true",
+        help="draft the next block while the verify runs, betting on full "
+        "acceptance; hides drafter latency when it is on another host",
+    )
+    c.add_argument(
         "--verify-timeout", type=float, default=60.0, help="deadline of one verify call, seconds"
     )
     c.add_argument(
@@ -204,6 +210,7 @@ def _serve(args) -> int:
             adaptive=args.adaptive,
             verifier_recovery_s=args.verifier_recovery_timeout,
             http_port=args.http_port,
+            overlap_drafting=args.overlap_drafting,
             verify_timeout_s=args.verify_timeout,
             draft_timeout_s=args.draft_timeout,
             security=_server_security(args),

@@ -70,3 +70,10 @@ def test_proposer_state_follows_committed_context():
     proposer.extend(state, [1, 2])
     drafts, probs = proposer.propose(state, 4)
     assert drafts == [3, 1, 2] and probs is None
+
+
+def test_speculative_tokens_extend_the_context_for_one_call_only():
+    proposer = NgramProposer(NgramConfig(min_n=1, max_n=2))
+    state = proposer.open([1, 2, 3, 4, 1, 2])
+    assert proposer.propose(state, 2, None, [3])[0] == [4, 1]
+    assert state == [1, 2, 3, 4, 1, 2]  # nothing kept

@@ -129,3 +129,35 @@ def test_drafting_resumes_when_the_drafter_is_back(target):
     assert out == plain and stats.drafter_failed
     assert flaky.opens == 3  # the first open, then one re-open after each fault
     assert stats.drafted > 0
+
+
+class OracleProposer:
+    """Knows the continuation: drafts are always right, speculative context included."""
+
+    kind, capture_layers, sends_draft_probs, accepts_speculative_ids = "oracle", (), False, True
+
+    def __init__(self, full_sequence):
+        self.full = full_sequence
+
+    def open(self, context, rows):
+        return list(context)
+
+    def extend(self, state, new_ids, rows):
+        state.extend(new_ids)
+
+    def propose(self, state, k, sampling=None, speculative=()):
+        done = len(state) + len(speculative)
+        return self.full[done : done + k], None
+
+
+def test_overlap_drafts_the_next_block_during_verify(target):
+    verifier = LocalVerifier(target)
+    prompt = PROMPTS[0]
+    plain, _ = collect(verifier, None, prompt, Plan(max_tokens=60, num_draft_tokens=0))
+    oracle = LocalDrafter(OracleProposer(prompt + plain))
+    out, stats = collect(verifier, oracle, prompt, Plan(60, 4, overlap=True))
+    assert out == plain
+    assert stats.predrafted_rounds >= stats.rounds // 2  # the bet holds every time here
+    ngram = LocalDrafter(NgramProposer(NgramConfig(min_n=1)))
+    out, _ = collect(verifier, ngram, prompt, Plan(60, 4, overlap=True))
+    assert out == plain

@@ -304,3 +304,47 @@ def test_limits_say_which_limit(tiny_model_dir, tmp_path):
             assert len(ok.committed_ids) == 1
     finally:
         verifier.stop()
+
+
+def test_overlap_drafting_through_services(stack, plain, tmp_path):
+    coordinator = spawn(
+        "coordinator",
+        [
+            "--verifier",
+            stack.services["verifier"].address,
+            "--drafter",
+            stack.services["drafter"].address,
+            "--overlap-drafting",
+        ],
+        log_dir=tmp_path,
+    )
+    try:
+        coordinator.wait_healthy(120)
+        client = CoordinatorClient(coordinator.address)
+        eos = set(plain.identity.eos_token_ids)
+        for prompt in PROMPTS:
+            ids = plain.tokenizer.encode(prompt)
+            expected = plain_decode(plain.model, ids, 80, eos).token_ids
+            got = client.generate(make_request(prompt_ids=ids, max_tokens=80, num_draft_tokens=3))
+            assert got.token_ids == expected
+            assert "predrafted_rounds" in got.stats
+        client.close()
+    finally:
+        coordinator.stop()
+
+
+def test_drafter_speculative_ids_are_not_kept(drafter_stub):
+    sid = drafter_stub.OpenSession(
+        drafter_pb2.DraftOpenRequest(context_ids=[1, 2, 3, 4, 1, 2]), timeout=30
+    ).session_id
+    ahead = drafter_stub.Draft(
+        drafter_pb2.DraftRequest(
+            session_id=sid, position=6, num_draft_tokens=2, speculative_ids=[3]
+        ),
+        timeout=30,
+    )
+    assert list(ahead.draft_ids) == [4, 1]
+    now = drafter_stub.Draft(
+        drafter_pb2.DraftRequest(session_id=sid, position=6, num_draft_tokens=2), timeout=30
+    )
+    assert list(now.draft_ids) == [3, 4]

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("kind", "target_fingerprint", "capture_layers", "default_draft_tokens", "max_draft_tokens", "block_size", "sends_draft_probs", "process", "params", "vocab_size")
+    __slots__ = ("kind", "target_fingerprint", "capture_layers", "default_draft_tokens", "max_draft_tokens", "block_size", "sends_draft_probs", "process", "params", "vocab_size", "accepts_speculative_ids")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class DrafterInfo(_message.Message):
     PROCESS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_SPECULATIVE_IDS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     target_fingerprint: str
     capture_layers: _containers.RepeatedScalarFieldContainer[int]
@@ -36,7 +37,8 @@ class DrafterInfo(_message.Message):
     process: _common_pb2.ProcessStats
     params: _containers.ScalarMap[str, str]
     vocab_size: int
-    def __init__(self, kind: _Optional[str] = ..., target_fingerprint: _Optional[str] = ..., capture_layers: _Optional[_Iterable[int]] = ..., default_draft_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., sends_draft_probs: _Optional[bool] = ..., process: _Optional[_Union[_common_pb2.ProcessStats, _Mapping]] = ..., params: _Optional[_Mapping[str, str]] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    accepts_speculative_ids: bool
+    def __init__(self, kind: _Optional[str] = ..., target_fingerprint: _Optional[str] = ..., capture_layers: _Optional[_Iterable[int]] = ..., default_draft_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., sends_draft_probs: _Optional[bool] = ..., process: _Optional[_Union[_common_pb2.ProcessStats, _Mapping]] = ..., params: _Optional[_Mapping[str, str]] = ..., vocab_size: _Optional[int] = ..., accepts_speculative_ids: _Optional[bool] = ...) -> None: ...
 
 class DraftOpenRequest(_message.Message):
     __slots__ = ("context_ids", "hidden_rows")
@@ -53,20 +55,22 @@ class DraftOpenResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "position", "new_ids", "hidden_rows", "num_draft_tokens", "sampling")
+    __slots__ = ("session_id", "position", "new_ids", "hidden_rows", "num_draft_tokens", "sampling", "speculative_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     NEW_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_ROWS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     position: int
     new_ids: _containers.RepeatedScalarFieldContainer[int]
     hidden_rows: _common_pb2.Tensor
     num_draft_tokens: int
     sampling: _common_pb2.SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., new_ids: _Optional[_Iterable[int]] = ..., hidden_rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    speculative_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., new_ids: _Optional[_Iterable[int]] = ..., hidden_rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculative_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("draft_ids", "draft_probs", "compute_s")
