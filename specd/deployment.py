@@ -45,10 +45,7 @@ def service_table(path: Path, service: str, known: set[str]) -> dict:
     unknown = sorted(set(table) - known - {"help"})
     if unknown:
         raise DeploymentError(f"{path} [{service}]: unknown option(s) {unknown}")
-    return {
-        k: str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
-        for k, v in table.items()
-    }
+    return table  # argparse converts string values (paths) with each flag's type
 
 
 def address(path: Path, service: str, default_port: int) -> str:

@@ -37,6 +37,19 @@ def generate_with_fault(client, fault, **request):
     return ids, stats
 
 
+def until_drafting(client, reference, max_tokens, timeout_s=60.0):
+    """Generate until the coordinator drafts again (it notices a returned drafter within a
+    request or two); every output on the way must equal the reference."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = client.generate(
+            make_request(prompt=PROMPT, max_tokens=max_tokens, num_draft_tokens=K)
+        )
+        assert out.token_ids == reference
+        if out.stats["drafted"] > 0 or time.monotonic() > deadline:
+            return out
+
+
 def test_drafter_killed_mid_generation(stack, tiny_model_dir, tmp_path):
     client = CoordinatorClient(stack.coordinator)
     reference = client.generate(
@@ -52,12 +65,7 @@ def test_drafter_killed_mid_generation(stack, tiny_model_dir, tmp_path):
         "drafter", ["--kind", "ngram"], port=int(port), log_dir=tmp_path
     )
     stack.services["drafter"].wait_healthy(60)
-    deadline = time.monotonic() + 60
-    while True:  # the coordinator notices the new drafter within a request or two
-        again = client.generate(make_request(prompt=PROMPT, max_tokens=TOKENS, num_draft_tokens=K))
-        assert again.token_ids == reference
-        if again.stats["drafted"] > 0 or time.monotonic() > deadline:
-            break
+    again = until_drafting(client, reference, TOKENS)
     assert again.stats["drafted"] > 0 and not again.stats["drafter_failed"]
 
 
@@ -124,13 +132,7 @@ def test_hung_drafter_times_out_and_drafting_resumes(tiny_model_dir, tmp_path):
         finally:
             drafter.send_signal(signal.SIGCONT)
         assert hung.token_ids == reference and hung.stats["drafter_failed"]
-        deadline = time.monotonic() + 60
-        while True:
-            after = client.generate(make_request(prompt=PROMPT, max_tokens=200, num_draft_tokens=K))
-            assert after.token_ids == reference
-            if after.stats["drafted"] > 0 or time.monotonic() > deadline:
-                break
-        assert after.stats["drafted"] > 0
+        assert until_drafting(client, reference, 200).stats["drafted"] > 0
 
 
 def test_another_verifier_takes_over(tiny_model_dir, tmp_path):
