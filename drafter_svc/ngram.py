@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from drafter_svc.proposal import Proposal
+
 
 def propose_ngram(tokens, k: int, min_n: int, max_n: int) -> list[int]:
     """Up to k tokens that followed the earliest earlier occurrence of the longest suffix n-gram.
@@ -59,10 +61,10 @@ class NgramProposer:
     def extend(self, state: list[int], new_ids: list[int], hidden_rows=None) -> None:
         state.extend(new_ids)
 
-    def propose(self, state: list[int], k: int, sampling=None, speculative=()) -> tuple:
+    def propose(self, state: list[int], k: int, sampling=None, speculative=(), tree=None):
         cfg = self.config
         context = [*state, *speculative] if speculative else state
-        return propose_ngram(context, k, cfg.min_n, cfg.max_n), None
+        return Proposal(propose_ngram(context, k, cfg.min_n, cfg.max_n))
 
     def params(self) -> dict[str, str]:
         cfg = self.config

@@ -435,7 +435,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_args(sub.add_parser("bench", help="speculation vs plain mlx-lm, side by side"))
     add_demo_args(sub.add_parser("demo", help="the embedded default end to end"))
+    _add_train(sub)
     return parser
+
+
+def _add_train(sub) -> None:
+    train = sub.add_parser("train", help="train a draft model for a target")
+    kinds = train.add_subparsers(dest="kind", required=True)
+    e3 = kinds.add_parser("eagle3", help="an EAGLE-3 head (ShareGPT data, training-time test)")
+    e3.add_argument("--target", help="target model (default: embedded SmolLM2)")
+    e3.add_argument("--out", type=Path, required=True, help="directory for the head")
+    e3.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations")
+    e3.add_argument("--max-len", type=int, default=512, help="tokens per conversation (cut)")
+    e3.add_argument("--draft-vocab", type=int, default=6144, help="reduced draft vocabulary")
+    e3.add_argument("--ttt-steps", type=int, default=3, help="unrolled training-time-test passes")
+    e3.add_argument("--decay", type=float, default=0.8, help="loss weight of pass j: decay**j")
+    e3.add_argument("--epochs", type=float, default=2.0)
+    e3.add_argument("--lr", type=float, default=6e-4)
+    e3.add_argument("--warmup", type=int, default=50, help="warm-up steps")
+    e3.add_argument("--save-every", type=int, default=100, help="checkpoint interval (steps)")
+    e3.add_argument("--seed", type=int, default=0)
+    e3.add_argument("--cache-dir", type=Path, help="target features cache (default OUT/features)")
+    e3.add_argument("--format", dest="fmt", default="eagle", choices=["eagle", "speculators"])
+    e3.add_argument("--no-resume", dest="resume", action="store_false",
+                    help="start over even if OUT/checkpoint exists")  # fmt: skip
+
+
+def _train(args) -> int:
+    import json as _json
+
+    from drafter_svc.eagle3.train import TrainOptions, train
+
+    fields = TrainOptions.__dataclass_fields__
+    opts = TrainOptions(**{k: v for k, v in vars(args).items() if k in fields})
+    summary = train(opts)
+    print(_json.dumps(summary, indent=2))
+    return 0
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -471,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         return _model_path(args)
     if args.command == "set-drafter":
         return _set_drafter(args)
+    if args.command == "train":
+        return _train(args)
     from coordinator.bench import run_bench
     from coordinator.demo import run_demo
 

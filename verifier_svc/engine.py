@@ -9,47 +9,16 @@ import time
 from dataclasses import dataclass
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+from specd.models.capture import install_capture
 from specd.models.load import LoadedTarget
 from verifier_svc.accept import accept_greedy
 from verifier_svc.sampling import SamplingConfig, accept_sampled, sample, target_distribution
 
 GREEDY = SamplingConfig()
 PREFILL_CHUNK = 2048  # mlx-lm's prefill step: same chunks, same numerics as plain decoding
-
-
-class _CaptureSink:
-    def __init__(self):
-        self.wanted: frozenset[int] = frozenset()
-        self.outputs: dict[int, mx.array] = {}
-
-
-class CapturingLayer(nn.Module):
-    """Wraps a decoder layer and keeps its output when its index is wanted."""
-
-    def __init__(self, inner: nn.Module, index: int, sink: _CaptureSink):
-        super().__init__()
-        self.inner = inner
-        self._index = index
-        self._sink = sink
-
-    def __getattr__(self, key):
-        # model code reads layer attributes (e.g. `use_sliding`): answer for the wrapped layer
-        try:
-            return super().__getattr__(key)
-        except AttributeError:
-            if "inner" not in self:  # during __init__, before the layer is set
-                raise
-            return getattr(self["inner"], key)
-
-    def __call__(self, *args, **kwargs):
-        out = self.inner(*args, **kwargs)
-        if self._index in self._sink.wanted:
-            self._sink.outputs[self._index] = out
-        return out
 
 
 class Target:
@@ -60,11 +29,7 @@ class Target:
         self.model = loaded.model
         self.identity = loaded.identity
         self.eos_ids = frozenset(loaded.identity.eos_token_ids)
-        self._sink = _CaptureSink()
-        layers = self.model.layers
-        for i, layer in enumerate(layers):
-            if not isinstance(layer, CapturingLayer):
-                layers[i] = CapturingLayer(layer, i, self._sink)
+        self._sink = install_capture(self.model)
 
     def new_cache(self) -> list:
         return make_prompt_cache(self.model)

@@ -1,0 +1,206 @@
+"""EAGLE-3 drafting: a per-session KV cache of committed context, chain and tree proposals.
+
+An entry at position p is built from the target's hidden row at p and the token at p+1; its
+output predicts the token at p+2. Entries exist only for committed positions; drafted entries
+live for one proposal and are dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from drafter_svc.eagle3.model import Eagle3Head
+from drafter_svc.proposal import Proposal
+
+
+@dataclass
+class TreeShape:
+    total_tokens: int = 16  # drafts sent for verification
+    depth: int = 5  # longest root-to-leaf path
+    top_k: int = 4  # children per expanded node, and nodes expanded per depth
+
+
+@dataclass
+class Eagle3State:
+    tokens: list[int] = field(default_factory=list)
+    keys: mx.array | None = None  # [1, n_kv, entries, head_dim]
+    values: mx.array | None = None
+    pending_rows: mx.array | None = None  # target rows of positions without an entry yet
+    entries: int = 0
+    last_hidden: mx.array | None = None  # output of the newest entry [H]
+
+
+class Eagle3Drafter:
+    def __init__(self, head: Eagle3Head, embedding: mx.array):
+        self.head = head
+        self.embedding = embedding  # the target's [V, H]
+        self.cfg = head.config
+        self.d2t = np.asarray(head.d2t).astype(np.int64)
+        self.t2d = np.full(self.cfg.vocab_size, -1, dtype=np.int64)
+        self.t2d[np.arange(len(self.d2t)) + self.d2t] = np.arange(len(self.d2t))
+        self.row_width = len(self.cfg.capture_layers) * self.cfg.feature_size
+
+    # ------------------------------------------------------------ committed context
+    def open(self, context_ids: list[int], rows) -> Eagle3State:
+        state = Eagle3State()
+        self.extend(state, context_ids, rows)
+        return state
+
+    def extend(self, state: Eagle3State, new_ids: list[int], rows) -> None:
+        """Append committed tokens and the target rows of positions verified since last time;
+        build entries for every position that has both its row and its next token."""
+        state.tokens.extend(new_ids)
+        if rows is not None and len(rows):
+            rows = mx.array(rows) if not isinstance(rows, mx.array) else rows
+            if rows.shape[-1] != self.row_width:
+                raise ValueError(
+                    f"hidden rows are {rows.shape[-1]} wide; this head needs {self.row_width} "
+                    f"(layers {list(self.cfg.capture_layers)} x {self.cfg.feature_size})"
+                )
+            state.pending_rows = rows if state.pending_rows is None else mx.concatenate(
+                [state.pending_rows, rows]
+            )
+        have = 0 if state.pending_rows is None else state.pending_rows.shape[0]
+        count = min(have, len(state.tokens) - 1 - state.entries)
+        if count <= 0:
+            return
+        start = state.entries
+        rows_now = state.pending_rows[:count].astype(mx.float32)
+        state.pending_rows = state.pending_rows[count:] if have > count else None
+        next_ids = mx.array(state.tokens[start + 1 : start + 1 + count])
+        emb = self.embedding[next_ids][None]
+        feature = self.head.fc(rows_now)[None]
+        past = None if state.keys is None else (state.keys, state.values)
+        mask = _causal(count, start)
+        hidden, (k, v) = self.head.step(emb, feature, start, past, mask)
+        state.keys = k if state.keys is None else mx.concatenate([state.keys, k], axis=2)
+        state.values = v if state.values is None else mx.concatenate([state.values, v], axis=2)
+        state.entries += count
+        state.last_hidden = hidden[0, -1]
+        mx.eval(state.keys, state.values, state.last_hidden)
+
+    def ready(self, state: Eagle3State) -> bool:
+        """Drafting needs the entry of the position just before the last committed token."""
+        return state.last_hidden is not None and state.entries == len(state.tokens) - 1
+
+    # ------------------------------------------------------------ proposals
+    def _logp(self, hidden: mx.array) -> mx.array:
+        logits = self.head.logits(hidden)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def _to_target(self, draft_ids) -> list[int]:
+        d = np.asarray(draft_ids, dtype=np.int64)
+        return (d + self.d2t[d]).tolist()
+
+    def chain(self, state: Eagle3State, k: int) -> Proposal:
+        if not self.ready(state) or k <= 0:
+            return Proposal([])
+        position = state.entries  # of the first drafted entry
+        keys, values = state.keys, state.values
+        hidden = state.last_hidden
+        ids: list[int] = []
+        draft = int(mx.argmax(self.head.logits(hidden)).item())
+        ids.append(draft)
+        while len(ids) < k:
+            token = self._to_target([draft])[0]
+            emb = self.embedding[mx.array([token])][None]
+            out, (k_new, v_new) = self.head.step(emb, hidden[None, None], position, (keys, values),
+                                                 None)  # fmt: skip
+            keys = mx.concatenate([keys, k_new], axis=2)
+            values = mx.concatenate([values, v_new], axis=2)
+            hidden = out[0, -1]
+            draft = int(mx.argmax(self.head.logits(hidden)).item())
+            ids.append(draft)
+            position += 1
+        return Proposal(self._to_target(ids))
+
+    def tree(self, state: Eagle3State, shape: TreeShape) -> Proposal:
+        """Expand the top_k best nodes per depth (by cumulative log-prob), each with its top_k
+        children; send the best total_tokens nodes, closed under ancestors, parents first."""
+        if not self.ready(state) or shape.total_tokens <= 0 or shape.depth <= 0:
+            return Proposal([], parents=[])
+        top_k = max(1, min(shape.top_k, self.cfg.draft_vocab_size))
+        # candidate pool: token (draft id), parent (pool index or -1), score, depth
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        depths: list[int] = []
+        # expanded entries (drafter-side tree attention): pool index -> column in tree keys
+        expanded_col: dict[int, int] = {}
+        tree_keys = tree_values = None
+
+        def add_children(parent: int, logp_row: np.ndarray, base: float, depth: int) -> None:
+            best = np.argpartition(-logp_row, top_k - 1)[:top_k]
+            for d in best[np.argsort(-logp_row[best], kind="stable")]:
+                tokens.append(int(d))
+                parents.append(parent)
+                scores.append(base + float(logp_row[d]))
+                depths.append(depth)
+
+        root_logp = np.array(self._logp(state.last_hidden).astype(mx.float32))
+        add_children(-1, root_logp, 0.0, 1)
+        frontier = list(range(len(tokens)))
+        parent_hidden = {i: state.last_hidden for i in frontier}  # hidden feeding each node
+        position = state.entries
+        for depth in range(1, shape.depth):
+            n = len(frontier)
+            emb = self.embedding[mx.array(self._to_target([tokens[i] for i in frontier]))][None]
+            feats = mx.stack([parent_hidden[i] for i in frontier])[None]
+            # each new entry sees the committed context, its expanded ancestors and itself
+            cols = 0 if tree_keys is None else tree_keys.shape[2]
+            mask = np.zeros((n, state.entries + cols + n), dtype=bool)
+            mask[:, : state.entries] = True
+            for row, node in enumerate(frontier):
+                a = parents[node]
+                while a >= 0:
+                    mask[row, state.entries + expanded_col[a]] = True
+                    a = parents[a]
+                mask[row, state.entries + cols + row] = True
+            past_k = state.keys if tree_keys is None else mx.concatenate(
+                [state.keys, tree_keys], axis=2)  # fmt: skip
+            past_v = state.values if tree_values is None else mx.concatenate(
+                [state.values, tree_values], axis=2)  # fmt: skip
+            out, (k_new, v_new) = self.head.step(emb, feats, position + depth - 1,
+                                                 (past_k, past_v), mx.array(mask))  # fmt: skip
+            tree_keys = k_new if tree_keys is None else mx.concatenate([tree_keys, k_new], axis=2)
+            tree_values = v_new if tree_values is None else mx.concatenate(
+                [tree_values, v_new], axis=2)  # fmt: skip
+            for row, node in enumerate(frontier):
+                expanded_col[node] = cols + row
+            logp = np.array(self._logp(out[0]).astype(mx.float32))
+            first_new = len(tokens)
+            for row, node in enumerate(frontier):
+                add_children(node, logp[row], scores[node], depth + 1)
+                for child in range(len(tokens) - top_k, len(tokens)):
+                    parent_hidden[child] = out[0, row]
+            new = list(range(first_new, len(tokens)))
+            frontier = sorted(new, key=lambda i: -scores[i])[:top_k]
+        chosen = _best_closed(parents, scores, shape.total_tokens)
+        chosen.sort(key=lambda i: (depths[i], -scores[i]))  # parents first
+        index = {node: j for j, node in enumerate(chosen)}
+        out_parents = [index[parents[i]] if parents[i] >= 0 else -1 for i in chosen]
+        return Proposal(self._to_target([tokens[i] for i in chosen]), parents=out_parents)
+
+
+def _causal(count: int, past: int) -> mx.array | None:
+    if count == 1:
+        return None
+    new = np.tril(np.ones((count, count), dtype=bool))
+    return mx.array(np.concatenate([np.ones((count, past), dtype=bool), new], axis=1))
+
+
+def _best_closed(parents: list[int], scores: list[float], budget: int) -> list[int]:
+    """The `budget` best nodes by score whose ancestors are all chosen too."""
+    chosen: list[int] = []
+    taken: set[int] = set()
+    for i in sorted(range(len(parents)), key=lambda i: -scores[i]):
+        if len(chosen) >= budget:
+            break
+        if parents[i] >= 0 and parents[i] not in taken:
+            continue  # a child never outscores its parent, but ties must not break closure
+        chosen.append(i)
+        taken.add(i)
+    return chosen

@@ -1,0 +1,348 @@
+"""`specd train eagle3`: train an EAGLE-3 head for a target, in MLX.
+
+Data: ShareGPT conversations rendered with the target's chat template, loss on assistant tokens.
+The target runs once per conversation (features cached on disk); the head then trains with the
+training-time test: `steps` unrolled passes, pass j feeding the head's own outputs of pass j-1
+back in place of the target feature, attention as it will be at drafting time (the committed
+context of pass 0 up to the chain's root, then the chain's own entries). The loss is the soft
+cross-entropy to the target's next-token distribution on the draft vocabulary, pass j weighted
+by decay**j.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from drafter_svc.eagle3.data import (
+    Features,
+    TargetFeatures,
+    build_examples,
+    embedding_matrix,
+    head_matrix,
+    load_features,
+    save_features,
+)
+from drafter_svc.eagle3.model import (
+    Eagle3Config,
+    Eagle3Head,
+    default_capture_layers,
+    save_head,
+)
+
+NEG = -1e9
+
+
+@dataclass
+class TrainOptions:
+    target: str | None
+    out: Path
+    conversations: int = 600
+    max_len: int = 512
+    draft_vocab: int = 6144
+    ttt_steps: int = 3
+    decay: float = 0.8
+    epochs: float = 2.0
+    lr: float = 6e-4
+    warmup: int = 50
+    grad_clip: float = 0.5
+    save_every: int = 100
+    seed: int = 0
+    cache_dir: Path | None = None
+    fmt: str = "eagle"
+    resume: bool = True
+
+
+def head_config(loaded, draft_vocab: int, capture: tuple[int, ...]) -> Eagle3Config:
+    cfg = json.loads((loaded.path / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    return Eagle3Config(
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_attention_heads=int(cfg["num_attention_heads"]),
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
+        vocab_size=loaded.identity.vocab_size,
+        draft_vocab_size=min(draft_vocab, loaded.identity.vocab_size),
+        head_dim=cfg.get("head_dim"),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_scaling=cfg.get("rope_scaling"),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        capture_layers=capture,
+        target_fingerprint=loaded.identity.fingerprint,
+        target_name=loaded.path.name,
+    )
+
+
+def choose_draft_vocab(feats: list[Features], vocab_size: int, size: int) -> np.ndarray:
+    """The `size` most frequent tokens the target predicts on assistant positions, id order."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for f in feats:
+        np.add.at(counts, f.argmax[f.loss_mask], 1)
+        np.add.at(counts, f.ids[f.loss_mask], 1)
+    chosen = np.argsort(-counts, kind="stable")[:size]
+    return np.sort(chosen)
+
+
+def _shift(x: mx.array, by: int) -> mx.array:
+    """x[..., i - by, :] at position i along axis -2 (zeros where i < by)."""
+    if by == 0:
+        return x
+    pad = mx.zeros((*x.shape[:-2], by, x.shape[-1]), dtype=x.dtype)
+    return mx.concatenate([pad, x[..., : x.shape[-2] - by, :]], axis=-2)
+
+
+def ttt_forward(head: Eagle3Head, emb_next, rows, steps: int):
+    """Logits [steps, T, Vd] of the unrolled passes. Position i of pass j is the j-th drafted
+    token of a chain rooted at committed position i-j; it sees pass-0 keys up to i-j and the
+    chain's own keys of passes 1..j (at positions i-j+1..i)."""
+    attn = head.midlayer.self_attn
+    t = emb_next.shape[0]
+    rep = attn.n_heads // attn.n_kv
+    pos = mx.arange(t)
+    feature = head.fc(rows)
+    keys, values, outs = [], [], []
+    for j in range(steps):
+        x, residual = head.midlayer.inputs(emb_next, feature)
+        q, k, v = attn.project(x[None], offset=0)
+        k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
+        keys.append(k)
+        values.append(v)
+        scores = (q * attn.scale) @ keys[0].transpose(0, 1, 3, 2)  # [1, nh, T, T]
+        visible = pos[None, :] <= (pos[:, None] - j)
+        scores = mx.where(visible, scores, NEG)
+        chain_k = [_shift(keys[s], j - s) for s in range(1, j + 1)]
+        chain_v = [_shift(values[s], j - s) for s in range(1, j + 1)]
+        if chain_k:
+            diag = mx.stack([(q * attn.scale * ck).sum(-1) for ck in chain_k], axis=-1)
+            scores = mx.concatenate([scores, diag], axis=-1)
+        probs = mx.softmax(scores, axis=-1, precise=True)
+        out = probs[..., :t] @ values[0]
+        for s, cv in enumerate(chain_v):
+            out = out + probs[..., t + s][..., None] * cv
+        out = attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, t, -1))[0]
+        hidden = head.midlayer.finish(out, residual)
+        outs.append(head.logits(hidden))
+        feature = _shift(hidden, 1)  # pass j+1 at i continues the chain whose pass j is at i-1
+    return mx.stack(outs)
+
+
+def ttt_loss(head, emb_next, rows, target_logp, valid, steps: int, decay: float):
+    """Soft cross-entropy per pass, weighted decay**j; also the per-pass argmax agreement."""
+    logits = ttt_forward(head, emb_next, rows, steps)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    target_p = mx.exp(target_logp)
+    total = mx.array(0.0)
+    for j in range(steps):
+        ce = -(target_p * logp[j]).sum(-1)
+        w = valid[j]
+        total = total + (decay**j) * (ce * w).sum() / mx.maximum(w.sum(), 1)
+    return total, logits
+
+
+class Trainer:
+    def __init__(self, opts: TrainOptions, loaded, feats: list[Features]):
+        self.opts = opts
+        self.loaded = loaded
+        self.feats = feats
+        model = loaded.model
+        self.embedding = embedding_matrix(model).astype(mx.float32)
+        capture = default_capture_layers(loaded.identity.num_layers)
+        self.cfg = head_config(loaded, opts.draft_vocab, capture)
+        self.draft_ids = choose_draft_vocab(feats, self.cfg.vocab_size, self.cfg.draft_vocab_size)
+        self.cfg.draft_vocab_size = len(self.draft_ids)
+        self.is_draft = np.zeros(self.cfg.vocab_size, dtype=bool)
+        self.is_draft[self.draft_ids] = True
+        self.head_rows = head_matrix(model).astype(mx.float32)[mx.array(self.draft_ids)]
+        head = Eagle3Head(self.cfg)
+        head.d2t = mx.array(self.draft_ids - np.arange(len(self.draft_ids)), dtype=mx.int64)
+        # start from the target's own read-out: the head then only learns to predict the
+        # target's final hidden state
+        head.lm_head.weight = self.head_rows
+        head.norm.weight = model.model.norm.weight.astype(mx.float32)
+        self.head = head
+        self.total_steps = max(1, int(opts.epochs * len(feats)))
+        schedule = optim.join_schedules(
+            [optim.linear_schedule(opts.lr * 0.01, opts.lr, opts.warmup),
+             optim.cosine_decay(opts.lr, max(1, self.total_steps - opts.warmup), opts.lr * 0.05)],
+            [opts.warmup],
+        )  # fmt: skip
+        self.optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.0)
+        self.step = 0
+        self.loss_and_grad = nn.value_and_grad(head, self._loss)
+
+    def _loss(self, emb_next, rows, target_logp, valid):
+        loss, logits = ttt_loss(
+            self.head, emb_next, rows, target_logp, valid, self.opts.ttt_steps, self.opts.decay
+        )
+        return loss, logits
+
+    def batch(self, f: Features):
+        """Arrays aligned on position i: input token x[i+1], feature rows[i], label = the
+        target's distribution at i+1 (it predicts x[i+2]), valid[j][i] for pass j."""
+        t = len(f.ids) - 2
+        steps = self.opts.ttt_steps
+        ids_next = mx.array(f.ids[1 : t + 1])
+        emb_next = self.embedding[ids_next]
+        rows = mx.array(f.rows[:t]).astype(mx.float32)
+        final = mx.array(f.final[1 : t + 1]).astype(mx.float32)
+        target_logp = final @ self.head_rows.T - mx.array(f.lse[1 : t + 1])[:, None]
+        base = f.loss_mask[2 : t + 2]
+        valid = np.stack([base & (np.arange(t) >= j) for j in range(steps)]).astype(np.float32)
+        return emb_next, rows, target_logp, mx.array(valid), f.argmax[1 : t + 1], base
+
+    def train_step(self, f: Features) -> tuple[float, list[float]]:
+        emb_next, rows, target_logp, valid, target_next, base = self.batch(f)
+        (loss, logits), grads = self.loss_and_grad(emb_next, rows, target_logp, valid)
+        grads, _ = optim.clip_grad_norm(grads, self.opts.grad_clip)
+        self.optimizer.update(self.head, grads)
+        draft = mx.argmax(logits, axis=-1)
+        mx.eval(self.head.parameters(), self.optimizer.state, loss, draft)
+        self.step += 1
+        predicted = self.draft_ids[np.array(draft)]  # [steps, T] target ids
+        agree = []
+        valid_np = np.array(valid) > 0
+        for j in range(self.opts.ttt_steps):
+            sel = valid_np[j]
+            agree.append(float((predicted[j][sel] == target_next[sel]).mean()) if sel.any()
+                         else float("nan"))  # fmt: skip
+        return float(loss), agree
+
+    # --------------------------------------------------------- checkpoints
+    def save_checkpoint(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        params = dict(tree_flatten(self.head.parameters()))
+        mx.save_safetensors(str(directory / "head.safetensors"), params)
+        opt = dict(tree_flatten(self.optimizer.state))
+        mx.save_safetensors(str(directory / "optimizer.safetensors"),
+                            {k: v for k, v in opt.items() if isinstance(v, mx.array)})  # fmt: skip
+        (directory / "state.json").write_text(json.dumps({"step": self.step}))
+
+    def load_checkpoint(self, directory: Path) -> bool:
+        if not (directory / "state.json").is_file():
+            return False
+        self.head.load_weights(list(mx.load(str(directory / "head.safetensors")).items()))
+        state = mx.load(str(directory / "optimizer.safetensors"))
+        self.optimizer.state = tree_unflatten(list(state.items()))
+        self.step = json.loads((directory / "state.json").read_text())["step"]
+        return True
+
+
+def _progress(step, total, loss, agree, started, first_step):
+    done = step - first_step
+    rate = done / max(1e-9, time.perf_counter() - started)
+    eta = (total - step) / rate if rate > 0 else 0
+    width = 24
+    filled = int(width * step / total)
+    acc = " ".join(f"{a:.2f}" for a in agree)
+    tau = 1 + _chain_estimate(agree)
+    sys.stderr.write(
+        f"\r[{'#' * filled}{'.' * (width - filled)}] {step}/{total} loss {loss:.3f} "
+        f"acc {acc} tau~{tau:.2f} {rate:.2f} it/s eta {eta / 60:.0f} min   "
+    )
+    sys.stderr.flush()
+
+
+def _chain_estimate(agree: list[float]) -> float:
+    """Expected accepted drafts of a chain of len(agree) if pass j agrees with probability
+    agree[j] given its prefix agreed (a rough estimate: agreement is measured per pass)."""
+    total, run = 0.0, 1.0
+    for a in agree:
+        if math.isnan(a):
+            break
+        run *= a
+        total += run
+    return total
+
+
+def prepare_features(opts: TrainOptions, loaded, capture) -> list[Features]:
+    from specd.datasets import sharegpt_conversations
+
+    cache_dir = opts.cache_dir or (opts.out / "features")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    layers = "_".join(map(str, capture))
+    key = f"n{opts.conversations}-len{opts.max_len}-seed{opts.seed}-layers{layers}"
+    path = cache_dir / f"{key}.npz"
+    if path.is_file():
+        print(f"features: {path} (cached)", file=sys.stderr)
+        return load_features(path)
+    print("reading ShareGPT conversations ...", file=sys.stderr)
+    examples = build_examples(
+        loaded.tokenizer, sharegpt_conversations(), opts.conversations, opts.max_len, opts.seed
+    )
+    extractor = TargetFeatures(loaded.model, capture)
+    feats, started = [], time.perf_counter()
+    tokens = 0
+    for i, ex in enumerate(examples, 1):
+        feats.append(extractor(ex))
+        tokens += len(ex.ids)
+        rate = tokens / (time.perf_counter() - started)
+        sys.stderr.write(f"\rtarget features {i}/{len(examples)}  {tokens} tokens  "
+                         f"{rate:.0f} tok/s   ")  # fmt: skip
+    sys.stderr.write("\n")
+    save_features(path, feats)
+    return feats
+
+
+def train(opts: TrainOptions) -> dict:
+    from specd.models.load import load_target
+
+    mx.random.seed(opts.seed)
+    loaded = load_target(opts.target, "float32")
+    capture = default_capture_layers(loaded.identity.num_layers)
+    t0 = time.perf_counter()
+    feats = prepare_features(opts, loaded, capture)
+    feature_s = time.perf_counter() - t0
+    trainer = Trainer(opts, loaded, feats)
+    ckpt = opts.out / "checkpoint"
+    if opts.resume and trainer.load_checkpoint(ckpt):
+        print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
+    rng = np.random.default_rng(opts.seed)
+    order = np.concatenate([rng.permutation(len(feats)) for _ in range(math.ceil(opts.epochs) + 1)])
+    started, first = time.perf_counter(), trainer.step
+    recent_loss, recent_agree = [], []
+    while trainer.step < trainer.total_steps:
+        loss, agree = trainer.train_step(feats[order[trainer.step]])
+        recent_loss = (recent_loss + [loss])[-50:]
+        recent_agree = (recent_agree + [agree])[-50:]
+        mean_agree = list(np.nanmean(np.array(recent_agree), axis=0))
+        _progress(trainer.step, trainer.total_steps, float(np.mean(recent_loss)), mean_agree,
+                  started, first)  # fmt: skip
+        if trainer.step % opts.save_every == 0:
+            trainer.save_checkpoint(ckpt)
+    sys.stderr.write("\n")
+    trainer.save_checkpoint(ckpt)
+    train_s = time.perf_counter() - started
+    save_head(trainer.head, opts.out, fmt=opts.fmt)
+    tokens = int(sum(len(f.ids) for f in feats))
+    assistant = int(sum(int(f.loss_mask.sum()) for f in feats))
+    summary = {
+        "target": loaded.path.name,
+        "conversations": len(feats),
+        "tokens": tokens,
+        "assistant_tokens": assistant,
+        "draft_vocab": trainer.cfg.draft_vocab_size,
+        "ttt_steps": opts.ttt_steps,
+        "epochs": opts.epochs,
+        "steps": trainer.step,
+        "feature_seconds": round(feature_s, 1),
+        "train_seconds_this_run": round(train_s, 1),
+        "final_loss": float(np.mean(recent_loss)) if recent_loss else None,
+        "final_agreement_per_pass": [round(float(a), 4) for a in
+                                     np.nanmean(np.array(recent_agree), axis=0)]
+        if recent_agree else None,
+    }  # fmt: skip
+    if recent_agree:
+        summary["tau_estimate"] = round(1 + _chain_estimate(summary["final_agreement_per_pass"]), 3)
+    (opts.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

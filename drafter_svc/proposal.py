@@ -1,0 +1,16 @@
+"""What a proposer returns: a chain of drafts, or a tree of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Proposal:
+    ids: list[int]
+    probs: np.ndarray | None = None  # [len(ids), vocab] draft distributions, when sampled
+    # tree drafts: parent index of each draft in `ids` (-1: the last committed token); listed
+    # parents-first. None: a chain (each draft follows the previous one).
+    parents: list[int] | None = None

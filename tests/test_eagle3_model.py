@@ -1,0 +1,214 @@
+"""EAGLE-3 head: checkpoint formats, the training unroll equals drafting, tree proposals."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from drafter_svc.eagle3.draft import Eagle3Drafter, Eagle3State, TreeShape
+from drafter_svc.eagle3.model import (
+    CheckpointError,
+    Eagle3Config,
+    Eagle3Head,
+    load_head,
+    save_head,
+)
+from drafter_svc.eagle3.train import ttt_forward
+
+H, V, VD = 32, 50, 20
+
+
+def tiny_head(seed: int = 0, norm_before_residual: bool = False) -> Eagle3Head:
+    cfg = Eagle3Config(
+        hidden_size=H,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+        draft_vocab_size=VD,
+        capture_layers=(0, 1, 2),
+        norm_before_residual=norm_before_residual,
+        target_fingerprint="abc",
+    )
+    mx.random.seed(seed)
+    head = Eagle3Head(cfg)
+    # scale up so the random head's argmax is decisive
+    head.update(
+        {
+            "lm_head": {"weight": head.lm_head.weight * 8},
+            "fc": {"weight": head.fc.weight * 2},
+        }
+    )
+    draft_ids = np.sort(np.random.default_rng(seed).choice(V, VD, replace=False))
+    head.d2t = mx.array(draft_ids - np.arange(VD), dtype=mx.int64)
+    mx.eval(head.parameters())
+    return head
+
+
+def sample_inputs(seed: int = 1, t: int = 12):
+    rng = np.random.default_rng(seed)
+    embedding = mx.array(rng.normal(size=(V, H)).astype(np.float32))
+    rows = mx.array(rng.normal(size=(t, 3 * H)).astype(np.float32))
+    tokens = rng.integers(0, V, size=t + 1).tolist()
+    return embedding, rows, tokens
+
+
+@pytest.mark.parametrize(
+    "fmt, norm_before_residual",
+    [("eagle", False), ("speculators", False), ("speculators", True)],
+)
+def test_format_round_trip_gives_same_logits(tmp_path, fmt, norm_before_residual):
+    head = tiny_head(norm_before_residual=norm_before_residual)
+    save_head(head, tmp_path, fmt=fmt, dtype=mx.float32)
+    loaded, extras = load_head(tmp_path)
+    assert extras == {}
+    assert loaded.config.capture_layers == (0, 1, 2)
+    assert loaded.config.norm_before_residual == norm_before_residual
+    assert loaded.config.target_fingerprint == "abc"
+    embedding, rows, tokens = sample_inputs()
+    a = ttt_forward(head, embedding[mx.array(tokens[1:])], rows, 2)
+    b = ttt_forward(loaded, embedding[mx.array(tokens[1:])], rows, 2)
+    assert np.allclose(np.array(a), np.array(b), atol=1e-5)
+    assert np.array_equal(np.array(head.d2t), np.array(loaded.d2t))
+
+
+def test_published_eagle_names_and_aux_layer_numbering(tmp_path):
+    """A SpecForge-style checkpoint: no specd section, aux ids count layer inputs."""
+    head = tiny_head()
+    save_head(head, tmp_path, fmt="eagle", dtype=mx.float32)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["specd"]
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded, _ = load_head(tmp_path)
+    assert loaded.config.capture_layers == (0, 1, 2)  # outputs of the layers before
+    assert loaded.config.target_fingerprint == ""
+
+
+def test_bad_checkpoints_are_refused_with_reasons(tmp_path):
+    head = tiny_head()
+    save_head(head, tmp_path, fmt="eagle", dtype=mx.float32)
+    weights = mx.load(str(tmp_path / "model.safetensors"))
+    del weights["midlayer.hidden_norm.weight"]
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
+    with pytest.raises(CheckpointError, match="hidden_norm"):
+        load_head(tmp_path)
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_head(tmp_path / "missing")
+
+
+def test_training_unroll_equals_drafting_with_the_same_tokens():
+    """Pass j at position i of the training-time test must be the j-th step of a chain drafted
+    from committed position i-j, with the same input tokens."""
+    head = tiny_head()
+    embedding, rows, tokens = sample_inputs(t=12)
+    steps = 3
+    trained = np.array(ttt_forward(head, embedding[mx.array(tokens[1:])], rows, steps))
+    drafter = Eagle3Drafter(head, embedding)
+    for root in (0, 3, 8):
+        state = drafter.open(tokens[: root + 2], rows[: root + 1])
+        assert drafter.ready(state)
+        hidden, keys, values = state.last_hidden, state.keys, state.values
+        for j in range(steps):
+            i = root + j
+            got = np.array(head.logits(hidden))
+            assert np.allclose(got, trained[j, i], atol=1e-4), (root, j)
+            emb = embedding[mx.array([tokens[i + 2]])][None]
+            out, (k, v) = head.step(emb, hidden[None, None], i + 1, (keys, values), None)
+            keys = mx.concatenate([keys, k], axis=2)
+            values = mx.concatenate([values, v], axis=2)
+            hidden = out[0, -1]
+
+
+def test_incremental_extend_equals_one_open():
+    head = tiny_head()
+    embedding, rows, tokens = sample_inputs(t=10)
+    drafter = Eagle3Drafter(head, embedding)
+    whole = drafter.open(tokens[:11], rows[:10])
+    parts = drafter.open(tokens[:4], rows[:3])
+    drafter.extend(parts, tokens[4:7], rows[3:6])
+    drafter.extend(parts, tokens[7:11], rows[6:10])
+    assert parts.entries == whole.entries == 10
+    assert np.allclose(np.array(parts.keys), np.array(whole.keys), atol=1e-5)
+    assert np.allclose(np.array(parts.last_hidden), np.array(whole.last_hidden), atol=1e-5)
+
+
+def test_state_holds_committed_context_only():
+    head = tiny_head()
+    embedding, rows, tokens = sample_inputs(t=10)
+    drafter = Eagle3Drafter(head, embedding)
+    state = drafter.open(tokens[:6], rows[:5])
+    before = (state.entries, np.array(state.keys), list(state.tokens))
+    drafter.chain(state, 5)
+    drafter.tree(state, TreeShape(total_tokens=10, depth=4, top_k=3))
+    assert state.entries == before[0] and state.tokens == before[2]
+    assert np.array_equal(np.array(state.keys), before[1])
+
+
+def test_tree_with_one_child_per_node_is_the_chain():
+    head = tiny_head()
+    embedding, rows, tokens = sample_inputs(t=10)
+    drafter = Eagle3Drafter(head, embedding)
+    state = drafter.open(tokens[:8], rows[:7])
+    chain = drafter.chain(state, 4)
+    tree = drafter.tree(state, TreeShape(total_tokens=4, depth=4, top_k=1))
+    assert tree.ids == chain.ids
+    assert tree.parents == [-1, 0, 1, 2]
+
+
+def test_tree_is_ancestor_closed_parents_first_within_budget():
+    head = tiny_head()
+    embedding, rows, tokens = sample_inputs(t=10)
+    drafter = Eagle3Drafter(head, embedding)
+    state = drafter.open(tokens[:8], rows[:7])
+    tree = drafter.tree(state, TreeShape(total_tokens=12, depth=5, top_k=3))
+    assert len(tree.ids) == 12
+    assert all(p < i for i, p in enumerate(tree.parents))
+    assert sum(p == -1 for p in tree.parents) >= 1
+    siblings = {}
+    for i, p in enumerate(tree.parents):
+        siblings.setdefault(p, []).append(tree.ids[i])
+    assert all(len(set(s)) == len(s) for s in siblings.values())  # no duplicate children
+
+
+def test_tree_nodes_match_a_plain_chain_along_each_path():
+    """The drafter's tree attention: the best child of every node equals what a chain drafted
+    along that node's path would propose next."""
+    head = tiny_head()
+    embedding, rows, tokens = sample_inputs(t=10)
+    drafter = Eagle3Drafter(head, embedding)
+    state = drafter.open(tokens[:8], rows[:7])
+    tree = drafter.tree(state, TreeShape(total_tokens=40, depth=3, top_k=3))
+    ids, parents = tree.ids, tree.parents
+
+    def path(i):
+        out = []
+        while i >= 0:
+            out.append(ids[i])
+            i = parents[i]
+        return out[::-1]
+
+    for node in range(len(ids)):
+        children = [c for c, p in enumerate(parents) if p == node]
+        if not children:
+            continue
+        # replay the node's path as forced chain steps and compare the argmax
+        hidden, keys, values = state.last_hidden, state.keys, state.values
+        position = state.entries
+        for token in path(node):
+            emb = embedding[mx.array([token])][None]
+            out, (k, v) = head.step(emb, hidden[None, None], position, (keys, values), None)
+            keys = mx.concatenate([keys, k], axis=2)
+            values = mx.concatenate([values, v], axis=2)
+            hidden = out[0, -1]
+            position += 1
+        best = int(mx.argmax(head.logits(hidden)).item())
+        best_target = int(best + np.array(head.d2t)[best])
+        assert ids[children[0]] == best_target
+
+
+def test_state_type():
+    assert Eagle3State().entries == 0
