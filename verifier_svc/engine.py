@@ -12,10 +12,17 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from specd.models.capture import install_capture
+from specd.models.capture import install_capture, install_tree_positions
 from specd.models.load import LoadedTarget
 from verifier_svc.accept import accept_greedy
 from verifier_svc.sampling import SamplingConfig, accept_sampled, sample, target_distribution
+from verifier_svc.tree import (
+    accept_tree_greedy,
+    accept_tree_sampled,
+    ancestor_mask,
+    check_parents,
+    rope_groups,
+)
 
 GREEDY = SamplingConfig()
 PREFILL_CHUNK = 2048  # mlx-lm's prefill step: same chunks, same numerics as plain decoding
@@ -30,6 +37,29 @@ class Target:
         self.identity = loaded.identity
         self.eos_ids = frozenset(loaded.identity.eos_token_ids)
         self._sink = install_capture(self.model)
+        self._tree_ready: bool | None = None
+
+    def supports_trees(self, cache: list) -> bool:
+        """Tree verify needs wrappable RoPE and plain KV caches (rows can be moved)."""
+        if self._tree_ready is None:
+            self._tree_ready = install_tree_positions(self.model, self._sink)
+        return self._tree_ready and all(type(c).__name__ == "KVCache" for c in cache)
+
+    def forward_tree(
+        self, token_ids: mx.array, parents: list[int], cache: list, capture: tuple[int, ...]
+    ) -> tuple[mx.array, mx.array | None]:
+        """[root, drafts...] at the cache end with ancestor-only attention, positions by depth."""
+        if not self.supports_trees(cache):
+            raise TreeUnsupported("this target's architecture or cache cannot verify draft trees")
+        base = _cache_len(cache)
+        tree = ancestor_mask(parents)
+        mask = np.concatenate([np.ones((len(tree), base), dtype=bool), tree], axis=1)
+        self._sink.mask = mx.array(mask)
+        self._sink.rope_groups = rope_groups(parents, base)
+        try:
+            return self.forward(token_ids, cache, capture)
+        finally:
+            self._sink.mask, self._sink.rope_groups = None, None
 
     def new_cache(self) -> list:
         return make_prompt_cache(self.model)
@@ -179,3 +209,64 @@ def verify(
         rows,
         time.perf_counter() - start,
     )
+
+
+def _compact(cache: list, base: int, keep: list[int]) -> None:
+    """Move the KV rows of forward indices `keep` (ascending) to base.. and drop the rest."""
+    if keep != list(range(len(keep))):
+        index = mx.array([base + i for i in keep])
+        for c in cache:
+            n = len(keep)
+            c.keys[..., base : base + n, :] = c.keys[..., index, :]
+            c.values[..., base : base + n, :] = c.values[..., index, :]
+    _rollback(cache, base + len(keep))
+
+
+def verify_tree(
+    target: Target, session: Session, draft_ids: list[int], parents: list[int]
+) -> VerifyResult:
+    """One forward over the tree; keep the longest accepted root-to-leaf path, its KV rows
+    compacted into place, and return hidden rows for the committed positions only."""
+    start = time.perf_counter()
+    check_parents(parents, len(draft_ids))
+    if not target.supports_trees(session.cache):
+        raise TreeUnsupported("this target's architecture or cache cannot verify draft trees")
+    base = session.position - 1
+    tokens = mx.array([session.last_token, *draft_ids], dtype=mx.int32)
+    try:
+        logits, rows = target.forward_tree(tokens, parents, session.cache, session.capture)
+        if session.rng is None:
+            acceptance, path = accept_tree_greedy(
+                draft_ids, parents, _greedy_ids(logits), target.eos_ids
+            )
+        else:
+            dist = np.array(logits.astype(mx.float32))
+            acceptance, path = accept_tree_sampled(
+                draft_ids,
+                parents,
+                lambda i: target_distribution(dist[i], session.sampling),
+                session.rng,
+                target.eos_ids,
+            )
+        keep = [0, *(i + 1 for i in path)]
+        _compact(session.cache, base, keep)
+        if rows is not None:
+            rows = rows[mx.array(keep)].astype(session.rows_dtype)
+        mx.eval([c.state for c in session.cache], *([rows] if rows is not None else []))
+    except BaseException:
+        _rollback(session.cache, base)
+        raise
+    session.position += len(acceptance.committed)
+    session.last_token = acceptance.committed[-1]
+    session.finished = acceptance.finished
+    return VerifyResult(
+        acceptance.committed,
+        acceptance.num_accepted,
+        acceptance.finished,
+        rows,
+        time.perf_counter() - start,
+    )
+
+
+class TreeUnsupported(RuntimeError):
+    pass

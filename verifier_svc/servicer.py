@@ -22,8 +22,9 @@ from specd.service import (
 )
 from specd.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_svc.config import VerifierConfig
-from verifier_svc.engine import Session, Target, prefill, verify
+from verifier_svc.engine import Session, Target, TreeUnsupported, prefill, verify, verify_tree
 from verifier_svc.sampling import SamplingConfig
+from verifier_svc.tree import check_parents
 
 ROWS_DTYPES = {
     "": mx.float16,
@@ -161,8 +162,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 f"is {self.config.max_draft_tokens}"
             )
         probs = check_draft_probs(request.draft_probs, drafts, target.identity.vocab_size)
+        parents = None
+        if request.draft_parents:
+            if probs is not None:
+                raise InvalidArgument("draft trees take one-hot drafts: send no draft_probs")
+            try:
+                parents = check_parents(list(request.draft_parents), len(drafts))
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
         result = await self.mlx.run(
-            self._verify_in_order, target, session, request.position, drafts, probs
+            self._verify_in_order, target, session, request.position, drafts, probs, parents
         )
         return verifier_pb2.VerifyResponse(
             committed_ids=result.committed,
@@ -173,7 +182,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             compute_s=result.compute_s,
         )
 
-    def _verify_in_order(self, target: Target, session: Session, position: int, drafts, probs):
+    def _verify_in_order(
+        self, target: Target, session: Session, position: int, drafts, probs, parents=None
+    ):
         # checked on the MLX thread, so two calls for one session cannot both pass
         if session.finished:
             raise FailedPrecondition("session is finished (EOS committed); close it")
@@ -184,7 +195,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
         if session.position + len(drafts) > self.max_context:
             raise ResourceExhausted(f"context would exceed the limit of {self.max_context} tokens")
-        return verify(target, session, drafts, probs)
+        if parents is None:
+            return verify(target, session, drafts, probs)
+        try:
+            return verify_tree(target, session, drafts, parents)
+        except TreeUnsupported as exc:
+            raise FailedPrecondition(f"{exc}; draft chains instead") from None
 
     @rpc
     async def CloseSession(self, request, context):

@@ -65,8 +65,9 @@ def tokenize_chat(tokenizer, messages: list[dict], max_len: int) -> Example | No
     return Example(ids, mask)
 
 
-def build_examples(tokenizer, records: list[dict], count: int, max_len: int,
-                   seed: int) -> list[Example]:
+def build_examples(
+    tokenizer, records: list[dict], count: int, max_len: int, seed: int
+) -> list[Example]:
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
     out = []

@@ -60,8 +60,8 @@ class Eagle3Drafter:
                     f"hidden rows are {rows.shape[-1]} wide; this head needs {self.row_width} "
                     f"(layers {list(self.cfg.capture_layers)} x {self.cfg.feature_size})"
                 )
-            state.pending_rows = rows if state.pending_rows is None else mx.concatenate(
-                [state.pending_rows, rows]
+            state.pending_rows = (
+                rows if state.pending_rows is None else mx.concatenate([state.pending_rows, rows])
             )
         have = 0 if state.pending_rows is None else state.pending_rows.shape[0]
         count = min(have, len(state.tokens) - 1 - state.entries)

@@ -161,9 +161,13 @@ class Eagle3Head(nn.Module):
         x, residual = self.midlayer.inputs(emb, feature)
         attn = self.midlayer.self_attn
         q, k, v = attn.project(x, offset)
-        keys, values = (k, v) if past is None else (
-            mx.concatenate([past[0], k], axis=2),
-            mx.concatenate([past[1], v], axis=2),
+        keys, values = (
+            (k, v)
+            if past is None
+            else (
+                mx.concatenate([past[0], k], axis=2),
+                mx.concatenate([past[1], v], axis=2),
+            )
         )
         out = attn.attend(q, keys, values, mask)
         return self.midlayer.finish(out, residual), (k, v)
@@ -237,8 +241,11 @@ def _strip_prefix(weights: dict[str, mx.array]) -> dict[str, mx.array]:
 
 def detect_format(directory: Path) -> str:
     cfg = json.loads((directory / EAGLE_CONFIG).read_text())
-    return "speculators" if "speculators_config" in cfg or "transformer_layer_config" in cfg \
+    return (
+        "speculators"
+        if "speculators_config" in cfg or "transformer_layer_config" in cfg
         else "eagle"
+    )
 
 
 def load_head(directory: str | Path) -> tuple[Eagle3Head, dict[str, mx.array]]:
@@ -351,8 +358,9 @@ def _from_speculators(raw: dict, weights: dict) -> tuple[Eagle3Config, dict]:
     return cfg, renamed
 
 
-def save_head(head: Eagle3Head, directory: str | Path, fmt: str = "eagle",
-              dtype: mx.Dtype = mx.float16) -> None:
+def save_head(
+    head: Eagle3Head, directory: str | Path, fmt: str = "eagle", dtype: mx.Dtype = mx.float16
+) -> None:
     """Write the head in the EAGLE/SpecForge (`eagle`) or the `speculators` format."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -7,9 +7,13 @@ import mlx.nn as nn
 
 
 class CaptureSink:
+    """Shared by the wrapped layers: what to keep, and overrides for one tree forward."""
+
     def __init__(self):
         self.wanted: frozenset[int] = frozenset()
         self.outputs: dict[int, mx.array] = {}
+        self.mask: mx.array | None = None  # replaces the model's causal mask
+        self.rope_groups: list[tuple[int, int, int]] | None = None  # (start, stop, position)
 
 
 class CapturingLayer(nn.Module):
@@ -30,8 +34,13 @@ class CapturingLayer(nn.Module):
                 raise
             return getattr(self["inner"], key)
 
-    def __call__(self, *args, **kwargs):
-        out = self.inner(*args, **kwargs)
+    def __call__(self, x, *args, **kwargs):
+        if self._sink.mask is not None:
+            if args:
+                args = (self._sink.mask, *args[1:])
+            else:
+                kwargs["mask"] = self._sink.mask
+        out = self.inner(x, *args, **kwargs)
         if self._index in self._sink.wanted:
             self._sink.outputs[self._index] = out
         return out
@@ -46,3 +55,43 @@ def install_capture(model: nn.Module) -> CaptureSink:
     for i, layer in enumerate(layers):
         layers[i] = CapturingLayer(layer, i, sink)
     return sink
+
+
+class GroupedRoPE(nn.Module):
+    """Wraps a layer's RoPE: in a tree forward, runs of tokens share a position (their depth),
+    each run rotated by the same kernel as plain decoding at that offset."""
+
+    def __init__(self, inner: nn.Module, sink: CaptureSink):
+        super().__init__()
+        self.inner = inner
+        self._sink = sink
+
+    def __call__(self, x, offset=0):
+        groups = self._sink.rope_groups
+        if groups is None:
+            return self.inner(x, offset=offset)
+        parts = []
+        for a, b, pos in groups:
+            # RoPE numbers tokens offset, offset+1, ...: put a run's tokens in the batch axis
+            # so each one is a length-1 sequence at `pos`
+            run = x[..., a:b, :]
+            lead, n, dim = run.shape[:-2], b - a, run.shape[-1]
+            flat = mx.moveaxis(run, -2, 0).reshape(n, -1, 1, dim)
+            turned = self.inner(flat, offset=pos).reshape(n, *lead, dim)
+            parts.append(mx.moveaxis(turned, 0, -2))
+        return mx.concatenate(parts, axis=-2)
+
+
+def install_tree_positions(model: nn.Module, sink: CaptureSink) -> bool:
+    """Wrap every layer's RoPE once; False when the architecture has none we can wrap."""
+    attns = []
+    for layer in model.layers:
+        inner = layer.inner if isinstance(layer, CapturingLayer) else layer
+        attn = getattr(inner, "self_attn", None)
+        if attn is None or not hasattr(attn, "rope"):
+            return False
+        attns.append(attn)
+    for attn in attns:
+        if not isinstance(attn.rope, GroupedRoPE):
+            attn.rope = GroupedRoPE(attn.rope, sink)
+    return True

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("kind", "target_fingerprint", "capture_layers", "default_draft_tokens", "max_draft_tokens", "block_size", "sends_draft_probs", "process", "params", "vocab_size", "accepts_speculative_ids")
+    __slots__ = ("kind", "target_fingerprint", "capture_layers", "default_draft_tokens", "max_draft_tokens", "block_size", "sends_draft_probs", "process", "params", "vocab_size", "accepts_speculative_ids", "default_tree")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class DrafterInfo(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_SPECULATIVE_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_TREE_FIELD_NUMBER: _ClassVar[int]
     kind: str
     target_fingerprint: str
     capture_layers: _containers.RepeatedScalarFieldContainer[int]
@@ -38,7 +39,18 @@ class DrafterInfo(_message.Message):
     params: _containers.ScalarMap[str, str]
     vocab_size: int
     accepts_speculative_ids: bool
-    def __init__(self, kind: _Optional[str] = ..., target_fingerprint: _Optional[str] = ..., capture_layers: _Optional[_Iterable[int]] = ..., default_draft_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., sends_draft_probs: _Optional[bool] = ..., process: _Optional[_Union[_common_pb2.ProcessStats, _Mapping]] = ..., params: _Optional[_Mapping[str, str]] = ..., vocab_size: _Optional[int] = ..., accepts_speculative_ids: _Optional[bool] = ...) -> None: ...
+    default_tree: TreeShape
+    def __init__(self, kind: _Optional[str] = ..., target_fingerprint: _Optional[str] = ..., capture_layers: _Optional[_Iterable[int]] = ..., default_draft_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., sends_draft_probs: _Optional[bool] = ..., process: _Optional[_Union[_common_pb2.ProcessStats, _Mapping]] = ..., params: _Optional[_Mapping[str, str]] = ..., vocab_size: _Optional[int] = ..., accepts_speculative_ids: _Optional[bool] = ..., default_tree: _Optional[_Union[TreeShape, _Mapping]] = ...) -> None: ...
+
+class TreeShape(_message.Message):
+    __slots__ = ("total_tokens", "depth", "top_k")
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    total_tokens: int
+    depth: int
+    top_k: int
+    def __init__(self, total_tokens: _Optional[int] = ..., depth: _Optional[int] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class DraftOpenRequest(_message.Message):
     __slots__ = ("context_ids", "hidden_rows")
@@ -55,7 +67,7 @@ class DraftOpenResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "position", "new_ids", "hidden_rows", "num_draft_tokens", "sampling", "speculative_ids")
+    __slots__ = ("session_id", "position", "new_ids", "hidden_rows", "num_draft_tokens", "sampling", "speculative_ids", "tree")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     NEW_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +75,7 @@ class DraftRequest(_message.Message):
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_IDS_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     position: int
     new_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -70,14 +83,17 @@ class DraftRequest(_message.Message):
     num_draft_tokens: int
     sampling: _common_pb2.SamplingParams
     speculative_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., new_ids: _Optional[_Iterable[int]] = ..., hidden_rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculative_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    tree: TreeShape
+    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., new_ids: _Optional[_Iterable[int]] = ..., hidden_rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculative_ids: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[TreeShape, _Mapping]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("draft_ids", "draft_probs", "compute_s")
+    __slots__ = ("draft_ids", "draft_probs", "compute_s", "draft_parents")
     DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     draft_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _common_pb2.Tensor
     compute_s: float
-    def __init__(self, draft_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, draft_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., compute_s: _Optional[float] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
