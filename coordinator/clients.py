@@ -75,9 +75,15 @@ class VerifierClient:
         r = await self._call(self.stub.OpenSession, request, self.prefill_timeout_s)
         return Opened(r.session_id, r.first_token, r.finished, r.hidden_rows, r.compute_s)
 
-    async def verify(self, session_id, position, draft_ids, draft_probs) -> Verified:
+    async def verify(
+        self, session_id, position, draft_ids, draft_probs, draft_parents=None
+    ) -> Verified:
         request = verifier_pb2.VerifyRequest(
-            session_id=session_id, position=position, draft_ids=draft_ids, draft_probs=draft_probs
+            session_id=session_id,
+            position=position,
+            draft_ids=draft_ids,
+            draft_probs=draft_probs,
+            draft_parents=draft_parents or (),
         )
         r = await self._call(self.stub.Verify, request, self.timeout_s)
         return Verified(
@@ -115,11 +121,13 @@ class DrafterClient:
         return info
 
     async def open(self, context_ids, rows) -> str:
+        """`rows`: one tensor, or a list of them (a re-open sends every row kept so far)."""
+        rows = _join_rows(rows if isinstance(rows, list) else [rows])
         request = drafter_pb2.DraftOpenRequest(context_ids=context_ids, hidden_rows=rows)
         return (await self._call(self.stub.OpenSession, request)).session_id
 
     async def draft(
-        self, session_id, position, new_ids, rows, k, sampling, speculative_ids=()
+        self, session_id, position, new_ids, rows, k, sampling, speculative_ids=(), tree=None
     ) -> Drafted:
         request = drafter_pb2.DraftRequest(
             session_id=session_id,
@@ -129,10 +137,12 @@ class DrafterClient:
             num_draft_tokens=k,
             sampling=sampling,
             speculative_ids=speculative_ids,
+            tree=tree,
         )
         r = await self._call(self.stub.Draft, request)
         probs = None if wire.is_empty(r.draft_probs) else r.draft_probs
-        return Drafted(list(r.draft_ids), probs, r.compute_s)
+        parents = list(r.draft_parents) if r.draft_parents else None
+        return Drafted(list(r.draft_ids), probs, r.compute_s, parents)
 
     async def close(self, session_id: str) -> None:
         await self._call(

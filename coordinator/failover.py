@@ -85,11 +85,13 @@ class VerifierPool:
             session_id, opened.first_token, opened.finished, opened.rows, opened.compute_s
         )
 
-    async def verify(self, session_id, position, draft_ids, draft_probs) -> Verified:
+    async def verify(
+        self, session_id, position, draft_ids, draft_probs, draft_parents=None
+    ) -> Verified:
         tracked = self.sessions[session_id]
         try:
             verified = await self.clients[tracked.client].verify(
-                tracked.remote_id, position, draft_ids, draft_probs
+                tracked.remote_id, position, draft_ids, draft_probs, draft_parents
             )
         except UpstreamError as err:
             if not session_lost(err):

@@ -31,11 +31,16 @@ class LocalVerifier:
             session_id, result.first_token, result.session.finished, result.rows, result.compute_s
         )
 
-    async def verify(self, session_id, position, draft_ids, draft_probs) -> Verified:
+    async def verify(
+        self, session_id, position, draft_ids, draft_probs, draft_parents=None
+    ) -> Verified:
         session = self.sessions[session_id]
         if position != session.position:
             raise RuntimeError(f"position {position} != session position {session.position}")
-        r = self._engine.verify(self.target, session, list(draft_ids), draft_probs)
+        if draft_parents:
+            r = self._engine.verify_tree(self.target, session, list(draft_ids), draft_parents)
+        else:
+            r = self._engine.verify(self.target, session, list(draft_ids), draft_probs)
         return Verified(r.committed, r.num_accepted, r.finished, r.rows, r.compute_s)
 
     async def close(self, session_id) -> None:
@@ -55,15 +60,12 @@ class LocalDrafter:
         return session_id
 
     async def draft(
-        self, session_id, position, new_ids, rows, k, sampling, speculative_ids=()
+        self, session_id, position, new_ids, rows, k, sampling, speculative_ids=(), tree=None
     ) -> Drafted:
         state = self.sessions[session_id]
         self.proposer.extend(state, list(new_ids), rows)
-        if speculative_ids:
-            ids, probs = self.proposer.propose(state, k, sampling, list(speculative_ids))
-        else:
-            ids, probs = self.proposer.propose(state, k, sampling)
-        return Drafted(ids, probs)
+        p = self.proposer.propose(state, k, sampling, list(speculative_ids), tree)
+        return Drafted(p.ids, p.probs, 0.0, p.parents)
 
     async def close(self, session_id) -> None:
         self.sessions.pop(session_id, None)

@@ -37,11 +37,14 @@ class Drafted:
     ids: list[int]
     probs: Any = None  # [len(ids), vocab] or None for one-hot drafters
     compute_s: float = 0.0
+    parents: list[int] | None = None  # a draft tree (see VerifyRequest.draft_parents)
 
 
 class VerifierPort(Protocol):
     async def open(self, prompt_ids: list[int], capture_layers, sampling) -> Opened: ...
-    async def verify(self, session_id: str, position: int, draft_ids, draft_probs) -> Verified: ...
+    async def verify(
+        self, session_id: str, position: int, draft_ids, draft_probs, draft_parents=None
+    ) -> Verified: ...
     async def close(self, session_id: str) -> None: ...
 
 
@@ -58,6 +61,7 @@ class DrafterPort(Protocol):
         k: int,
         sampling,
         speculative_ids=(),
+        tree=None,
     ) -> Drafted: ...
     async def close(self, session_id: str) -> None: ...
 
@@ -70,6 +74,7 @@ class Plan:
     adaptive: AdaptiveK | None = None  # None: k is pinned
     drafter_retry_s: float = 1.0  # after a drafter fault, verify-only rounds this long
     overlap: bool = False  # draft the next block while the verify runs, assuming acceptance
+    tree: Any = None  # TreeShape asked of a tree drafter; None: the drafter's default
 
 
 @dataclass
@@ -104,7 +109,8 @@ class DrafterLink:
     """The drafter side of one request: its session, what it has not heard yet, its faults.
 
     A failing drafter only costs speed: rounds go on without drafts, and after `retry_s` the
-    session is re-opened from the committed tokens (drafters that need no hidden rows).
+    session is re-opened from the committed tokens (and, for drafters that read target hidden
+    rows, every row the verifier has sent, which this link keeps for that purpose).
     """
 
     def __init__(self, drafter: DrafterPort, stats: RoundStats, retry_s: float = 1.0):
@@ -117,9 +123,15 @@ class DrafterLink:
         self.pending_rows: list = []
         self.retry_at: float | None = None  # set while the drafter is down
         self.carried: Drafted | None = None  # next block, drafted while the last verify ran
+        self.all_rows: list = []  # rows of every verified position, for a re-open
 
     async def open(self, context_ids: list[int], rows) -> None:
         self.context = list(context_ids)
+        if self.drafter.capture_layers:
+            self.all_rows = [rows]
+        await self._open(rows)
+
+    async def _open(self, rows) -> None:
         try:
             self.session = await self.drafter.open(self.context, rows)
         except Exception as exc:  # noqa: BLE001 - any drafter fault only costs speed
@@ -129,12 +141,16 @@ class DrafterLink:
         self.context.extend(ids)
         self.pending_ids.extend(ids)
         self.pending_rows.append(rows)
+        if self.drafter.capture_layers:
+            self.all_rows.append(rows)
 
-    async def draft(self, position: int, k: int, sampling, speculative_ids=()) -> Drafted:
+    async def draft(
+        self, position: int, k: int, sampling, speculative_ids=(), tree=None
+    ) -> Drafted:
         if self.retry_at is not None:
-            if time.perf_counter() < self.retry_at or self.drafter.capture_layers:
+            if time.perf_counter() < self.retry_at:
                 return Drafted([])
-            await self.open(self.context, None)
+            await self._open(self.all_rows if self.drafter.capture_layers else None)
             if self.session is None:
                 return Drafted([])
             log.info("drafter is back; drafting again")
@@ -142,10 +158,10 @@ class DrafterLink:
         if self.session is None:
             return Drafted([])
         try:
-            extra = (speculative_ids,) if speculative_ids else ()
             drafted = await self.drafter.draft(
-                self.session, position, self.pending_ids, self.pending_rows, k, sampling, *extra
-            )
+                self.session, position, self.pending_ids, self.pending_rows, k, sampling,
+                speculative_ids, tree,
+            )  # fmt: skip
         except Exception as exc:  # noqa: BLE001
             self._down(exc)
             return Drafted([])
@@ -219,7 +235,7 @@ async def run_rounds(
                 carried = link.take_carried(k)
                 if carried is not None:
                     stats.predrafted_rounds += 1
-                drafted = carried or await link.draft(position, k, plan.sampling)
+                drafted = carried or await link.draft(position, k, plan.sampling, (), plan.tree)
             draft_done = time.perf_counter()
             if plan.overlap and link is not None and drafted.ids:
                 verified = await _verify_and_predraft(
@@ -227,7 +243,7 @@ async def run_rounds(
                 )
             else:
                 verified = await verifier.verify(
-                    opened.session_id, position, drafted.ids, drafted.probs
+                    opened.session_id, position, drafted.ids, drafted.probs, drafted.parents
                 )
             verify_done = time.perf_counter()
             new = verified.committed[:remaining]

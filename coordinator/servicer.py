@@ -176,12 +176,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if self.config.adaptive and k > 0 and not pinned and not seeded:
             adaptive = AdaptiveK(self.costs, k_max=k)
         overlap = self.config.overlap_drafting and info.accepts_speculative_ids
+        tree = request.tree if request.HasField("tree") else None
+        if tree is not None and min(tree.total_tokens, tree.depth, tree.top_k) < 0:
+            raise InvalidArgument("tree total_tokens, depth and top_k must be >= 0")
         return Plan(
             max_tokens=max_tokens,
             num_draft_tokens=k,
             sampling=sampling,
             adaptive=adaptive,
             overlap=overlap,
+            tree=tree,
         )
 
     def _check_ready(self) -> None:

@@ -14,3 +14,10 @@ class Proposal:
     # tree drafts: parent index of each draft in `ids` (-1: the last committed token); listed
     # parents-first. None: a chain (each draft follows the previous one).
     parents: list[int] | None = None
+
+
+@dataclass
+class TreeShape:
+    total_tokens: int = 16  # drafts sent for verification
+    depth: int = 5  # longest root-to-leaf path
+    top_k: int = 4  # children per expanded node, and nodes expanded per depth

@@ -19,12 +19,33 @@ SERVICE_NAME = SERVICE.full_name
 def make_proposer(config: DrafterConfig):
     if config.kind == "ngram":
         return NgramProposer(config.ngram)
+    if config.kind == "eagle3":
+        from drafter_svc.eagle3.proposer import load_eagle3
+
+        target_dir, identity = describe_target(config)
+        return load_eagle3(config.eagle3, target_dir, identity)
     raise ValueError(f"unknown drafter kind {config.kind!r}; available: {', '.join(KINDS)}")
 
 
+def describe_target(config: DrafterConfig):
+    """The target's directory and (fingerprint, vocab, hidden size, layers), weights unread.
+    Model drafters always have a target: --target or the embedded default."""
+    import json
+
+    from specd.models.load import describe_tokenizer
+    from specd.models.resolve import resolve_model
+
+    path = resolve_model(config.target, config.cache_dir)
+    fingerprint, vocab = describe_tokenizer(config.target, config.cache_dir)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    return path, (fingerprint, vocab, int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]))
+
+
 def target_binding(config: DrafterConfig) -> tuple[str, int]:
-    """(fingerprint, vocab size) of --target, so pairing refuses any other target."""
-    if config.target is None:
+    """(fingerprint, vocab size) of the target, so pairing refuses any other target: --target
+    for n-gram (else unbound), the target a model drafter was loaded for."""
+    if config.target is None and config.kind == "ngram":
         return "", 0
     from specd.models.load import describe_tokenizer
 
@@ -33,7 +54,7 @@ def target_binding(config: DrafterConfig) -> tuple[str, int]:
 
 async def serve(config: DrafterConfig) -> None:
     mlx_thread = MlxThread()
-    proposer = make_proposer(config)
+    proposer = await mlx_thread.run(make_proposer, config)
     fingerprint, vocab_size = await mlx_thread.run(target_binding, config)
     servicer = DrafterServicer(proposer, config, mlx_thread, fingerprint, vocab_size)
     server = Server(config.host, config.port, [SERVICE_NAME], config.security)

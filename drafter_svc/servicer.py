@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from drafter_svc.proposal import TreeShape
 from specd import wire
 from specd.service import (
     FailedPrecondition,
@@ -63,7 +64,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             process=process_stats(len(self.sessions)),
             params=self.proposer.params(),
             vocab_size=self.vocab_size,
-            accepts_speculative_ids=getattr(proposer, "accepts_speculative_ids", False),
+            accepts_speculative_ids=proposer.accepts_speculative_ids,
+            default_tree=_tree_proto(getattr(proposer, "default_tree", None)),
         )
 
     @rpc
@@ -78,7 +80,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             )
         self.sessions.ensure_room()
         rows = _rows(request.hidden_rows)
-        state = await self.mlx.run(self.proposer.open, context_ids, rows)
+        if self.proposer.capture_layers and len(context_ids) > 1 and rows is None:
+            raise InvalidArgument(
+                f"the {self.proposer.kind} drafter needs hidden_rows of target layers "
+                f"{list(self.proposer.capture_layers)} for the context positions"
+            )
+        try:
+            state = await self.mlx.run(self.proposer.open, context_ids, rows)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
         session_id = self.sessions.add(DraftSession(state, len(context_ids)))
         return drafter_pb2.DraftOpenResponse(session_id=session_id)
 
@@ -102,32 +112,66 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 f"context exceeds the drafter's limit {self.config.max_context}"
             )
         speculative = self._check_ids(request.speculative_ids, "speculative_ids")
-        if speculative and not getattr(self.proposer, "accepts_speculative_ids", False):
+        if speculative and not self.proposer.accepts_speculative_ids:
             raise InvalidArgument(
                 f"the {self.proposer.kind} drafter cannot draft past "
                 "uncommitted tokens; send no speculative_ids"
             )
+        tree = self._tree_shape(request)
         rows = _rows(request.hidden_rows)
+        if self.proposer.capture_layers and new_ids and rows is None:
+            raise InvalidArgument(
+                f"the {self.proposer.kind} drafter needs hidden_rows of target layers "
+                f"{list(self.proposer.capture_layers)} for the positions verified since the "
+                "last call"
+            )
         start = time.perf_counter()
-        drafts, probs = await self.mlx.run(
-            self._extend_and_propose, session, new_ids, rows, k, request.sampling, speculative
-        )
+        try:
+            proposal = await self.mlx.run(
+                self._extend_and_propose, session, new_ids, rows, k, request.sampling,
+                speculative, tree,
+            )  # fmt: skip
+        except ValueError as exc:  # rows of the wrong width or count
+            raise InvalidArgument(str(exc)) from None
         return drafter_pb2.DraftResponse(
-            draft_ids=drafts,
-            draft_probs=wire.encode(probs) if probs is not None else None,
+            draft_ids=proposal.ids,
+            draft_probs=wire.encode(proposal.probs) if proposal.probs is not None else None,
             compute_s=time.perf_counter() - start,
+            draft_parents=proposal.parents or (),
         )
 
+    def _tree_shape(self, request):
+        """None: the proposer's default; a TreeShape (total 0 = a chain) when asked."""
+        if not request.HasField("tree"):
+            return None
+        t = request.tree
+        if t.total_tokens < 0 or t.depth < 0 or t.top_k < 0:
+            raise InvalidArgument("tree total_tokens, depth and top_k must be >= 0")
+        if t.total_tokens and not hasattr(self.proposer, "default_tree"):
+            raise InvalidArgument(f"the {self.proposer.kind} drafter drafts chains only")
+        if t.total_tokens > self.config.max_tree_tokens:
+            raise InvalidArgument(
+                f"tree of {t.total_tokens} tokens exceeds the drafter's limit "
+                f"{self.config.max_tree_tokens}"
+            )
+        return TreeShape(t.total_tokens, t.depth, t.top_k)
+
     def _extend_and_propose(
-        self, session: DraftSession, new_ids, rows, k, sampling, speculative=()
+        self, session: DraftSession, new_ids, rows, k, sampling, speculative=(), tree=None
     ):
         self.proposer.extend(session.state, new_ids, rows)
         session.position += len(new_ids)
-        if speculative:
-            return self.proposer.propose(session.state, k, sampling, speculative)
-        return self.proposer.propose(session.state, k, sampling)
+        return self.proposer.propose(session.state, k, sampling, speculative, tree)
 
     @rpc
     async def CloseSession(self, request, context):
         self.sessions.pop(request.session_id)
         return common_pb2.CloseSessionResponse()
+
+
+def _tree_proto(shape) -> common_pb2.TreeShape | None:
+    if shape is None or shape.total_tokens <= 0:
+        return None
+    return common_pb2.TreeShape(
+        total_tokens=shape.total_tokens, depth=shape.depth, top_k=shape.top_k
+    )

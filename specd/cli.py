@@ -96,11 +96,27 @@ def _add_serve(sub) -> None:
     v.add_argument("--max-context", type=int, default=0, help="0: the model's own limit")
     v.add_argument("--max-draft-tokens", type=int, default=64)
     d = kinds.choices["drafter"]
-    d.add_argument("--kind", default="ngram", choices=["ngram"])
+    d.add_argument("--kind", default="ngram", choices=["ngram", "eagle3"])
     d.add_argument("--num-draft-tokens", type=int, help="default k per round")
     d.add_argument("--ngram-min-n", type=int, help="shortest suffix n-gram to match")
     d.add_argument("--ngram-max-n", type=int, help="longest suffix n-gram to match")
-    d.add_argument("--target", help="bind to this target: pairing refuses any other")
+    d.add_argument(
+        "--target",
+        help="bind to this target: pairing refuses any other (model drafters: the target whose "
+        "embedding they read; default the embedded SmolLM2)",
+    )
+    d.add_argument(
+        "--weights",
+        type=Path,
+        help="eagle3: head directory (default: the head shipped for the target)",
+    )
+    d.add_argument(
+        "--tree-total-tokens",
+        type=int,
+        help="eagle3: draft trees of this many tokens by default (0: chains)",
+    )
+    d.add_argument("--tree-depth", type=int, help="eagle3: deepest tree path")
+    d.add_argument("--tree-top-k", type=int, help="eagle3: children per expanded tree node")
     c = kinds.choices["coordinator"]
     _add_client_security(c, "upstream-")
     c.add_argument(
@@ -187,11 +203,16 @@ def _serve(args) -> int:
                 file=sys.stderr,
             )
             return 2
+        eagle3 = _eagle3_options(args)
+        if isinstance(eagle3, str):
+            print(f"specd: {eagle3}", file=sys.stderr)
+            return 2
         config = DrafterConfig(
             kind=args.kind,
             host=args.host,
             port=args.port,
             ngram=ngram,
+            eagle3=eagle3,
             target=args.target,
             cache_dir=args.cache_dir,
             session_idle_timeout_s=args.session_idle_timeout,
@@ -217,7 +238,14 @@ def _serve(args) -> int:
             upstream=_client_security(args, "upstream_"),
             cache_dir=args.cache_dir,
         )
-    asyncio.run(serve(config))
+    from drafter_svc.eagle3.model import CheckpointError
+    from specd.models.resolve import ModelNotFoundError
+
+    try:
+        asyncio.run(serve(config))
+    except (CheckpointError, ModelNotFoundError, FileNotFoundError) as exc:
+        print(f"specd: {args.service}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -392,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="run verifier, drafter and coordinator on this machine")
     up.add_argument("--target", help="model for the verifier (default: embedded SmolLM2)")
-    up.add_argument("--drafter", default="ngram", choices=["ngram", "none"])
+    up.add_argument("--drafter", default="ngram", choices=["ngram", "eagle3", "none"])
     up.add_argument("--dtype", default="auto")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument(
@@ -437,6 +465,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_args(sub.add_parser("demo", help="the embedded default end to end"))
     _add_train(sub)
     return parser
+
+
+def _eagle3_options(args):
+    """Eagle3Options from the drafter flags, or an error message."""
+    from drafter_svc.eagle3.proposer import Eagle3Options
+    from drafter_svc.proposal import TreeShape
+
+    options = Eagle3Options(weights=args.weights, num_draft_tokens=args.num_draft_tokens or 0)
+    shape = (args.tree_total_tokens, args.tree_depth, args.tree_top_k)
+    if any(v is not None and v < 0 for v in shape):
+        return "--tree-total-tokens, --tree-depth and --tree-top-k must be >= 0"
+    if any(v is not None for v in shape):
+        options.tree = TreeShape(
+            total_tokens=args.tree_total_tokens if args.tree_total_tokens is not None else 16,
+            depth=args.tree_depth or 5,
+            top_k=args.tree_top_k or 4,
+        )
+    return options
 
 
 def _add_train(sub) -> None:

@@ -132,7 +132,9 @@ class Stack:
             target_args = ["--model", self.target] if self.target else []
             self._spawn("verifier", [*target_args, "--dtype", self.dtype, *self.verifier_args])
             if self.drafter:
-                self._spawn("drafter", ["--kind", self.drafter, *self.drafter_args])
+                model_drafter = self.drafter != "ngram" and self.target
+                target = ["--target", self.target] if model_drafter else []
+                self._spawn("drafter", ["--kind", self.drafter, *target, *self.drafter_args])
             drafter_address = self.services["drafter"].address if self.drafter else "none"
             self._spawn(
                 "coordinator",

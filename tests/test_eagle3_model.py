@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from drafter_svc.eagle3.draft import Eagle3Drafter, Eagle3State, TreeShape
+from drafter_svc.eagle3.draft import Eagle3Drafter, Eagle3State
 from drafter_svc.eagle3.model import (
     CheckpointError,
     Eagle3Config,
@@ -17,6 +17,7 @@ from drafter_svc.eagle3.model import (
     save_head,
 )
 from drafter_svc.eagle3.train import ttt_forward
+from drafter_svc.proposal import TreeShape
 
 H, V, VD = 32, 50, 20
 

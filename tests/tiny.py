@@ -36,6 +36,8 @@ def make_tiny_model_dir(
     num_layers: int = 2,
     hidden: int = 64,
     extra_specials: tuple[str, ...] = (),
+    max_positions: int = 1024,
+    eos_token: str = "<|im_end|>",
 ) -> Path:
     """A loadable mlx-lm directory: random Llama weights, byte-level tokenizer, chat template."""
     path.mkdir(parents=True, exist_ok=True)
@@ -52,8 +54,8 @@ def make_tiny_model_dir(
         "vocab_size": vocab_size,
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
-        "max_position_embeddings": 1024,
-        "eos_token_id": 2,
+        "max_position_embeddings": max_positions,
+        "eos_token_id": tokenizer.token_to_id(eos_token),
     }
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
@@ -67,7 +69,7 @@ def make_tiny_model_dir(
             {
                 "tokenizer_class": "PreTrainedTokenizerFast",
                 "chat_template": CHAT_TEMPLATE,
-                "eos_token": "<|im_end|>",
+                "eos_token": eos_token,
                 "bos_token": None,
                 "unk_token": None,
                 "pad_token": "<|endoftext|>",
@@ -75,4 +77,41 @@ def make_tiny_model_dir(
             }
         )
     )
+    return path
+
+
+def make_tiny_eagle3_dir(
+    path: Path, target_dir: Path, seed: int = 0, capture=(0, 1), fingerprint: str | None = None
+) -> Path:
+    """A random EAGLE-3 head for a tiny target, with a reduced draft vocabulary. Its read-out
+    starts from the target's own embedding rows so some drafts are right."""
+    import numpy as np
+
+    from drafter_svc.eagle3.model import Eagle3Config, Eagle3Head, save_head
+    from specd.models.load import describe_tokenizer
+
+    config = json.loads((target_dir / "config.json").read_text())
+    vocab = config["vocab_size"]
+    if fingerprint is None:
+        fingerprint, _ = describe_tokenizer(str(target_dir))
+    cfg = Eagle3Config(
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config["num_key_value_heads"],
+        vocab_size=vocab,
+        draft_vocab_size=vocab - 16,
+        rms_norm_eps=config["rms_norm_eps"],
+        rope_theta=config["rope_theta"],
+        capture_layers=tuple(capture),
+        target_fingerprint=fingerprint,
+        target_name=target_dir.name,
+    )
+    mx.random.seed(seed)
+    head = Eagle3Head(cfg)
+    draft_ids = np.sort(np.random.default_rng(seed).choice(vocab, vocab - 16, replace=False))
+    head.d2t = mx.array(draft_ids - np.arange(len(draft_ids)), dtype=mx.int64)
+    embed = mx.load(str(target_dir / "model.safetensors"))["model.embed_tokens.weight"]
+    head.lm_head.weight = embed[mx.array(draft_ids)]
+    save_head(head, path, dtype=mx.float32)
     return path

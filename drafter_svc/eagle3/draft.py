@@ -13,14 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from drafter_svc.eagle3.model import Eagle3Head
-from drafter_svc.proposal import Proposal
-
-
-@dataclass
-class TreeShape:
-    total_tokens: int = 16  # drafts sent for verification
-    depth: int = 5  # longest root-to-leaf path
-    top_k: int = 4  # children per expanded node, and nodes expanded per depth
+from drafter_svc.proposal import Proposal, TreeShape
 
 
 @dataclass
@@ -64,7 +57,15 @@ class Eagle3Drafter:
                 rows if state.pending_rows is None else mx.concatenate([state.pending_rows, rows])
             )
         have = 0 if state.pending_rows is None else state.pending_rows.shape[0]
-        count = min(have, len(state.tokens) - 1 - state.entries)
+        room = len(state.tokens) - 1 - state.entries  # positions whose next token is known
+        if have > room:
+            state.pending_rows = state.pending_rows[: max(0, room)] if room > 0 else None
+            state.tokens = state.tokens[: len(state.tokens) - len(new_ids)]
+            raise ValueError(
+                f"{have} hidden rows for {room} positions: send one row per verified "
+                "position (the prompt, then the last token and the accepted drafts)"
+            )
+        count = min(have, room)
         if count <= 0:
             return
         start = state.entries

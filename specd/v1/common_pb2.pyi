@@ -69,3 +69,13 @@ class CloseSessionResponse(_message.Message):
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class TreeShape(_message.Message):
+    __slots__ = ("total_tokens", "depth", "top_k")
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    total_tokens: int
+    depth: int
+    top_k: int
+    def __init__(self, total_tokens: _Optional[int] = ..., depth: _Optional[int] = ..., top_k: _Optional[int] = ...) -> None: ...

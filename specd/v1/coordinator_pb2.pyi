@@ -52,7 +52,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "prompt_ids", "max_tokens", "sampling", "stop", "num_draft_tokens")
+    __slots__ = ("prompt", "chat", "prompt_ids", "max_tokens", "sampling", "stop", "num_draft_tokens", "tree")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: ChatMessages
     prompt_ids: TokenIds
@@ -67,7 +68,8 @@ class GenerateRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     stop: _containers.RepeatedScalarFieldContainer[str]
     num_draft_tokens: int
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+    tree: _common_pb2.TreeShape
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TreeShape, _Mapping]] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
     __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "drafted", "accepted", "tau", "prefill_s", "draft_s", "verify_s", "coordinator_s", "total_s", "verify_compute_s", "draft_compute_s", "drafter_failed", "predrafted_rounds")

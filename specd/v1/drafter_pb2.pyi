@@ -39,18 +39,8 @@ class DrafterInfo(_message.Message):
     params: _containers.ScalarMap[str, str]
     vocab_size: int
     accepts_speculative_ids: bool
-    default_tree: TreeShape
-    def __init__(self, kind: _Optional[str] = ..., target_fingerprint: _Optional[str] = ..., capture_layers: _Optional[_Iterable[int]] = ..., default_draft_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., sends_draft_probs: _Optional[bool] = ..., process: _Optional[_Union[_common_pb2.ProcessStats, _Mapping]] = ..., params: _Optional[_Mapping[str, str]] = ..., vocab_size: _Optional[int] = ..., accepts_speculative_ids: _Optional[bool] = ..., default_tree: _Optional[_Union[TreeShape, _Mapping]] = ...) -> None: ...
-
-class TreeShape(_message.Message):
-    __slots__ = ("total_tokens", "depth", "top_k")
-    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    DEPTH_FIELD_NUMBER: _ClassVar[int]
-    TOP_K_FIELD_NUMBER: _ClassVar[int]
-    total_tokens: int
-    depth: int
-    top_k: int
-    def __init__(self, total_tokens: _Optional[int] = ..., depth: _Optional[int] = ..., top_k: _Optional[int] = ...) -> None: ...
+    default_tree: _common_pb2.TreeShape
+    def __init__(self, kind: _Optional[str] = ..., target_fingerprint: _Optional[str] = ..., capture_layers: _Optional[_Iterable[int]] = ..., default_draft_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., sends_draft_probs: _Optional[bool] = ..., process: _Optional[_Union[_common_pb2.ProcessStats, _Mapping]] = ..., params: _Optional[_Mapping[str, str]] = ..., vocab_size: _Optional[int] = ..., accepts_speculative_ids: _Optional[bool] = ..., default_tree: _Optional[_Union[_common_pb2.TreeShape, _Mapping]] = ...) -> None: ...
 
 class DraftOpenRequest(_message.Message):
     __slots__ = ("context_ids", "hidden_rows")
@@ -83,8 +73,8 @@ class DraftRequest(_message.Message):
     num_draft_tokens: int
     sampling: _common_pb2.SamplingParams
     speculative_ids: _containers.RepeatedScalarFieldContainer[int]
-    tree: TreeShape
-    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., new_ids: _Optional[_Iterable[int]] = ..., hidden_rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculative_ids: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[TreeShape, _Mapping]] = ...) -> None: ...
+    tree: _common_pb2.TreeShape
+    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., new_ids: _Optional[_Iterable[int]] = ..., hidden_rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculative_ids: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[_common_pb2.TreeShape, _Mapping]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("draft_ids", "draft_probs", "compute_s", "draft_parents")

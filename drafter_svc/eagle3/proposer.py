@@ -1,0 +1,163 @@
+"""The EAGLE-3 proposer behind the drafter service: a head, the target's embedding, drafting
+defaults; the head is checked against the target it is paired with."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from drafter_svc.eagle3.draft import Eagle3Drafter, Eagle3State
+from drafter_svc.eagle3.model import CheckpointError, load_head
+from drafter_svc.proposal import Proposal, TreeShape
+
+SHIPPED_DIR = Path(__file__).resolve().parent / "heads"
+# heads this package ships, by the materialized directory name of their target
+SHIPPED = {"SmolLM2-135M-Instruct-Q4_1": SHIPPED_DIR / "smollm2-135m-instruct"}
+
+
+@dataclass
+class Eagle3Options:
+    weights: Path | None = None  # head directory; None: the head shipped for the target
+    num_draft_tokens: int = 0  # chain length; 0: from the head's config or 6
+    max_draft_tokens: int = 16
+    tree: TreeShape | None = None  # default shape; None: from the head's config; total 0: chain
+    extra: dict = field(default_factory=dict)
+
+
+def _read_safetensors_subset(directory: Path, names: tuple[str, ...]) -> dict[str, mx.array]:
+    """Only the tensors asked for, from an mlx-lm/HF directory (lazy mx.load, one file each)."""
+    found: dict[str, mx.array] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        arrays = mx.load(str(f))
+        for name in names:
+            for suffix in ("weight", "scales", "biases"):
+                key = f"{name}.{suffix}"
+                if key in arrays:
+                    found[key] = arrays[key]
+    return found
+
+
+def target_embedding(target_dir: Path) -> mx.array:
+    """The target's input embedding [V, H] in float32, read without loading the model."""
+    config = json.loads((target_dir / "config.json").read_text())
+    config = config.get("text_config", config)
+    for name in ("model.embed_tokens", "model.language_model.embed_tokens", "embed_tokens"):
+        t = _read_safetensors_subset(target_dir, (name,))
+        if f"{name}.weight" in t:
+            break
+    else:
+        raise CheckpointError(f"{target_dir} has no embed_tokens tensor")
+    weight = t[f"{name}.weight"]
+    if f"{name}.scales" in t:
+        q = (
+            (config.get("quantization") or {}).get(name.removeprefix("model."))
+            or (config.get("quantization") or {}).get(name)
+            or config.get("quantization")
+            or {}
+        )
+        weight = mx.dequantize(weight, t[f"{name}.scales"], t.get(f"{name}.biases"),
+                               q.get("group_size", 64), q.get("bits", 4))  # fmt: skip
+    weight = weight.astype(mx.float32)
+    mx.eval(weight)
+    return weight
+
+
+class Eagle3Proposer:
+    kind = "eagle3"
+    sends_draft_probs = False  # argmax drafting: q is one-hot
+    accepts_speculative_ids = False  # needs target rows for every context token
+
+    def __init__(self, drafter: Eagle3Drafter, options: Eagle3Options, source: str):
+        self.drafter = drafter
+        cfg = drafter.cfg
+        self.capture_layers = tuple(cfg.capture_layers)
+        tree_cfg = cfg.tree or {}
+        self.default_draft_tokens = options.num_draft_tokens or int(tree_cfg.get("chain", 6))
+        self.max_draft_tokens = max(options.max_draft_tokens, self.default_draft_tokens)
+        if options.tree is not None:
+            self.default_tree = options.tree
+        else:
+            self.default_tree = TreeShape(
+                total_tokens=int(tree_cfg.get("total_tokens", 0)),
+                depth=int(tree_cfg.get("depth", 5)),
+                top_k=int(tree_cfg.get("top_k", 4)),
+            )
+        self.source = source
+
+    def open(self, context_ids: list[int], hidden_rows=None) -> Eagle3State:
+        return self.drafter.open(list(context_ids), _rows(hidden_rows))
+
+    def extend(self, state: Eagle3State, new_ids: list[int], hidden_rows=None) -> None:
+        self.drafter.extend(state, list(new_ids), _rows(hidden_rows))
+
+    def propose(self, state, k: int, sampling=None, speculative=(), tree=None) -> Proposal:
+        """A chain of k drafts, or a tree when `tree` (or the default shape) asks for one;
+        `tree.depth` 0 takes k as the depth."""
+        shape = self.default_tree if tree is None else tree
+        if shape.total_tokens > 0:
+            depth = shape.depth or k or self.default_tree.depth
+            return self.drafter.tree(
+                state,
+                TreeShape(shape.total_tokens, min(depth, self.max_draft_tokens),
+                          shape.top_k or self.default_tree.top_k or 4),
+            )  # fmt: skip
+        return self.drafter.chain(state, k)
+
+    def params(self) -> dict[str, str]:
+        t = self.default_tree
+        return {
+            "weights": self.source,
+            "capture_layers": ",".join(map(str, self.capture_layers)),
+            "draft_vocab": str(self.drafter.cfg.draft_vocab_size),
+            "tree": f"total={t.total_tokens} depth={t.depth} top_k={t.top_k}"
+            if t.total_tokens > 0 else "chain",
+        }  # fmt: skip
+
+
+def _rows(rows):
+    if rows is None:
+        return None
+    if isinstance(rows, list):  # in-process: the round loop hands over a list of arrays
+        rows = [r for r in rows if r is not None and len(r)]
+        return mx.concatenate(rows) if rows else None
+    return rows
+
+
+def load_eagle3(options: Eagle3Options, target_dir: Path, target_identity) -> Eagle3Proposer:
+    """Load the head and the target's embedding; refuse a head made for another target."""
+    weights = options.weights
+    if weights is None:
+        weights = SHIPPED.get(target_dir.name)
+        if weights is None or not (weights / "config.json").is_file():
+            raise CheckpointError(
+                f"no EAGLE-3 head ships for target {target_dir.name}; pass --weights DIR "
+                "(train one with `specd train eagle3 --target ...`)"
+            )
+    head, extras = load_head(weights)
+    cfg = head.config
+    fingerprint, vocab_size, hidden_size, num_layers = target_identity
+    if cfg.target_fingerprint and cfg.target_fingerprint != fingerprint:
+        raise CheckpointError(
+            f"the head in {weights} was trained for target {cfg.target_name or '?'} "
+            f"(tokenizer {cfg.target_fingerprint}), not this one ({fingerprint})"
+        )
+    if cfg.vocab_size != vocab_size:
+        raise CheckpointError(
+            f"the head's vocab_size {cfg.vocab_size} differs from the target's {vocab_size}"
+        )
+    if cfg.feature_size != hidden_size:
+        raise CheckpointError(
+            f"the head reads target rows of width {cfg.feature_size}; the target's hidden size "
+            f"is {hidden_size}"
+        )
+    if max(cfg.capture_layers) >= num_layers:
+        raise CheckpointError(
+            f"the head needs target layers {list(cfg.capture_layers)}; the target has {num_layers}"
+        )
+    embedding = extras.get("embed_tokens")
+    embedding = embedding.astype(mx.float32) if embedding is not None else target_embedding(
+        target_dir)  # fmt: skip
+    return Eagle3Proposer(Eagle3Drafter(head, embedding), options, str(weights))

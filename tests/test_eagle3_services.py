@@ -1,0 +1,202 @@
+"""EAGLE-3 through real services on loopback with a tiny random target and head: greedy
+identity for chains and trees, pairing, bad inputs, a drafter restart mid-generation."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from tiny import make_tiny_eagle3_dir, make_tiny_model_dir
+
+from coordinator.bench import plain_decode
+from specd.client import CoordinatorClient, make_request
+from specd.launch import Stack, spawn
+from specd.models.load import load_target
+from specd.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+
+PROMPTS = ["Hello there, hello there, hello", "abcabcabcabc", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_model_dir, tmp_path_factory):
+    return make_tiny_eagle3_dir(tmp_path_factory.mktemp("head") / "e3", tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, head_dir, tmp_path_factory):
+    with Stack(
+        target=str(tiny_model_dir),
+        drafter="eagle3",
+        drafter_args=["--weights", str(head_dir), "--num-draft-tokens", "4"],
+        startup_timeout_s=120,
+        log_dir=tmp_path_factory.mktemp("logs"),
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    return load_target(str(tiny_model_dir), "float32")
+
+
+def _reference(plain, prompt: str, n: int) -> list[int]:
+    ids = plain.tokenizer.encode(prompt)
+    return plain_decode(plain.model, ids, n, set(plain.identity.eos_token_ids)).token_ids
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        None,  # the drafter's default: a chain
+        common_pb2.TreeShape(total_tokens=10, depth=4, top_k=3),
+        common_pb2.TreeShape(total_tokens=6, depth=0, top_k=2),  # depth follows k
+    ],
+)
+def test_greedy_output_equals_plain_decoding(stack, plain, tree):
+    client = CoordinatorClient(stack.coordinator)
+    for prompt in PROMPTS:
+        request = make_request(prompt=prompt, max_tokens=40)
+        if tree is not None:
+            request.tree.CopyFrom(tree)
+        result = client.generate(request)
+        assert result.token_ids == _reference(plain, prompt, 40), prompt
+        assert result.stats["rounds"] > 0 and result.stats["drafted"] > 0
+    client.close()
+
+
+def test_info_names_layers_and_binds_the_target(stack, plain):
+    with grpc.insecure_channel(stack.services["drafter"].address) as channel:
+        info = drafter_pb2_grpc.DrafterStub(channel).GetInfo(common_pb2.InfoRequest())
+    assert info.kind == "eagle3"
+    assert list(info.capture_layers) == [0, 1]
+    assert info.target_fingerprint == plain.identity.fingerprint
+    assert not info.accepts_speculative_ids
+
+
+def test_bad_inputs_get_clear_errors(stack):
+    with grpc.insecure_channel(stack.services["drafter"].address) as channel:
+        stub = drafter_pb2_grpc.DrafterStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.OpenSession(drafter_pb2.DraftOpenRequest(context_ids=[5, 6, 7]))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "hidden_rows" in err.value.details()
+        import numpy as np
+
+        from specd import wire
+
+        wrong_width = wire.encode(np.zeros((2, 5), np.float16))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.OpenSession(
+                drafter_pb2.DraftOpenRequest(context_ids=[5, 6, 7], hidden_rows=wrong_width)
+            )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "wide" in err.value.details()
+        too_many = wire.encode(np.zeros((5, 128), np.float16))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.OpenSession(
+                drafter_pb2.DraftOpenRequest(context_ids=[5, 6, 7], hidden_rows=too_many)
+            )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        rows = wire.encode(np.zeros((2, 128), np.float16))
+        sid = stub.OpenSession(
+            drafter_pb2.DraftOpenRequest(context_ids=[5, 6, 7], hidden_rows=rows)
+        ).session_id
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Draft(
+                drafter_pb2.DraftRequest(
+                    session_id=sid, position=3, num_draft_tokens=2,
+                    tree=common_pb2.TreeShape(total_tokens=100000),
+                )
+            )  # fmt: skip
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        ok = stub.Draft(
+            drafter_pb2.DraftRequest(
+                session_id=sid, position=3, num_draft_tokens=2,
+                tree=common_pb2.TreeShape(total_tokens=5, depth=3, top_k=2),
+            )
+        )  # fmt: skip
+        assert len(ok.draft_ids) == 5 and len(ok.draft_parents) == 5
+
+
+def test_tree_verify_refuses_bad_parents(stack):
+    from specd.v1 import verifier_pb2, verifier_pb2_grpc
+
+    with grpc.insecure_channel(stack.services["verifier"].address) as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        opened = stub.OpenSession(verifier_pb2.OpenSessionRequest(prompt_ids=[5, 6, 7]))
+        for parents in ([-1, 1], [-1, 0, -1], [-1]):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Verify(
+                    verifier_pb2.VerifyRequest(
+                        session_id=opened.session_id, position=opened.position,
+                        draft_ids=[8, 9, 10][: max(2, len(parents) if parents != [-1] else 2)],
+                        draft_parents=parents,
+                    )
+                )  # fmt: skip
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        ok = stub.Verify(
+            verifier_pb2.VerifyRequest(
+                session_id=opened.session_id, position=opened.position,
+                draft_ids=[8, 9], draft_parents=[-1, -1],
+            )
+        )  # fmt: skip
+        assert ok.position == opened.position + len(ok.committed_ids)
+
+
+def test_head_for_another_target_is_refused(other_tiny_model_dir, head_dir, tmp_path):
+    proc = spawn(
+        "drafter",
+        ["--kind", "eagle3", "--target", str(other_tiny_model_dir), "--weights", str(head_dir)],
+        log_dir=tmp_path,
+    )
+    code = proc.process.wait(timeout=120)
+    text = proc.log_path.read_text()
+    assert code != 0
+    assert "trained for target" in text
+
+
+def test_drafter_restart_mid_generation_keeps_output(tmp_path):
+    """Kill the EAGLE-3 drafter during a long generation and start a new one on its port: the
+    coordinator re-opens it with every hidden row it kept and drafts again in the same
+    request; the output stays the target's."""
+    # a long context and an EOS this prompt never reaches: the request outlives a restart
+    tiny_model_dir = make_tiny_model_dir(
+        tmp_path / "long", max_positions=16384, eos_token="<|im_start|>"
+    )
+    head_dir = make_tiny_eagle3_dir(tmp_path / "head", tiny_model_dir)
+    plain = load_target(str(tiny_model_dir), "float32")
+    drafter_args = ["--weights", str(head_dir)]
+    with Stack(
+        target=str(tiny_model_dir),
+        drafter="eagle3",
+        drafter_args=drafter_args,
+        startup_timeout_s=120,
+        log_dir=tmp_path,
+    ) as s:
+        client = CoordinatorClient(s.coordinator)
+        prompt, tokens = "abcabcabc hello hello hello", 1500
+        reference = _reference(plain, prompt, tokens)
+        drafter = s.services["drafter"]
+        port = int(drafter.address.rsplit(":", 1)[1])
+
+        def restart():
+            drafter.kill()
+            s.services["drafter"] = spawn(
+                "drafter",
+                ["--kind", "eagle3", "--target", str(tiny_model_dir), *drafter_args],
+                port=port,
+                log_dir=tmp_path / "second",
+            )
+
+        ids, stats = [], None
+        request = make_request(prompt=prompt, max_tokens=tokens, num_draft_tokens=3)
+        for message in client.stream(request):
+            ids.extend(message.token_ids)
+            if drafter is s.services["drafter"] and len(ids) > 20:
+                restart()
+            if message.finish_reason:
+                stats = message.stats
+        assert ids == reference
+        assert stats.drafter_failed
+        log = s.services["coordinator"].log_path.read_text()
+        assert "drafter is back" in log, "the drafter was not re-opened within the request"
+        client.close()
