@@ -68,12 +68,12 @@ def test_proposer_state_follows_committed_context():
     proposer = NgramProposer(NgramConfig(min_n=1, max_n=2))
     state = proposer.open([1, 2, 3])
     proposer.extend(state, [1, 2])
-    drafts, probs = proposer.propose(state, 4)
-    assert drafts == [3, 1, 2] and probs is None
+    proposal = proposer.propose(state, 4)
+    assert proposal.ids == [3, 1, 2] and proposal.probs is None and proposal.parents is None
 
 
 def test_speculative_tokens_extend_the_context_for_one_call_only():
     proposer = NgramProposer(NgramConfig(min_n=1, max_n=2))
     state = proposer.open([1, 2, 3, 4, 1, 2])
-    assert proposer.propose(state, 2, None, [3])[0] == [4, 1]
+    assert proposer.propose(state, 2, None, [3]).ids == [4, 1]
     assert state == [1, 2, 3, 4, 1, 2]  # nothing kept

@@ -9,6 +9,7 @@ from coordinator.adaptive import AdaptiveK, SpeculationCosts
 from coordinator.local import LocalDrafter, LocalVerifier
 from coordinator.rounds import Plan, RoundStats, run_rounds
 from drafter_svc.ngram import NgramConfig, NgramProposer
+from drafter_svc.proposal import Proposal
 from specd.models.load import load_target
 from verifier_svc.engine import Target
 
@@ -31,7 +32,7 @@ def collect(verifier, drafter, prompt, plan):
 
 
 class GarbageProposer:
-    kind, capture_layers, sends_draft_probs = "garbage", (), False
+    kind, capture_layers, sends_draft_probs, accepts_speculative_ids = "garbage", (), False, False
 
     def __init__(self, vocab, seed=0):
         self.vocab, self.rng = vocab, random.Random(seed)
@@ -42,8 +43,8 @@ class GarbageProposer:
     def extend(self, state, new_ids, rows):
         pass
 
-    def propose(self, state, k, sampling=None):
-        return [self.rng.randrange(self.vocab) for _ in range(k)], None
+    def propose(self, state, k, sampling=None, speculative=(), tree=None):
+        return Proposal([self.rng.randrange(self.vocab) for _ in range(k)])
 
 
 class FailingDrafter(LocalDrafter):
@@ -145,9 +146,9 @@ class OracleProposer:
     def extend(self, state, new_ids, rows):
         state.extend(new_ids)
 
-    def propose(self, state, k, sampling=None, speculative=()):
+    def propose(self, state, k, sampling=None, speculative=(), tree=None):
         done = len(state) + len(speculative)
-        return self.full[done : done + k], None
+        return Proposal(self.full[done : done + k])
 
 
 def test_overlap_drafts_the_next_block_during_verify(target):
