@@ -6,12 +6,15 @@ Model (documented in docs/adaptive.md):
 - a verify of n tokens costs v0 + v1 (n - 1) seconds and a draft of k tokens d0 + d1 k,
   both fitted online by least squares with forgetting;
 - k = argmax over 0..k_max of expected tokens / (draft cost + verify cost), where k = 0 costs
-  no draft call. After `probe_every` rounds at k = 0 one round drafts k_max again, so a session
-  notices when drafting starts paying.
+  no draft call. For draft trees k is the depth: acceptance is per depth (the path the target
+  keeps), and the verify costs the tree's size.
+- After `probe_every` rounds at k = 0 one round drafts k_max again, so a session notices when
+  drafting starts paying.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -66,6 +69,8 @@ class AdaptiveK:
     successes: float = 1.0  # prior: acceptance 0.5 over two pseudo-trials
     trials: float = 2.0
     rounds_without_drafts: int = 0
+    # tokens a verify checks when k is asked: k for chains, the tree's size for trees
+    verified_tokens: Callable[[int], int] | None = None
 
     @property
     def acceptance(self) -> float:
@@ -80,7 +85,8 @@ class AdaptiveK:
             return k_max
         best_k, best_rate = 0, 1.0 / self.costs.verify.predict(1)
         for k in range(1, k_max + 1):
-            seconds = self.costs.draft.predict(k) + self.costs.verify.predict(k + 1)
+            n = self.verified_tokens(k) if self.verified_tokens else k
+            seconds = self.costs.draft.predict(k) + self.costs.verify.predict(n + 1)
             rate = expected_tokens(k, self.acceptance) / seconds
             if rate > best_rate:
                 best_k, best_rate = k, rate

@@ -10,7 +10,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BENCH_DRAFTERS = ("ngram", "none")  # comma-separated in --drafter; none = no drafting
+# --drafter names -> drafter kind; "-tree" variants draft trees, the others chains
+BENCH_DRAFTERS = {"ngram": "ngram", "eagle3": "eagle3", "eagle3-tree": "eagle3", "none": None}
 
 
 def add_bench_args(p) -> None:
@@ -22,8 +23,8 @@ def add_bench_args(p) -> None:
     p.add_argument(
         "--drafter",
         default="ngram",
-        help="comma-separated: ngram, none (none = the services without drafting: what the "
-        "split costs); all run side by side",
+        help="comma-separated: ngram, eagle3 (chains), eagle3-tree, none (none = the services "
+        "without drafting: what the split costs); all run side by side",
     )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -37,6 +38,10 @@ def add_bench_args(p) -> None:
     )
     p.add_argument("--ngram-min-n", type=int)
     p.add_argument("--ngram-max-n", type=int)
+    p.add_argument("--weights", type=Path, help="eagle3 head (default: the shipped one)")
+    p.add_argument("--tree-total-tokens", type=int, help="eagle3-tree: tokens per tree (16)")
+    p.add_argument("--tree-depth", type=int, help="eagle3-tree: deepest path (5)")
+    p.add_argument("--tree-top-k", type=int, help="eagle3-tree: children per node (4)")
     p.add_argument(
         "--no-adaptive",
         dest="adaptive",
@@ -141,41 +146,56 @@ def service_memory(client) -> dict:
     return out
 
 
-def _drafter_args(args) -> list[str]:
+def _variant_options(args, name: str) -> dict:
+    """Options of bench drafter `name` as `specd serve drafter` flags take them."""
+    tree = name.endswith("-tree")
+    return {
+        "num_draft_tokens": args.num_draft_tokens,
+        "ngram_min_n": args.ngram_min_n,
+        "ngram_max_n": args.ngram_max_n,
+        "weights": args.weights,
+        # chains are forced for the plain variant whatever the head's default shape
+        "tree_total_tokens": (args.tree_total_tokens or 16) if tree else 0,
+        "tree_depth": args.tree_depth if tree else None,
+        "tree_top_k": args.tree_top_k if tree else None,
+    }
+
+
+_KIND_OPTIONS = {
+    "ngram": ("num_draft_tokens", "ngram_min_n", "ngram_max_n"),
+    "eagle3": ("num_draft_tokens", "weights", "tree_total_tokens", "tree_depth", "tree_top_k"),
+}
+
+
+def _drafter_args(args, name: str) -> list[str]:
+    options = _variant_options(args, name)
     out = []
-    for flag, value in (
-        ("--num-draft-tokens", getattr(args, "num_draft_tokens", None)),
-        ("--ngram-min-n", getattr(args, "ngram_min_n", None)),
-        ("--ngram-max-n", getattr(args, "ngram_max_n", None)),
-    ):
-        if value is not None:
-            out += [flag, str(value)]
+    for option in _KIND_OPTIONS.get(BENCH_DRAFTERS[name], ()):
+        if options[option] is not None:
+            out += ["--" + option.replace("_", "-"), str(options[option])]
     return out
 
 
-def in_process_runner(args, drafter_kind: str):
+def in_process_runner(args, name: str):
     """The same round loop with no gRPC (coordinator/local.py), for the cost of the split."""
     import asyncio
 
     from coordinator.adaptive import AdaptiveK, SpeculationCosts
     from coordinator.local import LocalDrafter, LocalVerifier
     from coordinator.rounds import Plan, RoundStats, run_rounds
-    from drafter_svc.ngram import NgramConfig, NgramProposer
+    from drafter_svc.config import DrafterConfig, drafter_options
+    from drafter_svc.server import make_proposer
     from specd.models.load import load_target
     from specd.v1 import common_pb2
     from verifier_svc.engine import Target
 
-    config = NgramConfig()
-    for name, value in (
-        ("num_draft_tokens", args.num_draft_tokens),
-        ("min_n", args.ngram_min_n),
-        ("max_n", args.ngram_max_n),
-    ):
-        if value is not None:
-            setattr(config, name, value)
     # its own copy of the model: the baseline's stays free of the capture wrappers
     verifier = LocalVerifier(Target(load_target(args.target, args.dtype)))
-    drafter = None if drafter_kind == "none" else LocalDrafter(NgramProposer(config))
+    drafter = None
+    if BENCH_DRAFTERS[name] is not None:
+        options = drafter_options(BENCH_DRAFTERS[name], **_variant_options(args, name))
+        proposer = make_proposer(DrafterConfig(**options, target=args.target))
+        drafter = LocalDrafter(proposer)
     costs = SpeculationCosts()
 
     async def consume(prompt_ids, plan, stats):
@@ -183,7 +203,7 @@ def in_process_runner(args, drafter_kind: str):
             pass
 
     def run(prompt_ids) -> tuple[float, RoundStats]:
-        k = config.num_draft_tokens if drafter else 0
+        k = drafter.proposer.default_draft_tokens if drafter else 0
         adaptive = AdaptiveK(costs, k) if args.adaptive and k else None
         plan = Plan(
             args.max_tokens, k, common_pb2.SamplingParams(temperature=args.temperature), adaptive
@@ -265,9 +285,9 @@ def run_bench(args) -> int:
             stack = running.enter_context(
                 Stack(
                     target=args.target,
-                    drafter=None if d == "none" else d,
+                    drafter=BENCH_DRAFTERS[d],
                     dtype=args.dtype,
-                    drafter_args=_drafter_args(args),
+                    drafter_args=_drafter_args(args, d),
                     coordinator_args=([] if args.adaptive else ["--no-adaptive"])
                     + (["--overlap-drafting"] if args.overlap else []),
                     log_dir=log_dir / d,

@@ -312,10 +312,20 @@ def _learn(
     verify_s: float,
     called_drafter: bool,
 ) -> None:
-    adaptive.observe(k, len(drafted.ids), verified.num_accepted)
+    adaptive.observe(k, _path_length(drafted), verified.num_accepted)
     adaptive.costs.verify.observe(len(drafted.ids) + 1, verify_s)
     if called_drafter:
         adaptive.costs.draft.observe(k, draft_s)
+
+
+def _path_length(drafted: Drafted) -> int:
+    """Drafts the target could accept in one round: the chain, or the tree's depth."""
+    if not drafted.parents:
+        return len(drafted.ids)
+    depth: list[int] = []
+    for p in drafted.parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return max(depth)
 
 
 async def _close_quietly(port, session_id: str) -> None:

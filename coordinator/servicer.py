@@ -172,13 +172,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         # k follows measured timings, so a seeded sampling request keeps k fixed: the same
         # seed must give the same output
         seeded = sampling.temperature > 0 and sampling.HasField("seed")
-        adaptive = None
-        if self.config.adaptive and k > 0 and not pinned and not seeded:
-            adaptive = AdaptiveK(self.costs, k_max=k)
-        overlap = self.config.overlap_drafting and info.accepts_speculative_ids
         tree = request.tree if request.HasField("tree") else None
         if tree is not None and min(tree.total_tokens, tree.depth, tree.top_k) < 0:
             raise InvalidArgument("tree total_tokens, depth and top_k must be >= 0")
+        shape = tree if tree is not None else info.default_tree
+        adaptive = None
+        if self.config.adaptive and k > 0 and not pinned and not seeded:
+            adaptive = AdaptiveK(self.costs, k_max=k, verified_tokens=tree_size(shape))
+        overlap = self.config.overlap_drafting and info.accepts_speculative_ids
         return Plan(
             max_tokens=max_tokens,
             num_draft_tokens=k,
@@ -287,3 +288,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         yield coordinator_pb2.GenerateResponse(
             text=text.finish(), finish_reason=reason, stats=stats_message(stats)
         )
+
+
+def tree_size(shape):
+    """Drafts in a tree at most k deep (k -> count), or None for chains: top_k at depth 1, then
+    top_k expanded nodes with top_k children each, cut to total_tokens."""
+    if shape is None or shape.total_tokens <= 0:
+        return None
+    top_k = shape.top_k or 4
+
+    def size(k: int) -> int:
+        depth = min(k, shape.depth) if shape.depth else k
+        return min(shape.total_tokens, top_k + max(0, depth - 1) * top_k * top_k)
+
+    return size

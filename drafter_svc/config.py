@@ -24,3 +24,44 @@ class DrafterConfig:
     max_tree_tokens: int = 128  # largest draft tree a request may ask for
     session_idle_timeout_s: float = 600.0  # sessions a dead coordinator left are freed after
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, token
+
+
+def drafter_options(
+    kind: str,
+    num_draft_tokens: int | None = None,
+    ngram_min_n: int | None = None,
+    ngram_max_n: int | None = None,
+    weights: Path | None = None,
+    tree_total_tokens: int | None = None,
+    tree_depth: int | None = None,
+    tree_top_k: int | None = None,
+) -> dict:
+    """The kind-specific parts of a DrafterConfig from command-line style options (None: the
+    default); ValueError names the bad option."""
+    from drafter_svc.proposal import TreeShape
+
+    if kind not in KINDS:
+        raise ValueError(f"unknown drafter kind {kind!r}; available: {', '.join(KINDS)}")
+    if num_draft_tokens is not None and num_draft_tokens < 1:
+        raise ValueError("--num-draft-tokens must be >= 1")
+    ngram = NgramConfig()
+    for name, value in (
+        ("num_draft_tokens", num_draft_tokens),
+        ("min_n", ngram_min_n),
+        ("max_n", ngram_max_n),
+    ):
+        if value is not None:
+            setattr(ngram, name, value)
+    if not 1 <= ngram.min_n <= ngram.max_n:
+        raise ValueError("need 1 <= --ngram-min-n <= --ngram-max-n")
+    eagle3 = Eagle3Options(weights=weights, num_draft_tokens=num_draft_tokens or 0)
+    shape = (tree_total_tokens, tree_depth, tree_top_k)
+    if any(v is not None and v < 0 for v in shape):
+        raise ValueError("--tree-total-tokens, --tree-depth and --tree-top-k must be >= 0")
+    if any(v is not None for v in shape):
+        eagle3.tree = TreeShape(
+            total_tokens=16 if tree_total_tokens is None else tree_total_tokens,
+            depth=tree_depth or 5,
+            top_k=tree_top_k or 4,
+        )
+    return {"kind": kind, "ngram": ngram, "eagle3": eagle3}

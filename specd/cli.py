@@ -185,34 +185,21 @@ def _serve(args) -> int:
             security=_server_security(args),
         )
     elif args.service == "drafter":
-        from drafter_svc.config import DrafterConfig
-        from drafter_svc.ngram import NgramConfig
+        from drafter_svc.config import DrafterConfig, drafter_options
         from drafter_svc.server import serve
 
-        ngram = NgramConfig()
-        for field_name, value in (
-            ("num_draft_tokens", args.num_draft_tokens),
-            ("min_n", args.ngram_min_n),
-            ("max_n", args.ngram_max_n),
-        ):
-            if value is not None:
-                setattr(ngram, field_name, value)
-        if not 1 <= ngram.min_n <= ngram.max_n or ngram.num_draft_tokens < 1:
-            print(
-                "specd: need 1 <= --ngram-min-n <= --ngram-max-n and --num-draft-tokens >= 1",
-                file=sys.stderr,
-            )
-            return 2
-        eagle3 = _eagle3_options(args)
-        if isinstance(eagle3, str):
-            print(f"specd: {eagle3}", file=sys.stderr)
+        try:
+            options = drafter_options(
+                args.kind, args.num_draft_tokens, args.ngram_min_n, args.ngram_max_n,
+                args.weights, args.tree_total_tokens, args.tree_depth, args.tree_top_k,
+            )  # fmt: skip
+        except ValueError as exc:
+            print(f"specd: {exc}", file=sys.stderr)
             return 2
         config = DrafterConfig(
-            kind=args.kind,
+            **options,
             host=args.host,
             port=args.port,
-            ngram=ngram,
-            eagle3=eagle3,
             target=args.target,
             cache_dir=args.cache_dir,
             session_idle_timeout_s=args.session_idle_timeout,
@@ -465,24 +452,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_args(sub.add_parser("demo", help="the embedded default end to end"))
     _add_train(sub)
     return parser
-
-
-def _eagle3_options(args):
-    """Eagle3Options from the drafter flags, or an error message."""
-    from drafter_svc.eagle3.proposer import Eagle3Options
-    from drafter_svc.proposal import TreeShape
-
-    options = Eagle3Options(weights=args.weights, num_draft_tokens=args.num_draft_tokens or 0)
-    shape = (args.tree_total_tokens, args.tree_depth, args.tree_top_k)
-    if any(v is not None and v < 0 for v in shape):
-        return "--tree-total-tokens, --tree-depth and --tree-top-k must be >= 0"
-    if any(v is not None for v in shape):
-        options.tree = TreeShape(
-            total_tokens=args.tree_total_tokens if args.tree_total_tokens is not None else 16,
-            depth=args.tree_depth or 5,
-            top_k=args.tree_top_k or 4,
-        )
-    return options
 
 
 def _add_train(sub) -> None:

@@ -15,15 +15,40 @@ import numpy as np
 from drafter_svc.eagle3.model import Eagle3Head
 from drafter_svc.proposal import Proposal, TreeShape
 
+KV_STEP = 256  # the cache grows by this many entries at a time, not one call at a time
+
 
 @dataclass
 class Eagle3State:
     tokens: list[int] = field(default_factory=list)
-    keys: mx.array | None = None  # [1, n_kv, entries, head_dim]
-    values: mx.array | None = None
+    key_buffer: mx.array | None = None  # [1, n_kv, capacity, head_dim]
+    value_buffer: mx.array | None = None
     pending_rows: mx.array | None = None  # target rows of positions without an entry yet
     entries: int = 0
     last_hidden: mx.array | None = None  # output of the newest entry [H]
+
+    @property
+    def keys(self) -> mx.array | None:
+        return None if self.key_buffer is None else self.key_buffer[..., : self.entries, :]
+
+    @property
+    def values(self) -> mx.array | None:
+        return None if self.value_buffer is None else self.value_buffer[..., : self.entries, :]
+
+    def append(self, k: mx.array, v: mx.array) -> None:
+        n = k.shape[2]
+        if self.key_buffer is None or self.entries + n > self.key_buffer.shape[2]:
+            capacity = -(-(self.entries + n) // KV_STEP) * KV_STEP
+            grown = []
+            for old, new in ((self.key_buffer, k), (self.value_buffer, v)):
+                buf = mx.zeros((*new.shape[:2], capacity, new.shape[3]), dtype=new.dtype)
+                if old is not None:
+                    buf[..., : self.entries, :] = old[..., : self.entries, :]
+                grown.append(buf)
+            self.key_buffer, self.value_buffer = grown
+        self.key_buffer[..., self.entries : self.entries + n, :] = k
+        self.value_buffer[..., self.entries : self.entries + n, :] = v
+        self.entries += n
 
 
 class Eagle3Drafter:
@@ -77,11 +102,9 @@ class Eagle3Drafter:
         past = None if state.keys is None else (state.keys, state.values)
         mask = _causal(count, start)
         hidden, (k, v) = self.head.step(emb, feature, start, past, mask)
-        state.keys = k if state.keys is None else mx.concatenate([state.keys, k], axis=2)
-        state.values = v if state.values is None else mx.concatenate([state.values, v], axis=2)
-        state.entries += count
+        state.append(k, v)
         state.last_hidden = hidden[0, -1]
-        mx.eval(state.keys, state.values, state.last_hidden)
+        mx.eval(state.key_buffer, state.value_buffer, state.last_hidden)
 
     def ready(self, state: Eagle3State) -> bool:
         """Drafting needs the entry of the position just before the last committed token."""

@@ -94,11 +94,11 @@ class Eagle3Proposer:
         self.drafter.extend(state, list(new_ids), _rows(hidden_rows))
 
     def propose(self, state, k: int, sampling=None, speculative=(), tree=None) -> Proposal:
-        """A chain of k drafts, or a tree when `tree` (or the default shape) asks for one;
-        `tree.depth` 0 takes k as the depth."""
+        """A chain of k drafts, or a tree when `tree` (or the default shape) asks for one, at most
+        k deep (k is what adaptive speculation tunes)."""
         shape = self.default_tree if tree is None else tree
         if shape.total_tokens > 0:
-            depth = shape.depth or k or self.default_tree.depth
+            depth = min(shape.depth, k) if shape.depth else k
             return self.drafter.tree(
                 state,
                 TreeShape(shape.total_tokens, min(depth, self.max_draft_tokens),
