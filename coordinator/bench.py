@@ -10,8 +10,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# --drafter names -> drafter kind; "-tree" variants draft trees, the others chains
-BENCH_DRAFTERS = {"ngram": "ngram", "eagle3": "eagle3", "eagle3-tree": "eagle3", "none": None}
+# --drafter names -> drafter kind; "-tree" variants draft trees, the others chains;
+# dflash-bN drafts blocks of N
+BENCH_DRAFTERS = {"ngram": "ngram", "eagle3": "eagle3", "eagle3-tree": "eagle3",
+                  "dflash": "dflash", "none": None}  # fmt: skip
+
+
+def bench_kind(name: str) -> str | None:
+    """Drafter kind of a --drafter name; KeyError for unknown names."""
+    if name.startswith("dflash-b") and name[len("dflash-b") :].isdigit():
+        return "dflash"
+    return BENCH_DRAFTERS[name]
 
 
 def add_bench_args(p) -> None:
@@ -23,8 +32,9 @@ def add_bench_args(p) -> None:
     p.add_argument(
         "--drafter",
         default="ngram",
-        help="comma-separated: ngram, eagle3 (chains), eagle3-tree, none (none = the services "
-        "without drafting: what the split costs); all run side by side",
+        help="comma-separated: ngram, eagle3 (chains), eagle3-tree, dflash, dflash-bN (blocks "
+        "of N), none (the services without drafting: what the split costs); all run side by "
+        "side",
     )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -146,6 +156,14 @@ def service_memory(client) -> dict:
     return out
 
 
+def _known(name: str) -> bool:
+    try:
+        bench_kind(name)
+    except KeyError:
+        return False
+    return True
+
+
 def _variant_options(args, name: str) -> dict:
     """Options of bench drafter `name` as `specd serve drafter` flags take them."""
     tree = name.endswith("-tree")
@@ -158,19 +176,21 @@ def _variant_options(args, name: str) -> dict:
         "tree_total_tokens": (args.tree_total_tokens or 16) if tree else 0,
         "tree_depth": args.tree_depth if tree else None,
         "tree_top_k": args.tree_top_k if tree else None,
+        "block_size": int(name[len("dflash-b") :]) if name.startswith("dflash-b") else None,
     }
 
 
 _KIND_OPTIONS = {
     "ngram": ("num_draft_tokens", "ngram_min_n", "ngram_max_n"),
     "eagle3": ("num_draft_tokens", "weights", "tree_total_tokens", "tree_depth", "tree_top_k"),
+    "dflash": ("weights", "block_size"),
 }
 
 
 def _drafter_args(args, name: str) -> list[str]:
     options = _variant_options(args, name)
     out = []
-    for option in _KIND_OPTIONS.get(BENCH_DRAFTERS[name], ()):
+    for option in _KIND_OPTIONS.get(bench_kind(name), ()):
         if options[option] is not None:
             out += ["--" + option.replace("_", "-"), str(options[option])]
     return out
@@ -192,8 +212,8 @@ def in_process_runner(args, name: str):
     # its own copy of the model: the baseline's stays free of the capture wrappers
     verifier = LocalVerifier(Target(load_target(args.target, args.dtype)))
     drafter = None
-    if BENCH_DRAFTERS[name] is not None:
-        options = drafter_options(BENCH_DRAFTERS[name], **_variant_options(args, name))
+    if bench_kind(name) is not None:
+        options = drafter_options(bench_kind(name), **_variant_options(args, name))
         proposer = make_proposer(DrafterConfig(**options, target=args.target))
         drafter = LocalDrafter(proposer)
     costs = SpeculationCosts()
@@ -258,7 +278,7 @@ def run_bench(args) -> int:
     from specd.prompts import encode_chat
 
     drafters = [d.strip() for d in args.drafter.split(",") if d.strip()]
-    unknown = sorted(set(drafters) - set(BENCH_DRAFTERS))
+    unknown = sorted(d for d in drafters if not _known(d))
     if unknown or not drafters:
         print(
             f"specd: unknown drafter(s) {unknown}; choose from {', '.join(BENCH_DRAFTERS)}",
@@ -285,7 +305,7 @@ def run_bench(args) -> int:
             stack = running.enter_context(
                 Stack(
                     target=args.target,
-                    drafter=BENCH_DRAFTERS[d],
+                    drafter=bench_kind(d),
                     dtype=args.dtype,
                     drafter_args=_drafter_args(args, d),
                     coordinator_args=([] if args.adaptive else ["--no-adaptive"])

@@ -3,11 +3,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from drafter_svc.dflash.proposer import DFlashOptions
 from drafter_svc.eagle3.proposer import Eagle3Options
 from drafter_svc.ngram import NgramConfig
 from specd.security import ServerSecurity
 
-KINDS = ("ngram", "eagle3")
+KINDS = ("ngram", "eagle3", "dflash")
 
 
 @dataclass
@@ -17,6 +18,7 @@ class DrafterConfig:
     port: int = 50052
     ngram: NgramConfig = field(default_factory=NgramConfig)
     eagle3: Eagle3Options = field(default_factory=Eagle3Options)
+    dflash: DFlashOptions = field(default_factory=DFlashOptions)
     target: str | None = None  # bind to this target: pairing then checks its fingerprint
     cache_dir: Path | None = None  # where a --target model is resolved
     max_sessions: int = 1024  # n-gram state is only the token list
@@ -35,6 +37,7 @@ def drafter_options(
     tree_total_tokens: int | None = None,
     tree_depth: int | None = None,
     tree_top_k: int | None = None,
+    block_size: int | None = None,
 ) -> dict:
     """The kind-specific parts of a DrafterConfig from command-line style options (None: the
     default); ValueError names the bad option."""
@@ -64,4 +67,9 @@ def drafter_options(
             depth=tree_depth or 5,
             top_k=tree_top_k or 4,
         )
-    return {"kind": kind, "ngram": ngram, "eagle3": eagle3}
+    if block_size is not None and block_size < 2:
+        raise ValueError("--block-size must be >= 2 (the last token and one draft)")
+    dflash = DFlashOptions(weights=weights, block_size=block_size or 0)
+    if num_draft_tokens and kind == "dflash":
+        dflash.block_size = dflash.block_size or num_draft_tokens + 1
+    return {"kind": kind, "ngram": ngram, "eagle3": eagle3, "dflash": dflash}

@@ -24,6 +24,11 @@ def make_proposer(config: DrafterConfig):
 
         target_dir, identity = describe_target(config)
         return load_eagle3(config.eagle3, target_dir, identity)
+    if config.kind == "dflash":
+        from drafter_svc.dflash.proposer import load_dflash
+
+        target_dir, identity = describe_target(config)
+        return load_dflash(config.dflash, target_dir, identity)
     raise ValueError(f"unknown drafter kind {config.kind!r}; available: {', '.join(KINDS)}")
 
 

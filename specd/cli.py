@@ -96,7 +96,7 @@ def _add_serve(sub) -> None:
     v.add_argument("--max-context", type=int, default=0, help="0: the model's own limit")
     v.add_argument("--max-draft-tokens", type=int, default=64)
     d = kinds.choices["drafter"]
-    d.add_argument("--kind", default="ngram", choices=["ngram", "eagle3"])
+    d.add_argument("--kind", default="ngram", choices=["ngram", "eagle3", "dflash"])
     d.add_argument("--num-draft-tokens", type=int, help="default k per round")
     d.add_argument("--ngram-min-n", type=int, help="shortest suffix n-gram to match")
     d.add_argument("--ngram-max-n", type=int, help="longest suffix n-gram to match")
@@ -108,7 +108,12 @@ def _add_serve(sub) -> None:
     d.add_argument(
         "--weights",
         type=Path,
-        help="eagle3: head directory (default: the head shipped for the target)",
+        help="eagle3/dflash: model directory (default: the one shipped for the target)",
+    )
+    d.add_argument(
+        "--block-size",
+        type=int,
+        help="dflash: default block (drafts = block - 1; default: the drafter's config)",
     )
     d.add_argument(
         "--tree-total-tokens",
@@ -192,6 +197,7 @@ def _serve(args) -> int:
             options = drafter_options(
                 args.kind, args.num_draft_tokens, args.ngram_min_n, args.ngram_max_n,
                 args.weights, args.tree_total_tokens, args.tree_depth, args.tree_top_k,
+                args.block_size,
             )  # fmt: skip
         except ValueError as exc:
             print(f"specd: {exc}", file=sys.stderr)
@@ -407,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="run verifier, drafter and coordinator on this machine")
     up.add_argument("--target", help="model for the verifier (default: embedded SmolLM2)")
-    up.add_argument("--drafter", default="ngram", choices=["ngram", "eagle3", "none"])
+    up.add_argument("--drafter", default="ngram", choices=["ngram", "eagle3", "dflash", "none"])
     up.add_argument("--dtype", default="auto")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument(
@@ -474,16 +480,38 @@ def _add_train(sub) -> None:
     e3.add_argument("--format", dest="fmt", default="eagle", choices=["eagle", "speculators"])
     e3.add_argument("--no-resume", dest="resume", action="store_false",
                     help="start over even if OUT/checkpoint exists")  # fmt: skip
+    df = kinds.add_parser("dflash", help="a DFlash block drafter (ShareGPT data)")
+    df.add_argument("--target", help="target model (default: embedded SmolLM2)")
+    df.add_argument("--out", type=Path, required=True, help="directory for the drafter")
+    df.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations")
+    df.add_argument("--max-len", type=int, default=512, help="tokens per conversation (cut)")
+    df.add_argument("--block-size", type=int, default=8, help="block trained for")
+    df.add_argument("--layers", type=int, default=2, help="drafter decoder layers")
+    df.add_argument("--anchors", type=int, default=16, help="blocks per training step")
+    df.add_argument("--gamma", type=float, default=0.0,
+                    help="position j weighs exp(-(j-1)/gamma); 0: by block size")  # fmt: skip
+    df.add_argument("--epochs", type=float, default=2.0)
+    df.add_argument("--lr", type=float, default=6e-4)
+    df.add_argument("--warmup", type=int, default=50, help="warm-up steps")
+    df.add_argument("--save-every", type=int, default=100, help="checkpoint interval (steps)")
+    df.add_argument("--seed", type=int, default=0)
+    df.add_argument("--cache-dir", type=Path, help="target features cache (shared with eagle3's)")
+    df.add_argument("--no-resume", dest="resume", action="store_false",
+                    help="start over even if OUT/checkpoint exists")  # fmt: skip
 
 
 def _train(args) -> int:
     import json as _json
 
-    from drafter_svc.eagle3.train import TrainOptions, train
+    if args.kind == "dflash":
+        from drafter_svc.dflash.train import DFlashOptions as Options
+        from drafter_svc.dflash.train import train
+    else:
+        from drafter_svc.eagle3.train import TrainOptions as Options
+        from drafter_svc.eagle3.train import train
 
-    fields = TrainOptions.__dataclass_fields__
-    opts = TrainOptions(**{k: v for k, v in vars(args).items() if k in fields})
-    summary = train(opts)
+    fields = Options.__dataclass_fields__
+    summary = train(Options(**{k: v for k, v in vars(args).items() if k in fields}))
     print(_json.dumps(summary, indent=2))
     return 0
 

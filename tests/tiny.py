@@ -115,3 +115,35 @@ def make_tiny_eagle3_dir(
     head.lm_head.weight = embed[mx.array(draft_ids)]
     save_head(head, path, dtype=mx.float32)
     return path
+
+
+def make_tiny_dflash_dir(
+    path: Path, target_dir: Path, seed: int = 0, layer_ids=(0, 1), block_size: int = 4,
+    fingerprint: str | None = None,
+) -> Path:  # fmt: skip
+    """A random DFlash drafter for a tiny target (mask token: <|endoftext|>)."""
+    from drafter_svc.dflash.model import DFlashConfig, DFlashDrafter, save_drafter
+    from specd.models.load import describe_tokenizer
+
+    config = json.loads((target_dir / "config.json").read_text())
+    if fingerprint is None:
+        fingerprint, _ = describe_tokenizer(str(target_dir))
+    cfg = DFlashConfig(
+        hidden_size=config["hidden_size"],
+        num_hidden_layers=2,
+        intermediate_size=config["intermediate_size"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config["num_key_value_heads"],
+        vocab_size=config["vocab_size"],
+        block_size=block_size,
+        mask_token_id=0,
+        target_layer_ids=tuple(layer_ids),
+        rms_norm_eps=config["rms_norm_eps"],
+        rope_theta=config["rope_theta"],
+        num_target_layers=config["num_hidden_layers"],
+        target_fingerprint=fingerprint,
+        target_name=target_dir.name,
+    )
+    mx.random.seed(seed)
+    save_drafter(DFlashDrafter(cfg), path, dtype=mx.float32)
+    return path

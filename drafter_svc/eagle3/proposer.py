@@ -40,29 +40,33 @@ def _read_safetensors_subset(directory: Path, names: tuple[str, ...]) -> dict[st
     return found
 
 
-def target_embedding(target_dir: Path) -> mx.array:
-    """The target's input embedding [V, H] in float32, read without loading the model."""
+def target_matrix(target_dir: Path, names: tuple[str, ...]) -> mx.array:
+    """A [V, H] matrix of the target (embedding or lm_head) in float32, dequantized, read
+    without loading the rest of the model."""
     config = json.loads((target_dir / "config.json").read_text())
-    config = config.get("text_config", config)
-    for name in ("model.embed_tokens", "model.language_model.embed_tokens", "embed_tokens"):
-        t = _read_safetensors_subset(target_dir, (name,))
-        if f"{name}.weight" in t:
+    quant = config.get("quantization") or config.get("quantization_config") or {}
+    for name in names:
+        found = _read_safetensors_subset(target_dir, (name,))
+        if f"{name}.weight" in found:
             break
     else:
-        raise CheckpointError(f"{target_dir} has no embed_tokens tensor")
-    weight = t[f"{name}.weight"]
-    if f"{name}.scales" in t:
-        q = (
-            (config.get("quantization") or {}).get(name.removeprefix("model."))
-            or (config.get("quantization") or {}).get(name)
-            or config.get("quantization")
-            or {}
-        )
-        weight = mx.dequantize(weight, t[f"{name}.scales"], t.get(f"{name}.biases"),
+        raise CheckpointError(f"{target_dir} has none of the tensors {', '.join(names)}")
+    weight = found[f"{name}.weight"]
+    if f"{name}.scales" in found:
+        q = quant.get(name) or quant.get(name.removeprefix("model.")) or quant
+        weight = mx.dequantize(weight, found[f"{name}.scales"], found.get(f"{name}.biases"),
                                q.get("group_size", 64), q.get("bits", 4))  # fmt: skip
     weight = weight.astype(mx.float32)
     mx.eval(weight)
     return weight
+
+
+def target_embedding(target_dir: Path) -> mx.array:
+    """The target's input embedding [V, H] in float32."""
+    return target_matrix(
+        target_dir,
+        ("model.embed_tokens", "model.language_model.embed_tokens", "embed_tokens"),
+    )
 
 
 class Eagle3Proposer:

@@ -1,0 +1,105 @@
+"""DFlash drafting: per-session context keys/values of committed positions, one forward per
+block. Only accepted context is cached; the block is never cached."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from drafter_svc.dflash.model import DFlashDrafter
+from drafter_svc.proposal import Proposal
+
+KV_STEP = 256
+
+
+@dataclass
+class DFlashState:
+    tokens: list[int] = field(default_factory=list)
+    buffers: list[list[mx.array]] | None = None  # per layer [keys, values], grown by KV_STEP
+    entries: int = 0  # context positions with keys (rows received)
+
+    def context(self) -> list[tuple[mx.array, mx.array] | None]:
+        if self.buffers is None:
+            return []
+        return [(k[..., : self.entries, :], v[..., : self.entries, :]) for k, v in self.buffers]
+
+    def append(self, kvs: list[tuple[mx.array, mx.array]]) -> None:
+        n = kvs[0][0].shape[2]
+        if self.buffers is None or self.entries + n > self.buffers[0][0].shape[2]:
+            capacity = -(-(self.entries + n) // KV_STEP) * KV_STEP
+            grown = []
+            for i, (k, v) in enumerate(kvs):
+                pair = []
+                for j, new in enumerate((k, v)):
+                    buf = mx.zeros((*new.shape[:2], capacity, new.shape[3]), dtype=new.dtype)
+                    if self.buffers is not None:
+                        buf[..., : self.entries, :] = self.buffers[i][j][..., : self.entries, :]
+                    pair.append(buf)
+                grown.append(pair)
+            self.buffers = grown
+        for (kb, vb), (k, v) in zip(self.buffers, kvs, strict=True):
+            kb[..., self.entries : self.entries + n, :] = k
+            vb[..., self.entries : self.entries + n, :] = v
+        self.entries += n
+
+
+class BlockDrafter:
+    def __init__(self, model: DFlashDrafter, embedding: mx.array, lm_head: mx.array):
+        self.model = model
+        self.cfg = model.config
+        self.embedding = embedding  # the target's [V, H]
+        self.lm_head = lm_head  # the target's [V, H]
+        self.row_width = len(self.cfg.target_layer_ids) * self.cfg.feature_size
+
+    def open(self, context_ids: list[int], rows) -> DFlashState:
+        state = DFlashState()
+        self.extend(state, context_ids, rows)
+        return state
+
+    def extend(self, state: DFlashState, new_ids: list[int], rows) -> None:
+        state.tokens.extend(new_ids)
+        if rows is None or not len(rows):
+            return
+        rows = mx.array(rows) if not isinstance(rows, mx.array) else rows
+        if rows.shape[-1] != self.row_width:
+            state.tokens = state.tokens[: len(state.tokens) - len(new_ids)]
+            raise ValueError(
+                f"hidden rows are {rows.shape[-1]} wide; this drafter needs {self.row_width} "
+                f"(layers {list(self.cfg.target_layer_ids)} x {self.cfg.feature_size})"
+            )
+        room = len(state.tokens) - 1 - state.entries  # the last token's row comes later
+        if rows.shape[0] > room:
+            state.tokens = state.tokens[: len(state.tokens) - len(new_ids)]
+            raise ValueError(
+                f"{rows.shape[0]} hidden rows for {room} positions: send one row per verified "
+                "position (the prompt, then the last token and the accepted drafts)"
+            )
+        kvs = self.model.context_kv(rows.astype(mx.float32)[None], state.entries)
+        state.append(kvs)
+        mx.eval([b for pair in state.buffers for b in pair])
+
+    def ready(self, state: DFlashState) -> bool:
+        return state.entries > 0 and state.entries == len(state.tokens) - 1
+
+    def block_logits(self, state: DFlashState, size: int) -> mx.array:
+        """Logits [size - 1, V] for the block [last token, MASK x (size - 1)]."""
+        n = len(state.tokens) - 1  # position of the last committed token
+        block = mx.array([state.tokens[-1]] + [self.cfg.mask_token_id] * (size - 1))
+        hidden = self.model(self.embedding[block][None], n, state.context())
+        return hidden[0, 1:] @ self.lm_head.T
+
+    def propose(self, state: DFlashState, k: int, temperature: float = 0.0, rng=None):
+        """k drafts from one block of k + 1: argmax, or sampled with their distributions."""
+        if not self.ready(state) or k <= 0:
+            return Proposal([])
+        logits = self.block_logits(state, k + 1).astype(mx.float32)
+        if temperature <= 0:
+            return Proposal(mx.argmax(logits, axis=-1).tolist())
+        # each position is drafted independently of the sampled ones before it, so its own
+        # distribution q_j is the proposal the acceptance rule needs
+        q = np.array(mx.softmax(logits / temperature, axis=-1))
+        rng = rng or np.random.default_rng()
+        ids = [int(rng.choice(q.shape[1], p=row / row.sum())) for row in q]
+        return Proposal(ids, probs=q.astype(np.float32))

@@ -1,0 +1,113 @@
+"""The DFlash proposer behind the drafter service: the drafter plus only the embedding and
+lm_head tensors of its target (tied heads included)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from drafter_svc.dflash.draft import BlockDrafter, DFlashState
+from drafter_svc.dflash.model import load_drafter
+from drafter_svc.eagle3.model import CheckpointError
+from drafter_svc.eagle3.proposer import _rows, target_embedding, target_matrix
+from drafter_svc.proposal import Proposal
+
+SHIPPED_DIR = Path(__file__).resolve().parent / "drafters"
+SHIPPED = {"SmolLM2-135M-Instruct-Q4_1": SHIPPED_DIR / "smollm2-135m-instruct"}
+
+
+@dataclass
+class DFlashOptions:
+    weights: Path | None = None  # drafter directory; None: the one shipped for the target
+    block_size: int = 0  # 0: the config's
+    max_block_size: int = 64
+
+
+def target_lm_head(target_dir: Path) -> mx.array:
+    config = json.loads((target_dir / "config.json").read_text())
+    text = config.get("text_config", config)
+    if text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)):
+        return target_embedding(target_dir)
+    return target_matrix(target_dir, ("lm_head", "language_model.lm_head"))
+
+
+class DFlashProposer:
+    kind = "dflash"
+    capture_layers: tuple[int, ...] = ()
+    accepts_speculative_ids = False
+    sends_draft_probs = True  # when sampling: drafts drawn from q, q sent
+
+    def __init__(self, drafter: BlockDrafter, options: DFlashOptions, source: str):
+        self.drafter = drafter
+        cfg = drafter.cfg
+        self.capture_layers = tuple(cfg.target_layer_ids)
+        self.block_size = options.block_size or cfg.block_size
+        self.default_draft_tokens = self.block_size - 1
+        self.max_draft_tokens = max(options.max_block_size, self.block_size) - 1
+        self.source = source
+        self.rng = np.random.default_rng()
+
+    def open(self, context_ids, hidden_rows=None) -> DFlashState:
+        return self.drafter.open(list(context_ids), _rows(hidden_rows))
+
+    def extend(self, state, new_ids, hidden_rows=None) -> None:
+        self.drafter.extend(state, list(new_ids), _rows(hidden_rows))
+
+    def propose(self, state, k: int, sampling=None, speculative=(), tree=None) -> Proposal:
+        temperature = float(getattr(sampling, "temperature", 0.0) or 0.0)
+        return self.drafter.propose(state, k, temperature, self.rng)
+
+    def params(self) -> dict[str, str]:
+        cfg = self.drafter.cfg
+        return {
+            "weights": self.source,
+            "block_size": str(self.block_size),
+            "trained_block_size": str(cfg.block_size),
+            "layers": str(cfg.num_hidden_layers),
+            "target_layer_ids": ",".join(map(str, cfg.target_layer_ids)),
+            "mask_token_id": str(cfg.mask_token_id),
+        }
+
+
+def load_dflash(options: DFlashOptions, target_dir: Path, target_identity) -> DFlashProposer:
+    weights = options.weights
+    if weights is None:
+        weights = SHIPPED.get(target_dir.name)
+        if weights is None or not (weights / "config.json").is_file():
+            raise CheckpointError(
+                f"no DFlash drafter ships for target {target_dir.name}; pass --weights DIR "
+                "(train one with `specd train dflash --target ...`)"
+            )
+    model = load_drafter(weights)
+    cfg = model.config
+    fingerprint, vocab_size, hidden_size, num_layers = target_identity
+    if cfg.target_fingerprint and cfg.target_fingerprint != fingerprint:
+        raise CheckpointError(
+            f"the drafter in {weights} was trained for target {cfg.target_name or '?'} "
+            f"(tokenizer {cfg.target_fingerprint}), not this one ({fingerprint})"
+        )
+    if cfg.vocab_size != vocab_size:
+        raise CheckpointError(
+            f"the drafter's vocab_size {cfg.vocab_size} differs from the target's {vocab_size}"
+        )
+    if cfg.hidden_size != hidden_size or cfg.feature_size != hidden_size:
+        raise CheckpointError(
+            f"the drafter is {cfg.hidden_size} wide and reads rows {cfg.feature_size} wide; "
+            f"the target's hidden size is {hidden_size}"
+        )
+    if max(cfg.target_layer_ids) >= num_layers:
+        raise CheckpointError(
+            f"the drafter needs target layers {list(cfg.target_layer_ids)}; the target has "
+            f"{num_layers}"
+        )
+    if not 0 <= cfg.mask_token_id < vocab_size:
+        raise CheckpointError(f"mask_token_id {cfg.mask_token_id} is outside the vocabulary")
+    block = options.block_size or cfg.block_size
+    if block < 2:
+        raise CheckpointError("block size must be at least 2 (the last token and one draft)")
+    drafter = BlockDrafter(model, target_embedding(target_dir), target_lm_head(target_dir))
+    return DFlashProposer(drafter, options, str(weights))

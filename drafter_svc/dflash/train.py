@@ -1,0 +1,291 @@
+"""`specd train dflash`: train a DFlash block drafter for a target, in MLX.
+
+Per conversation the target runs once (features shared with `specd train eagle3`'s cache when
+the layers agree). Each step drafts `anchors` blocks of one conversation at once: block i is
+`[x[a_i], MASK x (bs-1)]` at positions a_i.., sees the context rows before a_i and its own
+block, and learns the target's next-token distribution at every block position (soft
+cross-entropy over the full vocabulary), position j weighted exp(-(j-1)/gamma). Embedding and
+lm_head are the target's, frozen. Anchors fall inside assistant replies.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from drafter_svc.dflash.model import DFlashConfig, DFlashDrafter, save_drafter
+from drafter_svc.eagle3.data import Features, embedding_matrix, head_matrix
+from drafter_svc.eagle3.model import default_capture_layers
+from drafter_svc.eagle3.train import TrainOptions, prepare_features
+
+
+@dataclass
+class DFlashOptions:
+    target: str | None
+    out: Path
+    conversations: int = 600
+    max_len: int = 512
+    block_size: int = 8
+    layers: int = 2
+    anchors: int = 16  # blocks per step
+    gamma: float = 0.0  # 0: by block size (7 for 16, 5 for 10, 4 below)
+    epochs: float = 2.0
+    lr: float = 6e-4
+    warmup: int = 50
+    grad_clip: float = 1.0
+    save_every: int = 100
+    seed: int = 0
+    cache_dir: Path | None = None
+    resume: bool = True
+
+
+def default_gamma(block_size: int) -> float:
+    return 7.0 if block_size >= 16 else 5.0 if block_size >= 10 else 4.0
+
+
+def pick_mask_token(tokenizer, vocab_size: int) -> int:
+    """A token the target never emits in chat: an unused special token if there is one,
+    else the highest id. Never guessed silently: it is written to the config."""
+    specials = set(getattr(tokenizer, "all_special_ids", []) or [])
+    added = getattr(getattr(tokenizer, "_tokenizer", None), "added_tokens_decoder", {}) or {}
+    specials |= {i for i, tok in added.items() if getattr(tok, "special", False)}
+    used = set(getattr(tokenizer, "eos_token_ids", []) or [])
+    for name in ("bos_token_id", "pad_token_id", "unk_token_id", "eos_token_id"):
+        if getattr(tokenizer, name, None) is not None:
+            used.add(getattr(tokenizer, name))
+    vocab = tokenizer.get_vocab()
+    by_id = {i: t for t, i in vocab.items()}
+    # the last unused special token: the first ones tend to be the chat and document markers
+    for i in sorted(specials - used, reverse=True):
+        name = by_id.get(i, "")
+        if i < vocab_size and not any(s in name for s in ("im_start", "im_end", "endoftext")):
+            return i
+    return vocab_size - 1
+
+
+def drafter_config(loaded, opts: DFlashOptions, layer_ids, mask_id: int) -> DFlashConfig:
+    cfg = json.loads((loaded.path / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    return DFlashConfig(
+        hidden_size=int(cfg["hidden_size"]),
+        num_hidden_layers=opts.layers,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_attention_heads=int(cfg["num_attention_heads"]),
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
+        vocab_size=loaded.identity.vocab_size,
+        block_size=opts.block_size,
+        mask_token_id=mask_id,
+        target_layer_ids=tuple(layer_ids),
+        head_dim=cfg.get("head_dim"),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_scaling=cfg.get("rope_scaling"),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        num_target_layers=loaded.identity.num_layers,
+        target_fingerprint=loaded.identity.fingerprint,
+        target_name=loaded.path.name,
+    )
+
+
+def init_from_target(model: DFlashDrafter, target_model) -> None:
+    """Start each drafter layer from one of the target's last layers (same widths): attention
+    and MLP weights carry over, q_norm/k_norm start at 1."""
+    layers = target_model.model.layers
+    chosen = layers[len(layers) - len(model.layers) :]
+    for mine, theirs in zip(model.layers, chosen, strict=True):
+        theirs = getattr(theirs, "inner", theirs)
+        params = dict(tree_flatten(theirs.parameters()))
+        ours = dict(tree_flatten(mine.parameters()))
+        update = [(k, v.astype(mx.float32)) for k, v in params.items()
+                  if k in ours and ours[k].shape == v.shape]  # fmt: skip
+        mine.load_weights(update, strict=False)
+    model.norm.weight = target_model.model.norm.weight.astype(mx.float32)
+
+
+def block_batch(f: Features, opts: DFlashOptions, rng: np.random.Generator):
+    """Anchor positions for one step: x[a] is committed, x[a+1..] inside an assistant reply."""
+    bs = opts.block_size
+    t = len(f.ids)
+    candidates = [a for a in range(1, t - 1) if f.loss_mask[a + 1]]
+    if not candidates:
+        return None
+    count = min(opts.anchors, len(candidates))
+    return np.sort(rng.choice(candidates, size=count, replace=False)), bs
+
+
+def dflash_loss(model, emb, head, f_rows, anchors, block_ids, target_p, weights):
+    """Weighted soft cross-entropy over the blocks of one conversation."""
+    m, bs = block_ids.shape
+    ctx = model.context_features(f_rows[None])  # [1, T, H]
+    t = f_rows.shape[0]
+    pos = mx.arange(t)
+    # block i sees context positions < a_i and its whole block
+    ctx_visible = pos[None, :] < anchors[:, None]  # [m, T]
+    mask = mx.concatenate([ctx_visible, mx.ones((m, bs), dtype=mx.bool_)], axis=1)
+    mask = mx.broadcast_to(mask[:, None, None, :], (m, 1, bs, t + bs))
+    x = emb[block_ids]  # [m, bs, H]
+    for layer in model.layers:
+        attn = layer.self_attn
+        ck, cv = attn.context_kv(ctx, 0)
+        ck = mx.broadcast_to(ck, (m, *ck.shape[1:]))
+        cv = mx.broadcast_to(cv, (m, *cv.shape[1:]))
+        x = layer(x, anchors, ck, cv, mask)
+    hidden = model.norm(x)[:, 1:]  # [m, bs-1, H]
+    logits = hidden @ head.T
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    ce = -(target_p * logp).sum(-1)  # [m, bs-1]
+    loss = (ce * weights).sum() / mx.maximum(weights.sum(), 1e-6)
+    return loss, logits
+
+
+class DFlashTrainer:
+    def __init__(self, opts: DFlashOptions, loaded, feats: list[Features], layer_ids):
+        self.opts = opts
+        self.feats = feats
+        model_t = loaded.model
+        self.emb = embedding_matrix(model_t).astype(mx.float32)
+        self.head = head_matrix(model_t).astype(mx.float32)
+        mask_id = pick_mask_token(loaded.tokenizer, loaded.identity.vocab_size)
+        self.cfg = drafter_config(loaded, opts, layer_ids, mask_id)
+        self.model = DFlashDrafter(self.cfg)
+        init_from_target(self.model, model_t)
+        self.gamma = opts.gamma or default_gamma(opts.block_size)
+        self.total_steps = max(1, int(opts.epochs * len(feats)))
+        schedule = optim.join_schedules(
+            [optim.linear_schedule(opts.lr * 0.01, opts.lr, opts.warmup),
+             optim.cosine_decay(opts.lr, max(1, self.total_steps - opts.warmup), opts.lr * 0.05)],
+            [opts.warmup],
+        )  # fmt: skip
+        self.optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.0)
+        self.step = 0
+        self.loss_and_grad = nn.value_and_grad(self.model, self._loss)
+
+    def _loss(self, rows, anchors, block_ids, target_p, weights):
+        return dflash_loss(self.model, self.emb, self.head, rows, anchors, block_ids, target_p,
+                           weights)  # fmt: skip
+
+    def train_step(self, f: Features, rng) -> tuple[float, float] | None:
+        picked = block_batch(f, self.opts, rng)
+        if picked is None:
+            self.step += 1
+            return None
+        anchors, bs = picked
+        t = len(f.ids)
+        offsets = np.arange(bs)
+        # labels at block position j >= 1: the token at a+j, distribution from position a+j-1
+        label_pos = np.minimum(anchors[:, None] + offsets[None, 1:] - 1, t - 1)
+        valid = (anchors[:, None] + offsets[None, 1:]) < t
+        valid &= f.loss_mask[np.minimum(anchors[:, None] + offsets[None, 1:], t - 1)]
+        decay = np.exp(-(offsets[1:] - 1) / self.gamma)
+        weights = mx.array((valid * decay[None, :]).astype(np.float32))
+        final = mx.array(f.final[label_pos.reshape(-1)]).astype(mx.float32)
+        target_logits = final @ self.head.T - mx.array(f.lse[label_pos.reshape(-1)])[:, None]
+        target_p = mx.exp(target_logits).reshape(len(anchors), bs - 1, -1)
+        block_ids = np.full((len(anchors), bs), self.cfg.mask_token_id, dtype=np.int32)
+        block_ids[:, 0] = f.ids[anchors]
+        rows = mx.array(f.rows).astype(mx.float32)
+        (loss, logits), grads = self.loss_and_grad(
+            rows, mx.array(anchors), mx.array(block_ids), target_p, weights
+        )
+        grads, _ = optim.clip_grad_norm(grads, self.opts.grad_clip)
+        self.optimizer.update(self.model, grads)
+        draft = mx.argmax(logits, axis=-1)
+        mx.eval(self.model.parameters(), self.optimizer.state, loss, draft)
+        self.step += 1
+        # acceptance estimate: drafts accepted in a row from each anchor (greedy, teacher-forced
+        # target choices)
+        agree = np.array(draft) == f.argmax[label_pos]
+        run = np.cumprod(agree & valid, axis=1).sum(axis=1)
+        return float(loss), float(1 + run.mean())
+
+    def save_checkpoint(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        mx.save_safetensors(str(directory / "drafter.safetensors"),
+                            dict(tree_flatten(self.model.parameters())))  # fmt: skip
+        opt = dict(tree_flatten(self.optimizer.state))
+        mx.save_safetensors(str(directory / "optimizer.safetensors"),
+                            {k: v for k, v in opt.items() if isinstance(v, mx.array)})  # fmt: skip
+        (directory / "state.json").write_text(json.dumps({"step": self.step}))
+
+    def load_checkpoint(self, directory: Path) -> bool:
+        if not (directory / "state.json").is_file():
+            return False
+        self.model.load_weights(list(mx.load(str(directory / "drafter.safetensors")).items()))
+        state = mx.load(str(directory / "optimizer.safetensors"))
+        self.optimizer.state = tree_unflatten(list(state.items()))
+        self.step = json.loads((directory / "state.json").read_text())["step"]
+        return True
+
+
+def train(opts: DFlashOptions) -> dict:
+    from specd.models.load import load_target
+
+    mx.random.seed(opts.seed)
+    loaded = load_target(opts.target, "float32")
+    layer_ids = default_capture_layers(loaded.identity.num_layers)
+    feature_opts = TrainOptions(
+        target=opts.target, out=opts.out, conversations=opts.conversations,
+        max_len=opts.max_len, seed=opts.seed, cache_dir=opts.cache_dir,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    feats = prepare_features(feature_opts, loaded, layer_ids)
+    feature_s = time.perf_counter() - t0
+    trainer = DFlashTrainer(opts, loaded, feats, layer_ids)
+    ckpt = opts.out / "checkpoint"
+    if opts.resume and trainer.load_checkpoint(ckpt):
+        print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
+    rng = np.random.default_rng(opts.seed + trainer.step)
+    order = np.concatenate(
+        [np.random.default_rng(opts.seed + e).permutation(len(feats))
+         for e in range(math.ceil(opts.epochs) + 1)]
+    )  # fmt: skip
+    started, first = time.perf_counter(), trainer.step
+    losses, taus = [], []
+    while trainer.step < trainer.total_steps:
+        out = trainer.train_step(feats[order[trainer.step]], rng)
+        if out is not None:
+            losses, taus = (losses + [out[0]])[-50:], (taus + [out[1]])[-50:]
+        done = trainer.step - first
+        rate = done / max(1e-9, time.perf_counter() - started)
+        eta = (trainer.total_steps - trainer.step) / rate if rate else 0
+        filled = int(24 * trainer.step / trainer.total_steps)
+        sys.stderr.write(
+            f"\r[{'#' * filled}{'.' * (24 - filled)}] {trainer.step}/{trainer.total_steps} "
+            f"loss {np.mean(losses) if losses else float('nan'):.3f} "
+            f"tau~{np.mean(taus) if taus else float('nan'):.2f} {rate:.2f} it/s "
+            f"eta {eta / 60:.0f} min   "
+        )
+        if trainer.step % opts.save_every == 0:
+            trainer.save_checkpoint(ckpt)
+    sys.stderr.write("\n")
+    trainer.save_checkpoint(ckpt)
+    save_drafter(trainer.model, opts.out)
+    summary = {
+        "target": loaded.path.name,
+        "conversations": len(feats),
+        "tokens": int(sum(len(f.ids) for f in feats)),
+        "assistant_tokens": int(sum(int(f.loss_mask.sum()) for f in feats)),
+        "block_size": opts.block_size,
+        "layers": opts.layers,
+        "anchors_per_step": opts.anchors,
+        "gamma": trainer.gamma,
+        "mask_token_id": trainer.cfg.mask_token_id,
+        "epochs": opts.epochs,
+        "steps": trainer.step,
+        "feature_seconds": round(feature_s, 1),
+        "train_seconds_this_run": round(time.perf_counter() - started, 1),
+        "final_loss": float(np.mean(losses)) if losses else None,
+        "tau_estimate": float(np.mean(taus)) if taus else None,
+    }
+    (opts.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,151 @@
+"""DFlash: loading the z-lab config, attention visibility, the cache of accepted context, and
+greedy identity through real services with a tiny random target and drafter."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny import make_tiny_dflash_dir
+
+from coordinator.bench import plain_decode
+from drafter_svc.dflash.draft import BlockDrafter
+from drafter_svc.dflash.model import load_drafter, save_drafter
+from drafter_svc.eagle3.model import CheckpointError
+from specd.client import CoordinatorClient, make_request
+from specd.launch import Stack, spawn
+from specd.models.load import load_target
+
+PROMPTS = ["Hello there, hello there, hello", "abcabcabcabc", "The quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_model_dir, tmp_path_factory):
+    return make_tiny_dflash_dir(tmp_path_factory.mktemp("dflash") / "d", tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def block(drafter_dir):
+    rng = np.random.default_rng(0)
+    model = load_drafter(drafter_dir)
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    emb = mx.array(rng.normal(size=(vocab, hidden)).astype(np.float32))
+    head = mx.array(rng.normal(size=(vocab, hidden)).astype(np.float32))
+    return BlockDrafter(model, emb, head)
+
+
+def rows_for(n: int, width: int, seed: int = 1) -> mx.array:
+    return mx.array(np.random.default_rng(seed).normal(size=(n, width)).astype(np.float32))
+
+
+def test_published_config_fields_load_and_round_trip(drafter_dir, tmp_path):
+    config = json.loads((drafter_dir / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [0, 1]}
+    assert config["block_size"] == 4
+    model = load_drafter(drafter_dir)
+    save_drafter(model, tmp_path / "again", dtype=mx.float32)
+    again = load_drafter(tmp_path / "again")
+    emb = mx.ones((1, 4, model.config.hidden_size))
+    assert np.allclose(np.array(model(emb, 0, [None] * 2)), np.array(again(emb, 0, [None] * 2)))
+
+
+@pytest.mark.parametrize("missing", ["mask_token_id", "target_layer_ids"])
+def test_required_fields_are_never_guessed(drafter_dir, tmp_path, missing):
+    target = tmp_path / "d"
+    target.mkdir()
+    config = json.loads((drafter_dir / "config.json").read_text())
+    del config["dflash_config"][missing]
+    (target / "config.json").write_text(json.dumps(config))
+    (target / "model.safetensors").write_bytes((drafter_dir / "model.safetensors").read_bytes())
+    with pytest.raises(CheckpointError, match="not guessed"):
+        load_drafter(target)
+
+
+def test_block_is_bidirectional_and_sees_only_earlier_context(block):
+    """Changing a later block token changes earlier block outputs (bidirectional); context
+    rows at or after the anchor are never read."""
+    width = block.row_width
+    tokens = [5, 6, 7, 8, 9, 10]
+    state = block.open(tokens, rows_for(5, width))
+    base = np.array(block.block_logits(state, 4))
+    # the block itself: a different last-token at position 0 alters every output position
+    other = block.open([5, 6, 7, 8, 9, 11], rows_for(5, width))
+    changed = np.array(block.block_logits(other, 4))
+    assert not np.allclose(base, changed)
+    # bidirectional: position 1's output depends on position 3's token
+    n = len(tokens) - 1
+    emb = block.embedding[mx.array([10, 0, 0, 0])][None]
+    emb2 = block.embedding[mx.array([10, 0, 0, 3])][None]
+    h1 = np.array(block.model(emb, n, state.context()))[0, 1]
+    h2 = np.array(block.model(emb2, n, state.context()))[0, 1]
+    assert not np.allclose(h1, h2)
+    # the context: rows of positions before the anchor only (entries = len - 1)
+    assert state.entries == len(tokens) - 1
+
+
+def test_cache_holds_accepted_context_only(block):
+    width = block.row_width
+    state = block.open([1, 2, 3, 4], rows_for(3, width))
+    before = [np.array(k) for k, _ in state.context()]
+    block.propose(state, 3)
+    block.propose(state, 3, temperature=1.0, rng=np.random.default_rng(0))
+    assert state.entries == 3 and state.tokens == [1, 2, 3, 4]
+    after = [np.array(k) for k, _ in state.context()]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+    # extending with committed tokens adds exactly their rows
+    block.extend(state, [5, 6], rows_for(2, width, seed=2))
+    assert state.entries == 5
+    all_rows = mx.concatenate([rows_for(3, width), rows_for(2, width, seed=2)])
+    whole = block.open([1, 2, 3, 4, 5, 6], all_rows)
+    assert np.allclose(np.array(block.block_logits(state, 4)),
+                       np.array(block.block_logits(whole, 4)), atol=1e-4)  # fmt: skip
+    with pytest.raises(ValueError, match="rows for"):
+        block.extend(state, [7], rows_for(3, width))
+    assert state.tokens == [1, 2, 3, 4, 5, 6]
+
+
+def test_sampled_drafts_come_with_their_distributions(block):
+    state = block.open([1, 2, 3, 4], rows_for(3, block.row_width))
+    p = block.propose(state, 3, temperature=0.8, rng=np.random.default_rng(1))
+    assert len(p.ids) == 3 and p.probs.shape == (3, block.cfg.vocab_size)
+    assert np.allclose(p.probs.sum(1), 1, atol=1e-4)
+    assert all(p.probs[i, t] > 0 for i, t in enumerate(p.ids))
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, drafter_dir, tmp_path_factory):
+    with Stack(
+        target=str(tiny_model_dir),
+        drafter="dflash",
+        drafter_args=["--weights", str(drafter_dir)],
+        startup_timeout_s=120,
+        log_dir=tmp_path_factory.mktemp("logs"),
+    ) as s:
+        yield s
+
+
+@pytest.mark.parametrize("k", [None, 1, 7])  # default block 4, then blocks 2 and 8
+def test_greedy_output_equals_plain_decoding(stack, tiny_model_dir, k):
+    plain = load_target(str(tiny_model_dir), "float32")
+    client = CoordinatorClient(stack.coordinator)
+    for prompt in PROMPTS:
+        ids = plain.tokenizer.encode(prompt)
+        ref = plain_decode(plain.model, ids, 40, set(plain.identity.eos_token_ids)).token_ids
+        result = client.generate(make_request(prompt=prompt, max_tokens=40, num_draft_tokens=k))
+        assert result.token_ids == ref, prompt
+        assert result.stats["drafted"] > 0
+    client.close()
+
+
+def test_drafter_for_another_target_is_refused(other_tiny_model_dir, drafter_dir, tmp_path):
+    proc = spawn(
+        "drafter",
+        ["--kind", "dflash", "--target", str(other_tiny_model_dir), "--weights",
+         str(drafter_dir)],
+        log_dir=tmp_path,
+    )  # fmt: skip
+    assert proc.process.wait(timeout=120) != 0
+    assert "trained for target" in proc.log_path.read_text()
