@@ -351,6 +351,7 @@ def _generate(args) -> int:
         seed=args.seed,
         stop=args.stop,
         num_draft_tokens=args.num_draft_tokens,
+        tree=None if args.tree is None else _tree_arg(args.tree),
     )
     client = CoordinatorClient(args.coordinator, _client_security(args))
 
@@ -438,6 +439,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--num-draft-tokens", type=int, help="k per round; 0 turns drafting off")
+    gen.add_argument(
+        "--tree",
+        metavar="TOTAL[,DEPTH[,TOP_K]]",
+        help="tree drafters (eagle3): draft trees of TOTAL tokens (0: chains); DEPTH and TOP_K "
+        "default to the drafter's",
+    )
     gen.add_argument("--timeout", type=float, default=3600.0, help="seconds for the request")
     gen.add_argument("--json", action="store_true", help="end with one JSON line of results")
     _add_client_security(gen)
@@ -458,6 +465,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_args(sub.add_parser("demo", help="the embedded default end to end"))
     _add_train(sub)
     return parser
+
+
+def _tree_arg(text: str) -> tuple[int, int, int]:
+    try:
+        parts = [int(x) for x in text.split(",")]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts):
+        raise SystemExit(f"specd: --tree wants TOTAL[,DEPTH[,TOP_K]] of integers >= 0, not {text}")
+    return (*parts, 0, 0)[:3]
 
 
 def _add_train(sub) -> None:

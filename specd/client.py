@@ -42,6 +42,7 @@ def make_request(
     seed: int | None = None,
     stop: list[str] | None = None,
     num_draft_tokens: int | None = None,
+    tree: tuple[int, int, int] | None = None,  # (total_tokens, depth, top_k); total 0: chains
 ) -> coordinator_pb2.GenerateRequest:
     request = coordinator_pb2.GenerateRequest(
         max_tokens=max_tokens,
@@ -58,6 +59,9 @@ def make_request(
         request.prompt = prompt
     if num_draft_tokens is not None:
         request.num_draft_tokens = num_draft_tokens
+    if tree is not None:
+        total, depth, top_k = tree
+        request.tree.CopyFrom(common_pb2.TreeShape(total_tokens=total, depth=depth, top_k=top_k))
     return request
 
 
