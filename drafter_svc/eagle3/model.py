@@ -24,10 +24,14 @@ class CheckpointError(ValueError):
     """A head directory that cannot be loaded as it is, with the reason."""
 
 
-def default_capture_layers(num_target_layers: int) -> tuple[int, int, int]:
-    """Outputs of layers 1, L//2-1, L-4 (= inputs of layers 2, L//2, L-3)."""
+def default_capture_layers(num_target_layers: int) -> tuple[int, ...]:
+    """Outputs of layers 1, L//2-1, L-4 (= inputs of layers 2, L//2, L-3); shallow targets get
+    the distinct layers those clamp to."""
     n = num_target_layers
-    return (1, n // 2 - 1, n - 4)
+    wanted = (1, n // 2 - 1, n - 4)
+    if n >= 6:
+        return wanted
+    return tuple(sorted({min(max(i, 0), n - 1) for i in wanted}))
 
 
 @dataclass

