@@ -231,7 +231,7 @@ def _serve(args) -> int:
             upstream=_client_security(args, "upstream_"),
             cache_dir=args.cache_dir,
         )
-    from drafter_svc.eagle3.model import CheckpointError
+    from drafter_svc.checkpoints import CheckpointError
     from specd.models.resolve import ModelNotFoundError
 
     try:

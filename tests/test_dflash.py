@@ -11,9 +11,9 @@ import pytest
 from tiny import make_tiny_dflash_dir
 
 from coordinator.bench import plain_decode
+from drafter_svc.checkpoints import CheckpointError
 from drafter_svc.dflash.draft import BlockDrafter
 from drafter_svc.dflash.model import load_drafter, save_drafter
-from drafter_svc.eagle3.model import CheckpointError
 from specd.client import CoordinatorClient, make_request
 from specd.launch import Stack, spawn
 from specd.models.load import load_target

@@ -17,7 +17,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from drafter_svc.eagle3.model import CheckpointError
+from drafter_svc.checkpoints import CheckpointError
+from drafter_svc.eagle3.model import MLP
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -95,17 +96,6 @@ class Attention(nn.Module):
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: DFlashConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Layer(nn.Module):

@@ -10,9 +10,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from drafter_svc.checkpoints import CheckpointError, check_target, shipped_or_given
 from drafter_svc.dflash.draft import BlockDrafter, DFlashState
 from drafter_svc.dflash.model import load_drafter
-from drafter_svc.eagle3.model import CheckpointError
 from drafter_svc.eagle3.proposer import _rows, target_embedding, target_matrix
 from drafter_svc.proposal import Proposal
 
@@ -74,35 +74,15 @@ class DFlashProposer:
 
 
 def load_dflash(options: DFlashOptions, target_dir: Path, target_identity) -> DFlashProposer:
-    weights = options.weights
-    if weights is None:
-        weights = SHIPPED.get(target_dir.name)
-        if weights is None or not (weights / "config.json").is_file():
-            raise CheckpointError(
-                f"no DFlash drafter ships for target {target_dir.name}; pass --weights DIR "
-                "(train one with `specd train dflash --target ...`)"
-            )
+    weights = shipped_or_given(options.weights, SHIPPED, target_dir, "DFlash drafter", "dflash")
     model = load_drafter(weights)
     cfg = model.config
-    fingerprint, vocab_size, hidden_size, num_layers = target_identity
-    if cfg.target_fingerprint and cfg.target_fingerprint != fingerprint:
+    check_target("drafter", weights, cfg, cfg.target_layer_ids, target_identity)
+    _, vocab_size, hidden_size, _ = target_identity
+    if cfg.hidden_size != hidden_size:
         raise CheckpointError(
-            f"the drafter in {weights} was trained for target {cfg.target_name or '?'} "
-            f"(tokenizer {cfg.target_fingerprint}), not this one ({fingerprint})"
-        )
-    if cfg.vocab_size != vocab_size:
-        raise CheckpointError(
-            f"the drafter's vocab_size {cfg.vocab_size} differs from the target's {vocab_size}"
-        )
-    if cfg.hidden_size != hidden_size or cfg.feature_size != hidden_size:
-        raise CheckpointError(
-            f"the drafter is {cfg.hidden_size} wide and reads rows {cfg.feature_size} wide; "
-            f"the target's hidden size is {hidden_size}"
-        )
-    if max(cfg.target_layer_ids) >= num_layers:
-        raise CheckpointError(
-            f"the drafter needs target layers {list(cfg.target_layer_ids)}; the target has "
-            f"{num_layers}"
+            f"the drafter is {cfg.hidden_size} wide; it must be as wide as the target "
+            f"({hidden_size}) to use its embedding and lm_head"
         )
     if not 0 <= cfg.mask_token_id < vocab_size:
         raise CheckpointError(f"mask_token_id {cfg.mask_token_id} is outside the vocabulary")

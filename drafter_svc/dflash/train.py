@@ -21,8 +21,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
+from drafter_svc.checkpoints import load_training_state, save_training_state
 from drafter_svc.dflash.model import DFlashConfig, DFlashDrafter, save_drafter
 from drafter_svc.eagle3.data import Features, embedding_matrix, head_matrix
 from drafter_svc.eagle3.model import default_capture_layers
@@ -210,22 +211,13 @@ class DFlashTrainer:
         return float(loss), float(1 + run.mean())
 
     def save_checkpoint(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        mx.save_safetensors(str(directory / "drafter.safetensors"),
-                            dict(tree_flatten(self.model.parameters())))  # fmt: skip
-        opt = dict(tree_flatten(self.optimizer.state))
-        mx.save_safetensors(str(directory / "optimizer.safetensors"),
-                            {k: v for k, v in opt.items() if isinstance(v, mx.array)})  # fmt: skip
-        (directory / "state.json").write_text(json.dumps({"step": self.step}))
+        save_training_state(directory, self.model, self.optimizer, self.step)
 
     def load_checkpoint(self, directory: Path) -> bool:
-        if not (directory / "state.json").is_file():
-            return False
-        self.model.load_weights(list(mx.load(str(directory / "drafter.safetensors")).items()))
-        state = mx.load(str(directory / "optimizer.safetensors"))
-        self.optimizer.state = tree_unflatten(list(state.items()))
-        self.step = json.loads((directory / "state.json").read_text())["step"]
-        return True
+        step = load_training_state(directory, self.model, self.optimizer)
+        if step is not None:
+            self.step = step
+        return step is not None
 
 
 def train(opts: DFlashOptions) -> dict:

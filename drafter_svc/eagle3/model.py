@@ -16,12 +16,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from drafter_svc.checkpoints import CheckpointError
+
 EAGLE_CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
-
-
-class CheckpointError(ValueError):
-    """A head directory that cannot be loaded as it is, with the reason."""
 
 
 def default_capture_layers(num_target_layers: int) -> tuple[int, ...]:

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from drafter_svc.checkpoints import CheckpointError, check_target, shipped_or_given
 from drafter_svc.eagle3.draft import Eagle3Drafter, Eagle3State
-from drafter_svc.eagle3.model import CheckpointError, load_head
+from drafter_svc.eagle3.model import load_head
 from drafter_svc.proposal import Proposal, TreeShape
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "heads"
@@ -132,35 +133,9 @@ def _rows(rows):
 
 def load_eagle3(options: Eagle3Options, target_dir: Path, target_identity) -> Eagle3Proposer:
     """Load the head and the target's embedding; refuse a head made for another target."""
-    weights = options.weights
-    if weights is None:
-        weights = SHIPPED.get(target_dir.name)
-        if weights is None or not (weights / "config.json").is_file():
-            raise CheckpointError(
-                f"no EAGLE-3 head ships for target {target_dir.name}; pass --weights DIR "
-                "(train one with `specd train eagle3 --target ...`)"
-            )
+    weights = shipped_or_given(options.weights, SHIPPED, target_dir, "EAGLE-3 head", "eagle3")
     head, extras = load_head(weights)
-    cfg = head.config
-    fingerprint, vocab_size, hidden_size, num_layers = target_identity
-    if cfg.target_fingerprint and cfg.target_fingerprint != fingerprint:
-        raise CheckpointError(
-            f"the head in {weights} was trained for target {cfg.target_name or '?'} "
-            f"(tokenizer {cfg.target_fingerprint}), not this one ({fingerprint})"
-        )
-    if cfg.vocab_size != vocab_size:
-        raise CheckpointError(
-            f"the head's vocab_size {cfg.vocab_size} differs from the target's {vocab_size}"
-        )
-    if cfg.feature_size != hidden_size:
-        raise CheckpointError(
-            f"the head reads target rows of width {cfg.feature_size}; the target's hidden size "
-            f"is {hidden_size}"
-        )
-    if max(cfg.capture_layers) >= num_layers:
-        raise CheckpointError(
-            f"the head needs target layers {list(cfg.capture_layers)}; the target has {num_layers}"
-        )
+    check_target("head", weights, head.config, head.config.capture_layers, target_identity)
     embedding = extras.get("embed_tokens")
     embedding = embedding.astype(mx.float32) if embedding is not None else target_embedding(
         target_dir)  # fmt: skip

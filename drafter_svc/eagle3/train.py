@@ -22,8 +22,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
 
+from drafter_svc.checkpoints import load_training_state, save_training_state
 from drafter_svc.eagle3.data import (
     Features,
     TargetFeatures,
@@ -221,22 +221,13 @@ class Trainer:
 
     # --------------------------------------------------------- checkpoints
     def save_checkpoint(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        params = dict(tree_flatten(self.head.parameters()))
-        mx.save_safetensors(str(directory / "head.safetensors"), params)
-        opt = dict(tree_flatten(self.optimizer.state))
-        mx.save_safetensors(str(directory / "optimizer.safetensors"),
-                            {k: v for k, v in opt.items() if isinstance(v, mx.array)})  # fmt: skip
-        (directory / "state.json").write_text(json.dumps({"step": self.step}))
+        save_training_state(directory, self.head, self.optimizer, self.step)
 
     def load_checkpoint(self, directory: Path) -> bool:
-        if not (directory / "state.json").is_file():
-            return False
-        self.head.load_weights(list(mx.load(str(directory / "head.safetensors")).items()))
-        state = mx.load(str(directory / "optimizer.safetensors"))
-        self.optimizer.state = tree_unflatten(list(state.items()))
-        self.step = json.loads((directory / "state.json").read_text())["step"]
-        return True
+        step = load_training_state(directory, self.head, self.optimizer)
+        if step is not None:
+            self.step = step
+        return step is not None
 
 
 def _progress(step, total, loss, agree, started, first_step):

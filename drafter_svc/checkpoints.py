@@ -1,0 +1,72 @@
+"""What the model drafters share: finding their weights, checking them against the target, and
+training checkpoints that resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+
+class CheckpointError(ValueError):
+    """A draft model directory that cannot be used as it is, with the reason."""
+
+
+def shipped_or_given(weights: Path | None, shipped: dict, target_dir: Path, what: str,
+                     kind: str) -> Path:  # fmt: skip
+    """--weights, or the model this package ships for the target."""
+    if weights is not None:
+        return weights
+    found = shipped.get(target_dir.name)
+    if found is None or not (found / "config.json").is_file():
+        raise CheckpointError(
+            f"no {what} ships for target {target_dir.name}; pass --weights DIR "
+            f"(train one with `specd train {kind} --target ...`)"
+        )
+    return found
+
+
+def check_target(what: str, weights: Path, cfg, layers, target_identity) -> None:
+    """Refuse a draft model made for another target: tokenizer fingerprint (when recorded),
+    vocabulary, the width of the rows it reads, and the layers it needs."""
+    fingerprint, vocab_size, hidden_size, num_layers = target_identity
+    if cfg.target_fingerprint and cfg.target_fingerprint != fingerprint:
+        raise CheckpointError(
+            f"the {what} in {weights} was trained for target {cfg.target_name or '?'} "
+            f"(tokenizer {cfg.target_fingerprint}), not this one ({fingerprint})"
+        )
+    if cfg.vocab_size != vocab_size:
+        raise CheckpointError(
+            f"the {what}'s vocab_size {cfg.vocab_size} differs from the target's {vocab_size}"
+        )
+    if cfg.feature_size != hidden_size:
+        raise CheckpointError(
+            f"the {what} reads target rows of width {cfg.feature_size}; the target's hidden "
+            f"size is {hidden_size}"
+        )
+    if max(layers) >= num_layers:
+        raise CheckpointError(
+            f"the {what} needs target layers {list(layers)}; the target has {num_layers}"
+        )
+
+
+def save_training_state(directory: Path, model, optimizer, step: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(directory / "model.safetensors"),
+                        dict(tree_flatten(model.parameters())))  # fmt: skip
+    state = {k: v for k, v in tree_flatten(optimizer.state) if isinstance(v, mx.array)}
+    mx.save_safetensors(str(directory / "optimizer.safetensors"), state)
+    (directory / "state.json").write_text(json.dumps({"step": step}))
+
+
+def load_training_state(directory: Path, model, optimizer) -> int | None:
+    """The step to go on from, or None when there is no checkpoint."""
+    if not (directory / "state.json").is_file():
+        return None
+    model.load_weights(list(mx.load(str(directory / "model.safetensors")).items()))
+    optimizer.state = tree_unflatten(
+        list(mx.load(str(directory / "optimizer.safetensors")).items())
+    )
+    return json.loads((directory / "state.json").read_text())["step"]
