@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
 
 
@@ -70,3 +71,15 @@ def load_training_state(directory: Path, model, optimizer) -> int | None:
         list(mx.load(str(directory / "optimizer.safetensors")).items())
     )
     return json.loads((directory / "state.json").read_text())["step"]
+
+
+def make_optimizer(lr: float, warmup: int, total_steps: int) -> optim.Optimizer:
+    """AdamW: linear warm-up from 1 % of lr, then cosine decay to 5 % at the last step."""
+    schedule = optim.join_schedules(
+        [
+            optim.linear_schedule(lr * 0.01, lr, warmup),
+            optim.cosine_decay(lr, max(1, total_steps - warmup), lr * 0.05),
+        ],
+        [warmup],
+    )
+    return optim.AdamW(learning_rate=schedule, weight_decay=0.0)

@@ -23,7 +23,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from drafter_svc.checkpoints import load_training_state, save_training_state
+from drafter_svc.checkpoints import load_training_state, make_optimizer, save_training_state
 from drafter_svc.dflash.model import DFlashConfig, DFlashDrafter, save_drafter
 from drafter_svc.eagle3.data import Features, embedding_matrix, head_matrix
 from drafter_svc.eagle3.model import default_capture_layers
@@ -163,12 +163,7 @@ class DFlashTrainer:
         init_from_target(self.model, model_t)
         self.gamma = opts.gamma or default_gamma(opts.block_size)
         self.total_steps = max(1, int(opts.epochs * len(feats)))
-        schedule = optim.join_schedules(
-            [optim.linear_schedule(opts.lr * 0.01, opts.lr, opts.warmup),
-             optim.cosine_decay(opts.lr, max(1, self.total_steps - opts.warmup), opts.lr * 0.05)],
-            [opts.warmup],
-        )  # fmt: skip
-        self.optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.0)
+        self.optimizer = make_optimizer(opts.lr, opts.warmup, self.total_steps)
         self.step = 0
         self.loss_and_grad = nn.value_and_grad(self.model, self._loss)
 
