@@ -8,8 +8,9 @@ Model (documented in docs/adaptive.md):
 - k = argmax over 0..k_max of expected tokens / (draft cost + verify cost), where k = 0 costs
   no draft call. For draft trees k is the depth: acceptance is per depth (the path the target
   keeps), and the verify costs the tree's size.
-- After `probe_every` rounds at k = 0 one round drafts k_max again, so a session notices when
-  drafting starts paying.
+- After `probe_every` rounds at k = 0 one round drafts `probe_tokens` (a cheap look: with a weak
+  drafter a full-length probe costs a long verify every few rounds), so a session notices when
+  drafts start matching; acceptance then raises k by itself.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class AdaptiveK:
     costs: SpeculationCosts
     k_max: int
     probe_every: int = 8  # rounds at k = 0 before drafting is tried again
+    probe_tokens: int = 2  # drafts in such a probe
     decay: float = 0.9  # acceptance follows the text: recent rounds count most
     successes: float = 1.0  # prior: acceptance 0.5 over two pseudo-trials
     trials: float = 2.0
@@ -82,7 +84,7 @@ class AdaptiveK:
         if k_max <= 0:
             return 0
         if self.rounds_without_drafts >= self.probe_every:
-            return k_max
+            return min(k_max, self.probe_tokens)
         best_k, best_rate = 0, 1.0 / self.costs.verify.predict(1)
         for k in range(1, k_max + 1):
             n = self.verified_tokens(k) if self.verified_tokens else k
