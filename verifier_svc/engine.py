@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from specd.models.capture import install_capture, install_tree_positions
 from specd.models.load import LoadedTarget
@@ -43,7 +43,7 @@ class Target:
         """Tree verify needs wrappable RoPE and plain KV caches (rows can be moved)."""
         if self._tree_ready is None:
             self._tree_ready = install_tree_positions(self.model, self._sink)
-        return self._tree_ready and all(type(c).__name__ == "KVCache" for c in cache)
+        return self._tree_ready and all(type(c) is KVCache for c in cache)
 
     def forward_tree(
         self, token_ids: mx.array, parents: list[int], cache: list, capture: tuple[int, ...]
@@ -199,6 +199,11 @@ def verify(
     except BaseException:
         _rollback(session.cache, base)  # a failed round leaves the session as it was
         raise
+    return _committed(session, acceptance, rows, start)
+
+
+def _committed(session: Session, acceptance, rows, start: float) -> VerifyResult:
+    """Advance the session past the committed tokens and report the round."""
     session.position += len(acceptance.committed)
     session.last_token = acceptance.committed[-1]
     session.finished = acceptance.finished
@@ -215,8 +220,8 @@ def _compact(cache: list, base: int, keep: list[int]) -> None:
     """Move the KV rows of forward indices `keep` (ascending) to base.. and drop the rest."""
     if keep != list(range(len(keep))):
         index = mx.array([base + i for i in keep])
+        n = len(keep)
         for c in cache:
-            n = len(keep)
             c.keys[..., base : base + n, :] = c.keys[..., index, :]
             c.values[..., base : base + n, :] = c.values[..., index, :]
     _rollback(cache, base + len(keep))
@@ -229,8 +234,6 @@ def verify_tree(
     compacted into place, and return hidden rows for the committed positions only."""
     start = time.perf_counter()
     check_parents(parents, len(draft_ids))
-    if not target.supports_trees(session.cache):
-        raise TreeUnsupported("this target's architecture or cache cannot verify draft trees")
     base = session.position - 1
     tokens = mx.array([session.last_token, *draft_ids], dtype=mx.int32)
     try:
@@ -256,16 +259,7 @@ def verify_tree(
     except BaseException:
         _rollback(session.cache, base)
         raise
-    session.position += len(acceptance.committed)
-    session.last_token = acceptance.committed[-1]
-    session.finished = acceptance.finished
-    return VerifyResult(
-        acceptance.committed,
-        acceptance.num_accepted,
-        acceptance.finished,
-        rows,
-        time.perf_counter() - start,
-    )
+    return _committed(session, acceptance, rows, start)
 
 
 class TreeUnsupported(RuntimeError):

@@ -9,7 +9,7 @@ over a reduced draft vocabulary; `d2t` maps a draft id to a target id.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -176,10 +176,6 @@ class Eagle3Head(nn.Module):
 
     def logits(self, hidden: mx.array) -> mx.array:
         return self.lm_head(self.norm(hidden))
-
-    def draft_to_target(self, draft_ids: np.ndarray) -> np.ndarray:
-        d2t = np.asarray(self.d2t)
-        return draft_ids + d2t[draft_ids]
 
 
 # ---------------------------------------------------------------- checkpoint formats
@@ -431,7 +427,3 @@ def save_head(
         raise ValueError(f"unknown format {fmt!r}; choose eagle or speculators")
     mx.save_safetensors(str(directory / WEIGHTS), weights, metadata={"format": "mlx"})
     (directory / EAGLE_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-
-
-def config_dict(cfg: Eagle3Config) -> dict:
-    return asdict(cfg)
