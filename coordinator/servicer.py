@@ -175,6 +175,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         tree = request.tree if request.HasField("tree") else None
         if tree is not None and min(tree.total_tokens, tree.depth, tree.top_k) < 0:
             raise InvalidArgument("tree total_tokens, depth and top_k must be >= 0")
+        if tree is not None and tree.total_tokens > 0:
+            if not info.drafts_trees:
+                raise InvalidArgument(
+                    f"the {info.kind} drafter drafts chains only; leave tree unset "
+                    "(or total_tokens 0)"
+                )
+            if tree.total_tokens > info.max_tree_tokens:
+                raise InvalidArgument(
+                    f"tree of {tree.total_tokens} tokens exceeds the drafter's limit "
+                    f"{info.max_tree_tokens}"
+                )
         shape = tree if tree is not None else info.default_tree
         adaptive = None
         if self.config.adaptive and k > 0 and not pinned and not seeded:

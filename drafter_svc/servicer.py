@@ -66,6 +66,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             vocab_size=self.vocab_size,
             accepts_speculative_ids=proposer.accepts_speculative_ids,
             default_tree=_tree_proto(getattr(proposer, "default_tree", None)),
+            drafts_trees=_drafts_trees(proposer),
+            max_tree_tokens=self.config.max_tree_tokens if _drafts_trees(proposer) else 0,
         )
 
     @rpc
@@ -147,7 +149,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         t = request.tree
         if t.total_tokens < 0 or t.depth < 0 or t.top_k < 0:
             raise InvalidArgument("tree total_tokens, depth and top_k must be >= 0")
-        if t.total_tokens and not hasattr(self.proposer, "default_tree"):
+        if t.total_tokens and not _drafts_trees(self.proposer):
             raise InvalidArgument(f"the {self.proposer.kind} drafter drafts chains only")
         if t.total_tokens > self.config.max_tree_tokens:
             raise InvalidArgument(
@@ -167,6 +169,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def CloseSession(self, request, context):
         self.sessions.pop(request.session_id)
         return common_pb2.CloseSessionResponse()
+
+
+def _drafts_trees(proposer) -> bool:
+    return hasattr(proposer, "default_tree")
 
 
 def _tree_proto(shape) -> common_pb2.TreeShape | None:

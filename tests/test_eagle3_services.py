@@ -70,6 +70,18 @@ def test_info_names_layers_and_binds_the_target(stack, plain):
     assert list(info.capture_layers) == [0, 1]
     assert info.target_fingerprint == plain.identity.fingerprint
     assert not info.accepts_speculative_ids
+    assert info.drafts_trees and info.max_tree_tokens > 0
+
+
+def test_oversized_tree_is_refused_before_any_round(stack):
+    client = CoordinatorClient(stack.coordinator)
+    request = make_request(prompt="Hello", max_tokens=5)
+    request.tree.total_tokens = 100000
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "exceeds the drafter's limit" in err.value.details()
+    client.close()
 
 
 def test_bad_inputs_get_clear_errors(stack):

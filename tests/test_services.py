@@ -213,10 +213,14 @@ def test_coordinator_rejects_bad_requests(coordinator, stack):
         make_request(prompt="x", num_draft_tokens=9999),
         make_request(prompt_ids=[10**6]),
     ]
+    chain_only = make_request(prompt="x", max_tokens=3)
+    chain_only.tree.total_tokens = 8  # the n-gram drafter drafts chains only
+    bad.append(chain_only)
     for request in bad:
         with pytest.raises(grpc.RpcError) as info:
             coordinator.generate(request, timeout_s=30)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, request
+    assert "chains only" in info.value.details()
     assert coordinator.generate(make_request(prompt="ok", max_tokens=3)).token_ids
 
 
