@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from drafter_svc.eagle3.draft import Eagle3Drafter, Eagle3State
+from drafter_svc.eagle3.draft import Eagle3Drafter
 from drafter_svc.eagle3.model import (
     CheckpointError,
     Eagle3Config,
@@ -210,6 +210,3 @@ def test_tree_nodes_match_a_plain_chain_along_each_path():
         best_target = int(best + np.array(head.d2t)[best])
         assert ids[children[0]] == best_target
 
-
-def test_state_type():
-    assert Eagle3State().entries == 0

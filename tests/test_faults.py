@@ -4,9 +4,12 @@ import time
 
 import grpc
 import pytest
+from tiny import make_tiny_dflash_dir, make_tiny_eagle3_dir, make_tiny_model_dir
 
+from coordinator.bench import plain_decode
 from specd.client import CoordinatorClient, make_request
 from specd.launch import Stack, spawn
+from specd.models.load import load_target
 
 PROMPT = "abcabcabc hello hello hello"
 TOKENS = 600
@@ -156,3 +159,54 @@ def test_another_verifier_takes_over(tiny_model_dir, tmp_path):
     finally:
         for service in (coordinator, second, first):
             service.stop()
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_model_drafter_restart_mid_generation_keeps_output(kind, tmp_path):
+    """Kill a drafter that reads target hidden rows during a long generation and start a new
+    one on its port: the coordinator re-opens it with every row it kept and drafts again in the
+    same request; the output stays the target's."""
+    # a long context and an EOS this prompt never reaches: the request outlives a restart
+    tiny_model_dir = make_tiny_model_dir(
+        tmp_path / "long", max_positions=16384, eos_token="<|im_start|>"
+    )
+    make_weights = {"eagle3": make_tiny_eagle3_dir, "dflash": make_tiny_dflash_dir}[kind]
+    drafter_args = ["--weights", str(make_weights(tmp_path / kind, tiny_model_dir))]
+    plain = load_target(str(tiny_model_dir), "float32")
+    prompt, tokens = PROMPT, 1500
+    reference = plain_decode(
+        plain.model, plain.tokenizer.encode(prompt), tokens, set(plain.identity.eos_token_ids)
+    ).token_ids
+    with Stack(
+        target=str(tiny_model_dir),
+        drafter=kind,
+        drafter_args=drafter_args,
+        startup_timeout_s=120,
+        log_dir=tmp_path,
+    ) as s:
+        client = CoordinatorClient(s.coordinator)
+        drafter = s.services["drafter"]
+        port = int(drafter.address.rsplit(":", 1)[1])
+
+        def restart():
+            drafter.kill()
+            s.services["drafter"] = spawn(
+                "drafter",
+                ["--kind", kind, "--target", str(tiny_model_dir), *drafter_args],
+                port=port,
+                log_dir=tmp_path / "second",
+            )
+
+        ids, stats = [], None
+        request = make_request(prompt=prompt, max_tokens=tokens, num_draft_tokens=3)
+        for message in client.stream(request):
+            ids.extend(message.token_ids)
+            if drafter is s.services["drafter"] and len(ids) > 20:
+                restart()
+            if message.finish_reason:
+                stats = message.stats
+        assert ids == reference
+        assert stats.drafter_failed
+        log = s.services["coordinator"].log_path.read_text()
+        assert "drafter is back" in log, "the drafter was not re-opened within the request"
+        client.close()
