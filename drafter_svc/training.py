@@ -1,0 +1,46 @@
+"""The step loop both drafter trainers share: epoch order, progress line, checkpoints."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+RECENT = 50  # steps the progress line and the summary average over
+
+
+def epoch_order(count: int, epochs: float, seed: int) -> np.ndarray:
+    """Example indices for every step: one permutation per epoch, the same after a resume."""
+    rng = np.random.default_rng(seed)
+    return np.concatenate([rng.permutation(count) for _ in range(math.ceil(epochs) + 1)])
+
+
+def run_steps(trainer, step: Callable[[int], object], checkpoint: Path, save_every: int,
+              describe: Callable[[list], str]) -> tuple[list, float]:  # fmt: skip
+    """Call step(trainer.step) until trainer.total_steps, checkpointing every save_every steps.
+    step returns a record (or None when it had nothing to learn from); describe turns the
+    recent records into the progress line's figures. Returns (recent records, seconds)."""
+    started, first = time.perf_counter(), trainer.step
+    recent: list = []
+    while trainer.step < trainer.total_steps:
+        record = step(trainer.step)
+        if record is not None:
+            recent = (recent + [record])[-RECENT:]
+        done = trainer.step - first
+        rate = done / max(1e-9, time.perf_counter() - started)
+        eta = (trainer.total_steps - trainer.step) / rate if rate > 0 else 0
+        filled = int(24 * trainer.step / trainer.total_steps)
+        sys.stderr.write(
+            f"\r[{'#' * filled}{'.' * (24 - filled)}] {trainer.step}/{trainer.total_steps} "
+            f"{describe(recent)} {rate:.2f} it/s eta {eta / 60:.0f} min   "
+        )
+        sys.stderr.flush()
+        if trainer.step % save_every == 0:
+            trainer.save_checkpoint(checkpoint)
+    sys.stderr.write("\n")
+    trainer.save_checkpoint(checkpoint)
+    return recent, time.perf_counter() - started
