@@ -10,7 +10,8 @@ Model (documented in docs/adaptive.md):
   keeps), and the verify costs the tree's size.
 - After `probe_every` rounds at k = 0 one round drafts `probe_tokens` (a cheap look: with a weak
   drafter a full-length probe costs a long verify every few rounds), so a session notices when
-  drafts start matching; acceptance then raises k by itself.
+  drafts start matching; acceptance then raises k by itself. Each probe that is wholly rejected
+  doubles the wait before the next (up to `probe_every_max`); an accepted draft resets it.
 """
 
 from __future__ import annotations
@@ -66,11 +67,14 @@ class AdaptiveK:
     costs: SpeculationCosts
     k_max: int
     probe_every: int = 8  # rounds at k = 0 before drafting is tried again
+    probe_every_max: int = 64  # the wait after many rejected probes in a row
     probe_tokens: int = 2  # drafts in such a probe
     decay: float = 0.9  # acceptance follows the text: recent rounds count most
     successes: float = 1.0  # prior: acceptance 0.5 over two pseudo-trials
     trials: float = 2.0
     rounds_without_drafts: int = 0
+    probe_wait: int = 0  # rounds at k = 0 before the next probe; 0 until set from probe_every
+    probing: bool = False  # the round just chosen is a probe
     # tokens a verify checks when k is asked: k for chains, the tree's size for trees
     verified_tokens: Callable[[int], int] | None = None
 
@@ -81,9 +85,11 @@ class AdaptiveK:
     def choose(self, limit: int) -> int:
         """k for the next round, at most `limit` (tokens still wanted - 1)."""
         k_max = min(self.k_max, limit)
+        self.probing = False
         if k_max <= 0:
             return 0
-        if self.rounds_without_drafts >= self.probe_every:
+        if self.rounds_without_drafts >= (self.probe_wait or self.probe_every):
+            self.probing = True
             return min(k_max, self.probe_tokens)
         best_k, best_rate = 0, 1.0 / self.costs.verify.predict(1)
         for k in range(1, k_max + 1):
@@ -99,6 +105,10 @@ class AdaptiveK:
         self.rounds_without_drafts = self.rounds_without_drafts + 1 if asked == 0 else 0
         if drafted == 0:
             return  # nothing proposed (e.g. no n-gram match) says nothing about acceptance
+        if accepted:
+            self.probe_wait = self.probe_every
+        elif self.probing:
+            self.probe_wait = min(2 * (self.probe_wait or self.probe_every), self.probe_every_max)
         rejected = 1 if accepted < drafted else 0
         self.successes = self.successes * self.decay + accepted
         self.trials = self.trials * self.decay + accepted + rejected

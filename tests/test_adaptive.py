@@ -50,6 +50,29 @@ def test_probes_after_rounds_without_drafts_and_learns():
     assert k.acceptance > 0.9 and k.choose(100) == 8
 
 
+def test_rejected_probes_back_off_and_an_accepted_one_resets():
+    k = chooser(0.02)
+
+    def rounds_until_probe():
+        waited = 0
+        while k.choose(100) == 0:
+            k.observe(0, 0, 0)
+            waited += 1
+        return waited
+
+    waits = []
+    for _ in range(5):
+        waits.append(rounds_until_probe())
+        k.observe(k.probe_tokens, k.probe_tokens, 0)  # the probe is wholly rejected
+    assert waits == [8, 16, 32, 64, 64]
+    assert rounds_until_probe() == 64
+    k.observe(k.probe_tokens, k.probe_tokens, 1)  # one draft accepted
+    while k.choose(100):  # the estimate may now call for drafts; let it fall back
+        k.observe(2, 2, 0)
+    k.observe(0, 0, 0)
+    assert rounds_until_probe() == 7  # the wait is back to probe_every
+
+
 def test_empty_proposals_do_not_count_as_rejections():
     k = chooser(0.5)
     before = k.acceptance
