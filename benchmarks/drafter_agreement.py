@@ -1,14 +1,17 @@
 """How often a model drafter's first draft is the target's next token, and the tau it gets when
 served in-process with a pinned k: tells a weak drafter from a broken serving path.
 
-    python benchmarks/drafter_agreement.py --kind eagle3 --k 1
+    python benchmarks/drafter_agreement.py --kind eagle3 --k 1 [--weights DIR] [--prompts 3]
     python benchmarks/drafter_agreement.py --kind dflash --k 3
+
+The prompts are written here, in none of the training data or benchmark sets.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -23,7 +26,12 @@ from specd.models.load import load_target
 from specd.prompts import encode_chat
 from verifier_svc.engine import Target
 
-PROMPT = "Write a Python function that checks whether a string is a palindrome, and explain it."
+PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome, and explain it.",
+    "Tell me about the history of the bicycle in a few paragraphs.",
+    "Give me five tips for keeping houseplants alive in winter.",
+    "Explain the difference between a list and a tuple in Python, with examples.",
+]
 
 
 def first_draft_agreement(proposer, seq, rows, argmax, start) -> float:
@@ -39,33 +47,42 @@ def first_draft_agreement(proposer, seq, rows, argmax, start) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--kind", choices=["eagle3", "dflash"], required=True)
+    p.add_argument("--weights", type=Path, help="the model to measure (default: the shipped one)")
     p.add_argument("--k", type=int, default=1, help="pinned draft length when served")
-    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
+    p.add_argument("--prompts", type=int, default=1, help=f"how many of the {len(PROMPTS)} prompts")
     args = p.parse_args()
     loaded = load_target(None, "float32")
-    ids = encode_chat(loaded.tokenizer, [{"role": "user", "content": PROMPT}])
-    eos = set(loaded.identity.eos_token_ids)
-    out = plain_decode(loaded.model, ids, args.tokens, eos).token_ids
-    proposer = make_proposer(DrafterConfig(**drafter_options(args.kind)))
-    seq = np.array(ids + out, dtype=np.int32)
-    feats = TargetFeatures(loaded.model, proposer.capture_layers)(
-        Example(seq, np.ones(len(seq), bool))
-    )
-    agree = first_draft_agreement(proposer, seq, feats.rows, feats.argmax, len(ids))
+    proposer = make_proposer(DrafterConfig(**drafter_options(args.kind, weights=args.weights)))
     verifier = LocalVerifier(Target(load_target(None, "float32")))
     drafter = LocalDrafter(proposer)
+    eos = set(loaded.identity.eos_token_ids)
+    hits, positions, rounds, accepted, identical = 0.0, 0, 0, 0, True
+    for prompt in PROMPTS[: args.prompts]:
+        ids = encode_chat(loaded.tokenizer, [{"role": "user", "content": prompt}])
+        out = plain_decode(loaded.model, ids, args.tokens, eos).token_ids
+        seq = np.array(ids + out, dtype=np.int32)
+        feats = TargetFeatures(loaded.model, proposer.capture_layers)(
+            Example(seq, np.ones(len(seq), bool))
+        )
+        agree = first_draft_agreement(proposer, seq, feats.rows, feats.argmax, len(ids))
+        hits += agree * (len(out) - 1)
+        positions += len(out) - 1
 
-    async def serve():
-        stats, tokens = RoundStats(), []
-        async for new, _ in run_rounds(verifier, drafter, ids, Plan(args.tokens, args.k), stats):
-            tokens += new
-        return stats, tokens
+        async def serve(ids=ids):
+            stats, tokens = RoundStats(), []
+            plan = Plan(args.tokens, args.k)
+            async for new, _ in run_rounds(verifier, drafter, ids, plan, stats):
+                tokens += new
+            return stats, tokens
 
-    stats, tokens = asyncio.run(serve())
-    print(f"{args.kind}: first-draft agreement with the target's next token {agree:.3f} over "
-          f"{len(out) - 1} positions of its own greedy output")  # fmt: skip
-    print(f"{args.kind}: served in-process, k = {args.k} pinned: tau {stats.tau:.2f}, "
-          f"identical to plain decoding: {tokens == out}")  # fmt: skip
+        stats, tokens = asyncio.run(serve())
+        rounds, accepted = rounds + stats.rounds, accepted + stats.accepted
+        identical = identical and tokens == out
+    print(f"{args.kind}: first-draft agreement with the target's next token "
+          f"{hits / positions:.3f} over {positions} positions of its greedy output")  # fmt: skip
+    print(f"{args.kind}: served in-process, k = {args.k} pinned: tau {1 + accepted / rounds:.2f}, "
+          f"identical to plain decoding: {identical}")  # fmt: skip
 
 
 if __name__ == "__main__":
