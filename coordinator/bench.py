@@ -52,6 +52,7 @@ def add_bench_args(p) -> None:
     p.add_argument("--tree-total-tokens", type=int, help="eagle3-tree: tokens per tree (16)")
     p.add_argument("--tree-depth", type=int, help="eagle3-tree: deepest path (5)")
     p.add_argument("--tree-top-k", type=int, help="eagle3-tree: children per node (4)")
+    p.add_argument("--drafter-blas-threads", type=int, help="OpenBLAS threads of each drafter")
     p.add_argument(
         "--no-adaptive",
         dest="adaptive",
@@ -190,6 +191,8 @@ _KIND_OPTIONS = {
 def _drafter_args(args, name: str) -> list[str]:
     options = _variant_options(args, name)
     out = []
+    if getattr(args, "drafter_blas_threads", None) is not None:
+        out += ["--blas-threads", str(args.drafter_blas_threads)]
     for option in _KIND_OPTIONS.get(bench_kind(name), ()):
         if options[option] is not None:
             out += ["--" + option.replace("_", "-"), str(options[option])]

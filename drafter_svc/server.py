@@ -58,6 +58,11 @@ def target_binding(config: DrafterConfig) -> tuple[str, int]:
 
 
 async def serve(config: DrafterConfig) -> None:
+    if config.blas_threads > 0:
+        from specd.platform import set_blas_threads
+
+        if not set_blas_threads(config.blas_threads):
+            log.warning("--blas-threads %d ignored: OpenBLAS is not loaded", config.blas_threads)
     mlx_thread = MlxThread()
     proposer = await mlx_thread.run(make_proposer, config)
     fingerprint, vocab_size = await mlx_thread.run(target_binding, config)

@@ -120,6 +120,14 @@ def _add_serve(sub) -> None:
         type=int,
         help="eagle3: draft trees of this many tokens by default (0: chains)",
     )
+    d.add_argument(
+        "--blas-threads",
+        type=int,
+        default=0,
+        help="OpenBLAS threads for this drafter (0: the library's default, one per core); on a "
+        "machine shared with the verifier, 1 keeps the drafter's idle BLAS threads from "
+        "spinning on the verifier's cores",
+    )
     d.add_argument("--tree-depth", type=int, help="eagle3: deepest tree path")
     d.add_argument("--tree-top-k", type=int, help="eagle3: children per expanded tree node")
     c = kinds.choices["coordinator"]
@@ -202,6 +210,9 @@ def _serve(args) -> int:
         except ValueError as exc:
             print(f"specd: {exc}", file=sys.stderr)
             return 2
+        if args.blas_threads < 0:
+            print("specd: --blas-threads must be >= 0", file=sys.stderr)
+            return 2
         config = DrafterConfig(
             **options,
             host=args.host,
@@ -210,6 +221,7 @@ def _serve(args) -> int:
             cache_dir=args.cache_dir,
             session_idle_timeout_s=args.session_idle_timeout,
             security=_server_security(args),
+            blas_threads=args.blas_threads,
         )
     else:
         from coordinator.config import CoordinatorConfig

@@ -44,6 +44,18 @@ def blas_env(env: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def set_blas_threads(count: int) -> bool:
+    """Size this process's OpenBLAS thread pool; False when OpenBLAS is not the loaded BLAS."""
+    import ctypes
+
+    try:
+        setter = ctypes.CDLL(None).openblas_set_num_threads
+    except (AttributeError, OSError):
+        return False
+    setter(ctypes.c_int(count))
+    return True
+
+
 def needs_reexec() -> bool:
     return (
         sys.platform == "linux"

@@ -34,3 +34,20 @@ def test_specd_command_runs_with_fast_blas_where_available():
     ).stdout.strip()
     expected = platform.openblas_path()
     assert (expected in out) if expected else out == ""
+
+
+def test_blas_threads_can_be_set_where_openblas_is_loaded():
+    code = (
+        "import ctypes, mlx.core\n"
+        "from specd.platform import set_blas_threads\n"
+        "ok = set_blas_threads(1)\n"
+        "print(ok, ctypes.CDLL(None).openblas_get_num_threads() if ok else -1)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "specd.platform", "exec", "--", sys.executable, "-c", code],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    if platform.openblas_path() is None:
+        assert out == ["False", "-1"]
+    else:
+        assert out == ["True", "1"]
