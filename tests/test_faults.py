@@ -138,8 +138,14 @@ def test_hung_drafter_times_out_and_drafting_resumes(tiny_model_dir, tmp_path):
         assert until_drafting(client, reference, 200).stats["drafted"] > 0
 
 
-def test_another_verifier_takes_over(tiny_model_dir, tmp_path):
+def test_another_verifier_takes_over(tmp_path):
     """--verifier A,B: A dies mid-generation and B carries the session on."""
+    # a long generation (no EOS in reach): without drafts a tiny target can finish 600 tokens
+    # before the kill lands on a busy machine, and then nothing fails over
+    tiny_model_dir = make_tiny_model_dir(
+        tmp_path / "long", max_positions=16384, eos_token="<|im_start|>"
+    )
+    tokens = 3000
     first = spawn("verifier", ["--model", str(tiny_model_dir)], log_dir=tmp_path / "a")
     second = spawn("verifier", ["--model", str(tiny_model_dir)], log_dir=tmp_path / "b")
     coordinator = spawn(
@@ -151,9 +157,9 @@ def test_another_verifier_takes_over(tiny_model_dir, tmp_path):
         for service in (first, second, coordinator):
             service.wait_healthy(120)
         client = CoordinatorClient(coordinator.address)
-        reference = client.generate(make_request(prompt=PROMPT, max_tokens=TOKENS)).token_ids
-        ids, stats = generate_with_fault(client, first.kill, prompt=PROMPT, max_tokens=TOKENS)
-        assert ids == reference and stats.generated_tokens == len(reference)
+        reference = client.generate(make_request(prompt=PROMPT, max_tokens=tokens)).token_ids
+        ids, stats = generate_with_fault(client, first.kill, prompt=PROMPT, max_tokens=tokens)
+        assert ids == reference and stats.generated_tokens == len(reference) == tokens
         assert "lost the session" in coordinator.log_path.read_text()
         assert client.info().verifier_address == second.address
     finally:
