@@ -191,7 +191,7 @@ _KIND_OPTIONS = {
 def _drafter_args(args, name: str) -> list[str]:
     options = _variant_options(args, name)
     out = []
-    if getattr(args, "drafter_blas_threads", None) is not None:
+    if args.drafter_blas_threads is not None:
         out += ["--blas-threads", str(args.drafter_blas_threads)]
     for option in _KIND_OPTIONS.get(bench_kind(name), ()):
         if options[option] is not None:

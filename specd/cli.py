@@ -553,22 +553,12 @@ def _add_distill(sub) -> None:
 
 
 def _distill(args) -> int:
-    import json as _json
-
     from drafter_svc.distill import DistillOptions, distill
 
-    fields = DistillOptions.__dataclass_fields__
-    try:
-        summary = distill(DistillOptions(**{k: v for k, v in vars(args).items() if k in fields}))
-    except ValueError as exc:
-        raise SystemExit(f"specd distill: {exc}") from None
-    print(_json.dumps(summary, indent=2))
-    return 0
+    return _run_job("distill", DistillOptions, distill, args)
 
 
 def _train(args) -> int:
-    import json as _json
-
     if args.kind == "dflash":
         from drafter_svc.dflash.train import DFlashOptions as Options
         from drafter_svc.dflash.train import train
@@ -576,8 +566,18 @@ def _train(args) -> int:
         from drafter_svc.eagle3.train import TrainOptions as Options
         from drafter_svc.eagle3.train import train
 
-    fields = Options.__dataclass_fields__
-    summary = train(Options(**{k: v for k, v in vars(args).items() if k in fields}))
+    return _run_job(f"train {args.kind}", Options, train, args, catch=())
+
+
+def _run_job(name: str, options_type, job, args, catch=(ValueError,)) -> int:
+    """Run a long job from the parsed flags its options dataclass declares; print its summary."""
+    import json as _json
+
+    fields = options_type.__dataclass_fields__
+    try:
+        summary = job(options_type(**{k: v for k, v in vars(args).items() if k in fields}))
+    except catch as exc:
+        raise SystemExit(f"specd {name}: {exc}") from None
     print(_json.dumps(summary, indent=2))
     return 0
 
