@@ -47,12 +47,24 @@ def first_user_turns(records: list[dict], seed: int) -> list[str]:
 
 
 def _done_prompts(path: Path) -> set[str]:
+    """Prompts already answered in `path`. A run killed mid-write leaves a partial last line:
+    it is cut off here, and that reply is generated again."""
     if not path.is_file():
         return set()
+    text = path.read_text(encoding="utf-8")
+    if text and not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]
+        path.write_text(text, encoding="utf-8")
     done = set()
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
             done.add(json.loads(line)["conversations"][0]["value"])
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise ValueError(
+                f"{path}:{number} is not a record this command wrote; use another --out"
+            ) from None
     return done
 
 
@@ -64,9 +76,9 @@ def distill(opts: DistillOptions) -> dict:
 
     if opts.conversations < 1 or opts.max_new_tokens < 1 or opts.batch_size < 1:
         raise ValueError("--conversations, --max-new-tokens and --batch-size must be >= 1")
+    done = _done_prompts(opts.out)  # before the model loads: a wrong --out fails at once
     loaded = load_target(opts.target, "float32")
     tokenizer = loaded.tokenizer
-    done = _done_prompts(opts.out)
     chosen = []  # (text, prompt ids)
     for text in first_user_turns(read_conversations(opts.data), opts.seed):
         if len(done) + len(chosen) >= opts.conversations:

@@ -566,17 +566,17 @@ def _train(args) -> int:
         from drafter_svc.eagle3.train import TrainOptions as Options
         from drafter_svc.eagle3.train import train
 
-    return _run_job(f"train {args.kind}", Options, train, args, catch=())
+    return _run_job(f"train {args.kind}", Options, train, args)
 
 
-def _run_job(name: str, options_type, job, args, catch=(ValueError,)) -> int:
+def _run_job(name: str, options_type, job, args) -> int:
     """Run a long job from the parsed flags its options dataclass declares; print its summary."""
     import json as _json
 
     fields = options_type.__dataclass_fields__
     try:
         summary = job(options_type(**{k: v for k, v in vars(args).items() if k in fields}))
-    except catch as exc:
+    except (ValueError, OSError) as exc:  # bad data, paths or models: say which, no traceback
         raise SystemExit(f"specd {name}: {exc}") from None
     print(_json.dumps(summary, indent=2))
     return 0

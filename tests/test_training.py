@@ -112,3 +112,28 @@ def test_distill_writes_the_targets_own_replies_and_resumes(tiny_model_dir, data
     prompts = [json.loads(line)["conversations"][0]["value"]
                for line in out.read_text().splitlines()]  # fmt: skip
     assert len(prompts) == len(set(prompts)) == 4
+
+
+def test_distill_resumes_after_a_kill_mid_write(tiny_model_dir, data, tmp_path):
+    from drafter_svc.distill import DistillOptions, distill
+
+    out = tmp_path / "replies.jsonl"
+    opts = DistillOptions(target=str(tiny_model_dir), out=out, conversations=2,
+                          max_new_tokens=6, batch_size=2, data=data)  # fmt: skip
+    distill(opts)
+    whole = out.read_text()
+    out.write_text(whole + whole.splitlines()[0][:20])  # a third record cut off by a kill
+    opts.conversations = 3
+    assert distill(opts)["new_replies"] == 1
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 3 and out.read_text().startswith(whole)
+
+
+def test_distill_refuses_an_out_file_it_did_not_write(tiny_model_dir, data, tmp_path):
+    from drafter_svc.distill import DistillOptions, distill
+
+    out = tmp_path / "other.jsonl"
+    out.write_text('{"a": 1}\n')
+    with pytest.raises(ValueError, match="other.jsonl:1"):
+        distill(DistillOptions(target=str(tiny_model_dir), out=out, conversations=1, data=data))
+    assert out.read_text() == '{"a": 1}\n'
