@@ -1,0 +1,48 @@
+"""Time only the weight products of one target forward (every 2-D parameter, M input rows),
+to see how much of a decode or verify step is BLAS.
+
+    python -m specd.platform exec -- python benchmarks/matmul_chain.py [--rows 1 2 4 8 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from specd.models.load import load_target
+
+
+def median_ms(fn, repeats: int = 7) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * sorted(times)[repeats // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    args = parser.parse_args()
+    weights = [w for _, w in tree_flatten(load_target(args.model, "float32").model.parameters())
+               if w.ndim == 2]  # fmt: skip
+    result = {"products": len(weights), "ms": {}}
+    for rows in args.rows:
+        inputs = {w.shape[1]: mx.ones((rows, w.shape[1])) for w in weights}
+
+        def products(inputs=inputs):
+            for w in weights:
+                mx.eval(inputs[w.shape[1]] @ w.T)  # one at a time, as a forward issues them
+
+        result["ms"][rows] = round(median_ms(products), 1)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
