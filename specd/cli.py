@@ -124,9 +124,9 @@ def _add_serve(sub) -> None:
         "--blas-threads",
         type=int,
         default=0,
-        help="OpenBLAS threads for this drafter (0: the library's default, one per core); on a "
-        "machine shared with the verifier, 1 keeps the drafter's idle BLAS threads from "
-        "spinning on the verifier's cores",
+        help="OpenBLAS threads for this drafter (0: the library's default, one per core); 1 "
+        "keeps its idle BLAS threads off a verifier on the same cores (no gain measured on 2 "
+        "cores, docs/benchmarks.md)",
     )
     d.add_argument("--tree-depth", type=int, help="eagle3: deepest tree path")
     d.add_argument("--tree-top-k", type=int, help="eagle3: children per expanded tree node")
