@@ -100,6 +100,16 @@ class AdaptiveK:
                 best_k, best_rate = k, rate
         return best_k
 
+    def plain_rounds_ahead(self) -> int:
+        """After `choose` gave 0 and no probe: rounds left before the next probe. Acceptance
+        moves only when drafts are tried, so until then k stays 0 (the caller may decode
+        these tokens in one verifier call)."""
+        return max(1, (self.probe_wait or self.probe_every) - self.rounds_without_drafts)
+
+    def observe_plain(self, rounds: int) -> None:
+        """`rounds` tokens decoded in one call, none drafted."""
+        self.rounds_without_drafts += rounds
+
     def observe(self, asked: int, drafted: int, accepted: int) -> None:
         """After a round: `asked` k, `drafted` tokens the drafter gave, `accepted` of them."""
         self.rounds_without_drafts = self.rounds_without_drafts + 1 if asked == 0 else 0

@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specd.cli import positive_int
+
 # --drafter names -> drafter kind; "-tree" variants draft trees, the others chains;
 # dflash-bN drafts blocks of N
 BENCH_DRAFTERS = {"ngram": "ngram", "eagle3": "eagle3", "eagle3-tree": "eagle3",
@@ -58,6 +60,12 @@ def add_bench_args(p) -> None:
         dest="adaptive",
         action="store_false",
         help="draft a fixed k every round instead of adapting it",
+    )
+    p.add_argument(
+        "--decode-burst",
+        type=positive_int,
+        default=4,
+        help="tokens per verifier call when no drafts are wanted (coordinator --decode-burst)",
     )
     p.add_argument(
         "--overlap",
@@ -229,7 +237,11 @@ def in_process_runner(args, name: str):
         k = drafter.proposer.default_draft_tokens if drafter else 0
         adaptive = AdaptiveK(costs, k) if args.adaptive and k else None
         plan = Plan(
-            args.max_tokens, k, common_pb2.SamplingParams(temperature=args.temperature), adaptive
+            args.max_tokens,
+            k,
+            common_pb2.SamplingParams(temperature=args.temperature),
+            adaptive,
+            decode_burst=args.decode_burst,
         )
         stats = RoundStats()
         start = time.perf_counter()
@@ -312,7 +324,8 @@ def run_bench(args) -> int:
                     dtype=args.dtype,
                     drafter_args=_drafter_args(args, d),
                     coordinator_args=([] if args.adaptive else ["--no-adaptive"])
-                    + (["--overlap-drafting"] if args.overlap else []),
+                    + (["--overlap-drafting"] if args.overlap else [])
+                    + ["--decode-burst", str(args.decode_burst)],
                     log_dir=log_dir / d,
                 )
             )
@@ -360,6 +373,7 @@ def _result(args, target, drafter: str, rows: list[dict], memory: dict) -> dict:
         "dtype": target.dtype,
         "max_tokens": args.max_tokens,
         "adaptive": args.adaptive,
+        "decode_burst": args.decode_burst,
         "overlap": args.overlap,
         "temperature": args.temperature,
         "questions": rows,

@@ -76,7 +76,7 @@ class VerifierClient:
         return Opened(r.session_id, r.first_token, r.finished, r.hidden_rows, r.compute_s)
 
     async def verify(
-        self, session_id, position, draft_ids, draft_probs, draft_parents=None
+        self, session_id, position, draft_ids, draft_probs, draft_parents=None, plain_steps=0
     ) -> Verified:
         request = verifier_pb2.VerifyRequest(
             session_id=session_id,
@@ -84,6 +84,7 @@ class VerifierClient:
             draft_ids=draft_ids,
             draft_probs=draft_probs,
             draft_parents=draft_parents or (),
+            plain_steps=plain_steps,
         )
         r = await self._call(self.stub.Verify, request, self.timeout_s)
         return Verified(

@@ -86,12 +86,12 @@ class VerifierPool:
         )
 
     async def verify(
-        self, session_id, position, draft_ids, draft_probs, draft_parents=None
+        self, session_id, position, draft_ids, draft_probs, draft_parents=None, plain_steps=0
     ) -> Verified:
         tracked = self.sessions[session_id]
         try:
             verified = await self.clients[tracked.client].verify(
-                tracked.remote_id, position, draft_ids, draft_probs, draft_parents
+                tracked.remote_id, position, draft_ids, draft_probs, draft_parents, plain_steps
             )
         except UpstreamError as err:
             if not session_lost(err):

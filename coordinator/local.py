@@ -32,12 +32,14 @@ class LocalVerifier:
         )
 
     async def verify(
-        self, session_id, position, draft_ids, draft_probs, draft_parents=None
+        self, session_id, position, draft_ids, draft_probs, draft_parents=None, plain_steps=0
     ) -> Verified:
         session = self.sessions[session_id]
         if position != session.position:
             raise RuntimeError(f"position {position} != session position {session.position}")
-        if draft_parents:
+        if plain_steps > 1:
+            r = self._engine.decode(self.target, session, plain_steps)
+        elif draft_parents:
             r = self._engine.verify_tree(self.target, session, list(draft_ids), draft_parents)
         else:
             r = self._engine.verify(self.target, session, list(draft_ids), draft_probs)

@@ -43,7 +43,13 @@ class Drafted:
 class VerifierPort(Protocol):
     async def open(self, prompt_ids: list[int], capture_layers, sampling) -> Opened: ...
     async def verify(
-        self, session_id: str, position: int, draft_ids, draft_probs, draft_parents=None
+        self,
+        session_id: str,
+        position: int,
+        draft_ids,
+        draft_probs,
+        draft_parents=None,
+        plain_steps: int = 0,
     ) -> Verified: ...
     async def close(self, session_id: str) -> None: ...
 
@@ -75,6 +81,7 @@ class Plan:
     drafter_retry_s: float = 1.0  # after a drafter fault, verify-only rounds this long
     overlap: bool = False  # draft the next block while the verify runs, assuming acceptance
     tree: Any = None  # TreeShape asked of a tree drafter; None: the drafter's default
+    decode_burst: int = 1  # tokens one verify call may decode when no drafts are wanted
 
 
 @dataclass
@@ -237,9 +244,14 @@ async def run_rounds(
                     stats.predrafted_rounds += 1
                 drafted = carried or await link.draft(position, k, plan.sampling, (), plan.tree)
             draft_done = time.perf_counter()
+            steps = _plain_steps(plan, link, k, remaining)
             if plan.overlap and link is not None and drafted.ids:
                 verified = await _verify_and_predraft(
                     verifier, link, opened.session_id, position, drafted, plan.sampling
+                )
+            elif steps > 1:
+                verified = await verifier.verify(
+                    opened.session_id, position, [], None, None, plain_steps=steps
                 )
             else:
                 verified = await verifier.verify(
@@ -250,7 +262,8 @@ async def run_rounds(
             position += len(verified.committed)
             if link is not None:
                 link.commit(verified.committed, verified.rows)
-            stats.rounds += 1
+            forwards = len(verified.committed) if steps > 1 else 1
+            stats.rounds += forwards  # a round is one target forward: tau stays per forward
             stats.drafted += len(drafted.ids)
             stats.accepted += verified.num_accepted
             stats.generated_tokens += len(new)
@@ -258,7 +271,10 @@ async def run_rounds(
             stats.verify_s += verify_done - draft_done
             stats.draft_compute_s += drafted.compute_s
             stats.verify_compute_s += verified.compute_s
-            if plan.adaptive is not None:
+            if plan.adaptive is not None and steps > 1:
+                plan.adaptive.observe_plain(forwards)
+                plan.adaptive.costs.verify.observe(1, (verify_done - draft_done) / forwards)
+            elif plan.adaptive is not None:
                 _learn(
                     plan.adaptive,
                     k,
@@ -283,6 +299,18 @@ async def run_rounds(
         await _close_quietly(verifier, opened.session_id)
         if link is not None:
             await link.close()
+
+
+def _plain_steps(plan: Plan, link: DrafterLink | None, k: int, remaining: int) -> int:
+    """Tokens to decode in one verifier call: more than one only when no drafts are wanted
+    for that long (no drafter, or adaptive k at 0 until its next probe)."""
+    if k > 0 or plan.decode_burst <= 1:
+        return 1
+    if link is None:
+        return min(plan.decode_burst, remaining)
+    if plan.adaptive is None or plan.adaptive.probing:
+        return 1
+    return min(plan.decode_burst, remaining, plan.adaptive.plain_rounds_ahead())
 
 
 async def _verify_and_predraft(

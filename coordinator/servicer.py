@@ -165,7 +165,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             raise InvalidArgument(f"num_draft_tokens must be >= 0, got {request.num_draft_tokens}")
         info = drafter_info
         if info is None:  # no drafter, or it is down: plain decoding through the verifier
-            return Plan(max_tokens=max_tokens, num_draft_tokens=0, sampling=sampling)
+            return Plan(max_tokens, 0, sampling, decode_burst=self._decode_burst())
         k = request.num_draft_tokens if pinned else info.default_draft_tokens
         if k > info.max_draft_tokens:
             raise InvalidArgument(f"num_draft_tokens {k} must be in [0, {info.max_draft_tokens}]")
@@ -198,7 +198,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             adaptive=adaptive,
             overlap=overlap,
             tree=tree,
+            decode_burst=self._decode_burst(),
         )
+
+    def _decode_burst(self) -> int:
+        # the verifier refuses more plain steps per call than drafts per call
+        return max(1, min(self.config.decode_burst, self.verifier_info.max_draft_tokens))
 
     def _check_ready(self) -> None:
         if self.pairing_error:

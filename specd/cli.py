@@ -18,6 +18,13 @@ from specd.security import ClientSecurity, ServerSecurity
 DEFAULT_PORTS = {"coordinator": 50050, "verifier": 50051, "drafter": 50052}
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _add_server_security(p) -> None:
     g = p.add_argument_group("security (for links between hosts)")
     g.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS")
@@ -171,6 +178,14 @@ def _add_serve(sub) -> None:
         action="store_false",
         help="always draft the drafter's default k instead of adapting it per round",
     )
+    c.add_argument(
+        "--decode-burst",
+        type=positive_int,
+        default=4,
+        help="tokens one verifier call may decode when no drafts are wanted (no drafter, or "
+        "adaptive k at 0): fewer round trips; streamed output arrives in chunks of this size. "
+        "1: a call per token",
+    )
 
 
 def _serve(args) -> int:
@@ -234,6 +249,7 @@ def _serve(args) -> int:
             port=args.port,
             default_max_tokens=args.default_max_tokens,
             adaptive=args.adaptive,
+            decode_burst=args.decode_burst,
             verifier_recovery_s=args.verifier_recovery_timeout,
             http_port=args.http_port,
             overlap_drafting=args.overlap_drafting,

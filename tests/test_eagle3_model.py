@@ -209,4 +209,3 @@ def test_tree_nodes_match_a_plain_chain_along_each_path():
         best = int(mx.argmax(head.logits(hidden)).item())
         best_target = int(best + np.array(head.d2t)[best])
         assert ids[children[0]] == best_target
-

@@ -7,7 +7,8 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from specd.models.load import load_target
-from verifier_svc.engine import Target, prefill, verify
+from verifier_svc.engine import Target, decode, prefill, verify
+from verifier_svc.sampling import SamplingConfig
 
 PROMPT = [3, 40, 41, 42, 43, 40, 41, 42, 50, 60, 70]
 
@@ -101,3 +102,45 @@ def test_failed_round_leaves_session_unchanged(target, monkeypatch):
     with pytest.raises(RuntimeError):
         verify(target, session, [1, 2, 3])
     assert (session.cache[0].offset, session.position) == (offset, position)
+
+
+def test_decode_bursts_equal_plain_greedy_and_keep_rows(target):
+    layers = (0, 1)
+    n = 40
+    reference = plain_greedy(target, PROMPT, n)
+    result = prefill(target, PROMPT, capture=layers, rows_dtype=mx.float32)
+    session, out, rows = result.session, [result.first_token], [result.rows]
+    for steps in [1, 3, 8, 2, 5, 16, 16]:
+        r = decode(target, session, steps)
+        assert len(r.committed) == steps or r.finished
+        assert r.num_accepted == 0 and r.rows.shape[0] == len(r.committed)
+        assert session.cache[0].offset == session.position - 1
+        out += r.committed
+        rows.append(r.rows)
+        if r.finished:
+            break
+    assert out[: len(reference)] == reference[: len(out)]
+    got = mx.concatenate(rows, axis=0)
+    _, full = target.forward(mx.array((PROMPT + out)[: got.shape[0]]), target.new_cache(), layers)
+    assert mx.allclose(got, full, atol=1e-4).item()
+
+
+def test_decode_stops_after_eos_and_drops_the_queued_forward(tiny_model_dir):
+    target = Target(load_target(str(tiny_model_dir), dtype="float32"))
+    reference = plain_greedy(target, PROMPT, 30)
+    stop = next(i for i in range(4, 30) if reference[i] not in reference[:i])
+    target.eos_ids = frozenset({reference[stop]})
+    session = prefill(target, PROMPT).session
+    r = decode(target, session, 25)
+    assert r.committed == reference[1 : stop + 1]
+    assert r.finished and session.finished
+    assert session.cache[0].offset == session.position - 1 == len(PROMPT) + stop
+
+
+def test_seeded_sampling_decode_equals_one_token_rounds(target):
+    config = SamplingConfig(temperature=1.0)
+    one = prefill(target, PROMPT, sampling=config, seed=7).session
+    burst = prefill(target, PROMPT, sampling=config, seed=7).session
+    by_one = [t for _ in range(12) for t in verify(target, one, []).committed]
+    by_burst = decode(target, burst, 5).committed + decode(target, burst, 7).committed
+    assert by_burst == by_one

@@ -162,3 +162,50 @@ def test_overlap_drafts_the_next_block_during_verify(target):
     ngram = LocalDrafter(NgramProposer(NgramConfig(min_n=1)))
     out, _ = collect(verifier, ngram, prompt, Plan(60, 4, overlap=True))
     assert out == plain
+
+
+class CountingVerifier(LocalVerifier):
+    """Records the plain_steps of every verify call."""
+
+    def __init__(self, target):
+        super().__init__(target)
+        self.calls = []
+
+    async def verify(self, session_id, position, draft_ids, draft_probs, draft_parents=None,
+                     plain_steps=0):  # fmt: skip
+        self.calls.append((len(draft_ids), plain_steps))
+        return await super().verify(
+            session_id, position, draft_ids, draft_probs, draft_parents, plain_steps
+        )
+
+
+@pytest.mark.parametrize("burst", [1, 3, 8])
+def test_decode_bursts_without_a_drafter_equal_plain_rounds(target, burst):
+    plain, _ = collect(LocalVerifier(target), None, PROMPTS[0], Plan(41, 0))
+    verifier = CountingVerifier(target)
+    out, stats = collect(verifier, None, PROMPTS[0], Plan(41, 0, decode_burst=burst))
+    assert out == plain
+    assert stats.rounds == len(out) - 1  # a round per target forward, bursts included
+    assert len(verifier.calls) == -(-(len(out) - 1) // burst)  # ceil: the last may be short
+    assert all(steps <= burst for _, steps in verifier.calls)
+
+
+def test_adaptive_bursts_stop_at_each_probe(target):
+    plain, _ = collect(LocalVerifier(target), None, PROMPTS[2], Plan(90, 0))
+    garbage = LocalDrafter(GarbageProposer(target.identity.vocab_size))
+    adaptive = AdaptiveK(SpeculationCosts(), k_max=4, probe_every=8, probe_every_max=16)
+    verifier = CountingVerifier(target)
+    out, stats = collect(verifier, garbage, PROMPTS[2], Plan(90, 4, adaptive=adaptive,
+                                                             decode_burst=5))  # fmt: skip
+    assert out == plain
+    assert any(steps > 1 for _, steps in verifier.calls)
+    # plain tokens between two drafting rounds: exactly the probe wait (8, doubling to 16)
+    runs, plain_run = [], 0
+    for drafts, steps in verifier.calls:
+        if drafts:
+            runs.append(plain_run)
+            plain_run = 0
+        else:
+            plain_run += max(steps, 1)
+    waits = [r for r in runs if r]
+    assert waits[:3] == [8, 16, 16], runs

@@ -172,6 +172,37 @@ def test_verifier_rejects_bad_input_and_keeps_serving(verifier_stub, plain):
     verifier_stub.CloseSession(common_pb2.CloseSessionRequest(session_id=sid), timeout=30)
 
 
+def test_verifier_plain_steps_decode_in_one_call(verifier_stub, plain):
+    prompt = [5, 6, 7, 8]
+    expected = plain_decode(plain.model, prompt, 13, set(plain.identity.eos_token_ids)).token_ids
+    opened = verifier_stub.OpenSession(
+        verifier_pb2.OpenSessionRequest(prompt_ids=prompt, capture_layers=[0]), timeout=30
+    )
+    sid, position = opened.session_id, opened.position
+
+    def verify(**fields):
+        return verifier_pb2.VerifyRequest(session_id=sid, position=position, **fields)
+
+    for bad in (
+        verify(plain_steps=-1),
+        verify(plain_steps=1000),
+        verify(plain_steps=3, draft_ids=[1]),
+    ):
+        code, msg = code_of(verifier_stub.Verify, bad)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "plain_steps" in msg
+    got = [opened.first_token]
+    for steps in (4, 8):
+        r = verifier_stub.Verify(verify(plain_steps=steps), timeout=30)
+        assert r.position == position + len(r.committed_ids)
+        assert wire.decode(r.hidden_rows).shape[0] == len(r.committed_ids)
+        got += r.committed_ids
+        position = r.position
+        if r.finished:
+            break
+    assert got == expected[: len(got)] and (len(got) == 13 or r.finished)
+    verifier_stub.CloseSession(common_pb2.CloseSessionRequest(session_id=sid), timeout=30)
+
+
 def test_drafter_rejects_malformed_arrays(drafter_stub):
     sid = drafter_stub.OpenSession(
         drafter_pb2.DraftOpenRequest(context_ids=[1, 2, 3]), timeout=30

@@ -202,6 +202,68 @@ def verify(
     return _committed(session, acceptance, rows, start)
 
 
+def decode(target: Target, session: Session, steps: int) -> VerifyResult:
+    """Commit up to `steps` tokens by plain decoding, stopping after an EOS.
+
+    Greedy sessions queue each next forward before reading the current token, as mlx-lm's
+    decode loop does, so graph building overlaps compute; the same forwards and argmax keep
+    the output identical to `steps` verify rounds with no drafts.
+    """
+    if steps <= 1 or session.rng is not None:
+        results = []
+        for _ in range(max(steps, 1)):
+            results.append(verify(target, session, []))
+            if session.finished:
+                break
+        return _merged(results)
+    start = time.perf_counter()
+    base = session.position - 1
+    committed: list[int] = []
+    row_parts = []
+
+    def queue(token: mx.array):
+        logits, rows = target.forward(token, session.cache, session.capture)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        nxt = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+        mx.async_eval(nxt, *([rows] if rows is not None else []))
+        return nxt, rows
+
+    try:
+        nxt, rows = queue(mx.array([session.last_token], dtype=mx.int32))
+        while True:
+            following = queue(nxt) if len(committed) + 1 < steps else None
+            token = nxt.item()
+            committed.append(token)
+            if rows is not None:
+                row_parts.append(rows)
+            if token in target.eos_ids or following is None:
+                break
+            nxt, rows = following
+        _rollback(session.cache, base + len(committed))  # a forward queued past an EOS
+        all_rows = None
+        if row_parts:
+            all_rows = mx.concatenate(row_parts, axis=0).astype(session.rows_dtype)
+            mx.eval(all_rows)
+    except BaseException:
+        _rollback(session.cache, base)
+        raise
+    session.position += len(committed)
+    session.last_token = committed[-1]
+    session.finished = committed[-1] in target.eos_ids
+    return VerifyResult(committed, 0, session.finished, all_rows, time.perf_counter() - start)
+
+
+def _merged(results: list[VerifyResult]) -> VerifyResult:
+    rows = [r.rows for r in results if r.rows is not None]
+    return VerifyResult(
+        [t for r in results for t in r.committed],
+        sum(r.num_accepted for r in results),
+        results[-1].finished,
+        mx.concatenate(rows, axis=0) if rows else None,
+        sum(r.compute_s for r in results),
+    )
+
+
 def _committed(session: Session, acceptance, rows, start: float) -> VerifyResult:
     """Advance the session past the committed tokens and report the round."""
     session.position += len(acceptance.committed)

@@ -22,7 +22,15 @@ from specd.service import (
 )
 from specd.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_svc.config import VerifierConfig
-from verifier_svc.engine import Session, Target, TreeUnsupported, prefill, verify, verify_tree
+from verifier_svc.engine import (
+    Session,
+    Target,
+    TreeUnsupported,
+    decode,
+    prefill,
+    verify,
+    verify_tree,
+)
 from verifier_svc.sampling import SamplingConfig
 from verifier_svc.tree import check_parents
 
@@ -170,9 +178,18 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 parents = check_parents(list(request.draft_parents), len(drafts))
             except ValueError as exc:
                 raise InvalidArgument(str(exc)) from None
+        steps = request.plain_steps
+        if steps < 0 or steps > self.config.max_draft_tokens:
+            raise InvalidArgument(
+                f"plain_steps {steps} must be in [0, {self.config.max_draft_tokens}] "
+                "(the limit is --max-draft-tokens)"
+            )
+        if steps > 1 and drafts:
+            raise InvalidArgument("plain_steps > 1 takes no drafts: send them in their own call")
         result = await self.mlx.run(
-            self._verify_in_order, target, session, request.position, drafts, probs, parents
-        )
+            self._verify_in_order, target, session, request.position, drafts, probs, parents,
+            steps,
+        )  # fmt: skip
         return verifier_pb2.VerifyResponse(
             committed_ids=result.committed,
             num_accepted=result.num_accepted,
@@ -183,8 +200,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         )
 
     def _verify_in_order(
-        self, target: Target, session: Session, position: int, drafts, probs, parents=None
-    ):
+        self, target: Target, session: Session, position: int, drafts, probs, parents=None,
+        plain_steps: int = 0,
+    ):  # fmt: skip
         # checked on the MLX thread, so two calls for one session cannot both pass
         if session.finished:
             raise FailedPrecondition("session is finished (EOS committed); close it")
@@ -195,6 +213,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
         if session.position + len(drafts) > self.max_context:
             raise ResourceExhausted(f"context would exceed the limit of {self.max_context} tokens")
+        if plain_steps > 1:  # as many as fit in the context; at least one passed the check above
+            fits = self.max_context - session.position + 1
+            return decode(target, session, min(plain_steps, fits))
         if parents is None:
             return verify(target, session, drafts, probs)
         try:

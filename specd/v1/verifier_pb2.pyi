@@ -69,18 +69,20 @@ class OpenSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., first_token: _Optional[int] = ..., finished: _Optional[bool] = ..., hidden_rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., position: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "position", "draft_ids", "draft_probs", "draft_parents")
+    __slots__ = ("session_id", "position", "draft_ids", "draft_probs", "draft_parents", "plain_steps")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     position: int
     draft_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _common_pb2.Tensor
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    plain_steps: int
+    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., plain_steps: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("committed_ids", "num_accepted", "finished", "hidden_rows", "position", "compute_s")
