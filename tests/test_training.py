@@ -137,3 +137,52 @@ def test_distill_refuses_an_out_file_it_did_not_write(tiny_model_dir, data, tmp_
     with pytest.raises(ValueError, match="other.jsonl:1"):
         distill(DistillOptions(target=str(tiny_model_dir), out=out, conversations=1, data=data))
     assert out.read_text() == '{"a": 1}\n'
+
+
+def test_features_reuse_a_smaller_cache_and_a_partial_run(tiny_model_dir, data, tmp_path,
+                                                         monkeypatch):  # fmt: skip
+    from drafter_svc.eagle3 import train as eagle3_train
+    from specd.models.load import load_target
+
+    loaded = load_target(str(tiny_model_dir), "float32")
+    cache = tmp_path / "features"
+
+    def features(n):
+        opts = TrainOptions(target=str(tiny_model_dir), out=tmp_path, conversations=n,
+                            max_len=64, data=data, cache_dir=cache)  # fmt: skip
+        return eagle3_train.prepare_features(opts, loaded, (0, 1))
+
+    computed = []
+    real = eagle3_train.TargetFeatures.__call__
+    monkeypatch.setattr(eagle3_train.TargetFeatures, "__call__",
+                        lambda self, ex: computed.append(1) or real(self, ex))  # fmt: skip
+    small = features(2)
+    assert len(computed) == 2
+    full = features(6)
+    assert len(computed) == 6  # the first two came from the n=2 cache
+    for a, b in zip(small, full, strict=False):
+        assert (a.ids == b.ids).all() and (a.rows == b.rows).all()
+
+    # a run cut off after a partial save resumes from it
+    monkeypatch.setattr(eagle3_train, "FEATURE_SAVE_EVERY", 2)
+    for f in cache.glob("*.npz"):
+        f.unlink()
+    calls = {"n": 0}
+
+    def dies_after_three(self, ex):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise KeyboardInterrupt
+        return real(self, ex)
+
+    monkeypatch.setattr(eagle3_train.TargetFeatures, "__call__", dies_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        features(6)
+    assert len(list(cache.glob("*.partial.npz"))) == 1
+    computed.clear()
+    monkeypatch.setattr(eagle3_train.TargetFeatures, "__call__",
+                        lambda self, ex: computed.append(1) or real(self, ex))  # fmt: skip
+    again = features(6)
+    assert len(computed) == 4  # two were saved before the cut
+    assert not list(cache.glob("*.partial.npz"))
+    assert all((a.ids == b.ids).all() and (a.lse == b.lse).all() for a, b in zip(again, full))

@@ -273,13 +273,22 @@ def read_conversations(path: Path | None) -> list[dict]:
     return records
 
 
+FEATURE_SAVE_EVERY = 300  # conversations between partial saves: a kill loses at most these
+
+
 def prepare_features(opts: TrainOptions, loaded, capture) -> list[Features]:
+    """Target features of the first `conversations` examples, cached in the cache dir.
+
+    The examples are a prefix-stable selection (shuffle by seed, then the first n usable), so
+    a cache of fewer conversations with the same settings is reused and only the rest is
+    computed; progress is saved every FEATURE_SAVE_EVERY conversations and resumed.
+    """
     cache_dir = opts.cache_dir or (opts.out / "features")
     cache_dir.mkdir(parents=True, exist_ok=True)
     layers = "_".join(map(str, capture))
     source = "" if opts.data is None else f"-{Path(opts.data).stem}"
-    key = f"n{opts.conversations}-len{opts.max_len}-seed{opts.seed}-layers{layers}{source}"
-    path = cache_dir / f"{key}.npz"
+    suffix = f"-len{opts.max_len}-seed{opts.seed}-layers{layers}{source}"
+    path = cache_dir / f"n{opts.conversations}{suffix}.npz"
     if path.is_file():
         print(f"features: {path} (cached)", file=sys.stderr)
         return load_features(path)
@@ -290,18 +299,40 @@ def prepare_features(opts: TrainOptions, loaded, capture) -> list[Features]:
     )  # fmt: skip
     if not examples:
         raise ValueError("no usable conversations (need user turns followed by assistant turns)")
+    partial = cache_dir / f"n{opts.conversations}{suffix}.partial.npz"
+    feats = _cached_prefix(cache_dir, suffix, partial, examples)
     extractor = TargetFeatures(loaded.model, capture)
-    feats, started = [], time.perf_counter()
-    tokens = 0
-    for i, ex in enumerate(examples, 1):
-        feats.append(extractor(ex))
-        tokens += len(ex.ids)
+    started, tokens = time.perf_counter(), 0
+    for i in range(len(feats), len(examples)):
+        feats.append(extractor(examples[i]))
+        tokens += len(examples[i].ids)
         rate = tokens / (time.perf_counter() - started)
-        sys.stderr.write(f"\rtarget features {i}/{len(examples)}  {tokens} tokens  "
+        sys.stderr.write(f"\rtarget features {i + 1}/{len(examples)}  {tokens} tokens  "
                          f"{rate:.0f} tok/s   ")  # fmt: skip
+        if (i + 1) % FEATURE_SAVE_EVERY == 0 and i + 1 < len(examples):
+            save_features(partial, feats)
     sys.stderr.write("\n")
     save_features(path, feats)
+    partial.unlink(missing_ok=True)
     return feats
+
+
+def _cached_prefix(cache_dir: Path, suffix: str, partial: Path, examples) -> list[Features]:
+    """The longest cached run of features that are the first examples of this selection."""
+    candidates = [partial] if partial.is_file() else []
+    for f in cache_dir.glob(f"n*{suffix}.npz"):
+        count = f.name[1 : -len(suffix) - 4]
+        if count.isdigit() and int(count) < len(examples):
+            candidates.append(f)
+    best: list[Features] = []
+    for f in candidates:
+        feats = load_features(f)
+        if len(best) < len(feats) <= len(examples) and all(
+            np.array_equal(a.ids, ex.ids) for a, ex in zip(feats, examples, strict=False)
+        ):
+            best = feats
+            print(f"features: reusing {len(feats)} conversations from {f}", file=sys.stderr)
+    return best
 
 
 def train(opts: TrainOptions) -> dict:
