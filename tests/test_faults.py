@@ -140,31 +140,35 @@ def test_hung_drafter_times_out_and_drafting_resumes(tiny_model_dir, tmp_path):
 
 def test_another_verifier_takes_over(tmp_path):
     """--verifier A,B: A dies mid-generation and B carries the session on."""
-    # a long generation (no EOS in reach): without drafts a tiny target can finish 600 tokens
-    # before the kill lands on a busy machine, and then nothing fails over
+    # a long generation (no EOS in reach), so the kill lands mid-request
     tiny_model_dir = make_tiny_model_dir(
         tmp_path / "long", max_positions=16384, eos_token="<|im_start|>"
     )
     tokens = 3000
     first = spawn("verifier", ["--model", str(tiny_model_dir)], log_dir=tmp_path / "a")
     second = spawn("verifier", ["--model", str(tiny_model_dir)], log_dir=tmp_path / "b")
-    coordinator = spawn(
-        "coordinator",
-        ["--verifier", f"{first.address},{second.address}", "--drafter", "none"],
-        log_dir=tmp_path,
-    )
+    coordinator = None
     try:
-        for service in (first, second, coordinator):
+        # both verifiers up before the coordinator connects, so it picks the first one
+        for service in (first, second):
             service.wait_healthy(120)
+        coordinator = spawn(
+            "coordinator",
+            ["--verifier", f"{first.address},{second.address}", "--drafter", "none"],
+            log_dir=tmp_path,
+        )
+        coordinator.wait_healthy(120)
         client = CoordinatorClient(coordinator.address)
         reference = client.generate(make_request(prompt=PROMPT, max_tokens=tokens)).token_ids
+        assert client.info().verifier_address == first.address
         ids, stats = generate_with_fault(client, first.kill, prompt=PROMPT, max_tokens=tokens)
         assert ids == reference and stats.generated_tokens == len(reference) == tokens
         assert "lost the session" in coordinator.log_path.read_text()
         assert client.info().verifier_address == second.address
     finally:
         for service in (coordinator, second, first):
-            service.stop()
+            if service is not None:
+                service.stop()
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
