@@ -53,24 +53,52 @@ def check_target(what: str, weights: Path, cfg, layers, target_identity) -> None
         )
 
 
-def save_training_state(directory: Path, model, optimizer, step: int) -> None:
+# options that may change between sittings of one run; any other change makes another run
+RESUMABLE_CHANGES = frozenset(
+    {"out", "epochs", "lr", "warmup", "grad_clip", "save_every", "resume", "cache_dir", "fmt"}
+)
+
+
+def run_identity(options) -> dict[str, str]:
+    """What makes a training run itself: its options, less those a resume may change."""
+    return {
+        name: str(getattr(options, name))
+        for name in options.__dataclass_fields__
+        if name not in RESUMABLE_CHANGES
+    }
+
+
+def save_training_state(directory: Path, model, optimizer, step: int, run: dict) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(directory / "model.safetensors"),
                         dict(tree_flatten(model.parameters())))  # fmt: skip
     state = {k: v for k, v in tree_flatten(optimizer.state) if isinstance(v, mx.array)}
     mx.save_safetensors(str(directory / "optimizer.safetensors"), state)
-    (directory / "state.json").write_text(json.dumps({"step": step}))
+    (directory / "state.json").write_text(json.dumps({"step": step, "run": run}))
 
 
-def load_training_state(directory: Path, model, optimizer) -> int | None:
-    """The step to go on from, or None when there is no checkpoint."""
+def load_training_state(directory: Path, model, optimizer, run: dict) -> int | None:
+    """The step to go on from, or None when there is no checkpoint. A checkpoint of another
+    run (other data, settings or starting model) is refused rather than silently continued."""
     if not (directory / "state.json").is_file():
         return None
+    saved = json.loads((directory / "state.json").read_text())
+    before = saved.get("run")  # absent in checkpoints written before runs were recorded
+    if before is not None and before != run:
+        changed = ", ".join(
+            f"{k} {before.get(k)} -> {run.get(k)}"
+            for k in sorted(set(before) | set(run))
+            if before.get(k) != run.get(k)
+        )
+        raise ValueError(
+            f"{directory} belongs to another training run ({changed}); pass --no-resume to "
+            "start over, or choose another --out"
+        )
     model.load_weights(list(mx.load(str(directory / "model.safetensors")).items()))
     optimizer.state = tree_unflatten(
         list(mx.load(str(directory / "optimizer.safetensors")).items())
     )
-    return json.loads((directory / "state.json").read_text())["step"]
+    return saved["step"]
 
 
 def make_optimizer(lr: float, warmup: int, total_steps: int) -> optim.Optimizer:

@@ -189,3 +189,14 @@ def test_features_reuse_a_smaller_cache_and_a_partial_run(tiny_model_dir, data, 
     assert all(
         (a.ids == b.ids).all() and (a.lse == b.lse).all() for a, b in zip(again, full, strict=True)
     )
+
+
+def test_a_checkpoint_of_another_run_is_refused(tiny_model_dir, data, tmp_path):
+    out = tmp_path / "head"
+    common = dict(target=str(tiny_model_dir), out=out, max_len=64, draft_vocab=100,
+                  save_every=2, warmup=2, data=data, epochs=1)  # fmt: skip
+    train_eagle3(TrainOptions(**common, conversations=6))
+    with pytest.raises(ValueError, match=r"another training run \(conversations 6 -> 4\)"):
+        train_eagle3(TrainOptions(**common, conversations=4))
+    fresh = train_eagle3(TrainOptions(**common, conversations=4, resume=False))
+    assert fresh["steps"] == 4

@@ -22,7 +22,12 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from drafter_svc.checkpoints import load_training_state, make_optimizer, save_training_state
+from drafter_svc.checkpoints import (
+    load_training_state,
+    make_optimizer,
+    run_identity,
+    save_training_state,
+)
 from drafter_svc.dflash.model import DFlashConfig, DFlashDrafter, load_drafter, save_drafter
 from drafter_svc.eagle3.data import Features, embedding_matrix, head_matrix
 from drafter_svc.eagle3.model import default_capture_layers
@@ -154,6 +159,7 @@ def dflash_loss(model, emb, head, f_rows, anchors, block_ids, target_p, weights)
 class DFlashTrainer:
     def __init__(self, opts: DFlashOptions, loaded, feats: list[Features], layer_ids):
         self.opts = opts
+        self.run = run_identity(opts)
         self.feats = feats
         model_t = loaded.model
         self.emb = embedding_matrix(model_t).astype(mx.float32)
@@ -217,10 +223,10 @@ class DFlashTrainer:
         return float(loss), float(1 + run.mean())
 
     def save_checkpoint(self, directory: Path) -> None:
-        save_training_state(directory, self.model, self.optimizer, self.step)
+        save_training_state(directory, self.model, self.optimizer, self.step, self.run)
 
     def load_checkpoint(self, directory: Path) -> bool:
-        step = load_training_state(directory, self.model, self.optimizer)
+        step = load_training_state(directory, self.model, self.optimizer, self.run)
         if step is not None:
             self.step = step
         return step is not None

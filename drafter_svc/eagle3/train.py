@@ -23,7 +23,12 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from drafter_svc.checkpoints import load_training_state, make_optimizer, save_training_state
+from drafter_svc.checkpoints import (
+    load_training_state,
+    make_optimizer,
+    run_identity,
+    save_training_state,
+)
 from drafter_svc.eagle3.data import (
     Features,
     TargetFeatures,
@@ -157,6 +162,7 @@ def ttt_loss(head, emb_next, rows, target_logp, valid, steps: int, decay: float)
 class Trainer:
     def __init__(self, opts: TrainOptions, loaded, feats: list[Features]):
         self.opts = opts
+        self.run = run_identity(opts)
         self.loaded = loaded
         self.feats = feats
         model = loaded.model
@@ -236,10 +242,10 @@ class Trainer:
 
     # --------------------------------------------------------- checkpoints
     def save_checkpoint(self, directory: Path) -> None:
-        save_training_state(directory, self.head, self.optimizer, self.step)
+        save_training_state(directory, self.head, self.optimizer, self.step, self.run)
 
     def load_checkpoint(self, directory: Path) -> bool:
-        step = load_training_state(directory, self.head, self.optimizer)
+        step = load_training_state(directory, self.head, self.optimizer, self.run)
         if step is not None:
             self.step = step
         return step is not None
