@@ -144,3 +144,27 @@ def test_seeded_sampling_decode_equals_one_token_rounds(target):
     by_one = [t for _ in range(12) for t in verify(target, one, []).committed]
     by_burst = decode(target, burst, 5).committed + decode(target, burst, 7).committed
     assert by_burst == by_one
+
+
+def test_a_failing_sampled_burst_leaves_the_session_as_it_was(target, monkeypatch):
+    import verifier_svc.engine as engine
+
+    config = SamplingConfig(temperature=1.0)
+    session = prefill(target, PROMPT, sampling=config, seed=3).session
+    before = (session.cache[0].offset, session.position, session.last_token)
+    real, calls = engine.verify, {"n": 0}
+
+    def fails_third(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated failure inside a burst")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "verify", fails_third)
+    with pytest.raises(RuntimeError):
+        decode(target, session, 5)
+    assert (session.cache[0].offset, session.position, session.last_token) == before
+    monkeypatch.setattr(engine, "verify", real)
+    retried = decode(target, session, 5).committed
+    fresh = prefill(target, PROMPT, sampling=config, seed=3).session
+    assert retried == decode(target, fresh, 5).committed  # the same draws as if never tried

@@ -210,11 +210,21 @@ def decode(target: Target, session: Session, steps: int) -> VerifyResult:
     the output identical to `steps` verify rounds with no drafts.
     """
     if steps <= 1 or session.rng is not None:
+        # all or nothing, like one round: a failure leaves the session (and its draws) as it was
+        saved = (session.position, session.last_token, session.finished)
+        draws = session.rng.bit_generator.state if session.rng is not None else None
         results = []
-        for _ in range(max(steps, 1)):
-            results.append(verify(target, session, []))
-            if session.finished:
-                break
+        try:
+            for _ in range(max(steps, 1)):
+                results.append(verify(target, session, []))
+                if session.finished:
+                    break
+        except BaseException:
+            _rollback(session.cache, saved[0] - 1)
+            session.position, session.last_token, session.finished = saved
+            if draws is not None:
+                session.rng.bit_generator.state = draws
+            raise
         return _merged(results)
     start = time.perf_counter()
     base = session.position - 1
