@@ -109,10 +109,14 @@ class VerifyResult:
     compute_s: float
 
 
-def _greedy_ids(logits: mx.array) -> list[int]:
+def _greedy_next(logits: mx.array) -> mx.array:
     # argmax of log-probs, as mlx-lm's greedy sampler takes it, so ties break identically
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return mx.argmax(logprobs, axis=-1).tolist()
+    return mx.argmax(logprobs, axis=-1).astype(mx.int32)
+
+
+def _greedy_ids(logits: mx.array) -> list[int]:
+    return _greedy_next(logits).tolist()
 
 
 def _cache_len(cache: list) -> int:
@@ -233,8 +237,7 @@ def decode(target: Target, session: Session, steps: int) -> VerifyResult:
 
     def queue(token: mx.array):
         logits, rows = target.forward(token, session.cache, session.capture)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        nxt = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+        nxt = _greedy_next(logits)
         mx.async_eval(nxt, *([rows] if rows is not None else []))
         return nxt, rows
 

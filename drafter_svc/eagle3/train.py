@@ -324,21 +324,21 @@ def prepare_features(opts: TrainOptions, loaded, capture) -> list[Features]:
 
 
 def _cached_prefix(cache_dir: Path, suffix: str, partial: Path, examples) -> list[Features]:
-    """The longest cached run of features that are the first examples of this selection."""
+    """The longest cached run of features that are the first examples of this selection
+    (largest file first, so at most the one that fits is read in full)."""
     candidates = [partial] if partial.is_file() else []
     for f in cache_dir.glob(f"n*{suffix}.npz"):
         count = f.name[1 : -len(suffix) - 4]
         if count.isdigit() and int(count) < len(examples):
             candidates.append(f)
-    best: list[Features] = []
-    for f in candidates:
+    for f in sorted(candidates, key=lambda f: f.stat().st_size, reverse=True):
         feats = load_features(f)
-        if len(best) < len(feats) <= len(examples) and all(
+        if len(feats) <= len(examples) and all(
             np.array_equal(a.ids, ex.ids) for a, ex in zip(feats, examples, strict=False)
         ):
-            best = feats
             print(f"features: reusing {len(feats)} conversations from {f}", file=sys.stderr)
-    return best
+            return feats
+    return []
 
 
 def train(opts: TrainOptions) -> dict:
