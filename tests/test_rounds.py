@@ -190,7 +190,11 @@ def test_decode_bursts_without_a_drafter_equal_plain_rounds(target, burst):
     assert all(steps <= burst for _, steps in verifier.calls)
 
 
-def test_adaptive_bursts_stop_at_each_probe(target):
+def test_adaptive_bursts_stop_at_each_probe(target, monkeypatch):
+    # adaptive k reads measured costs: a fake clock (each reading 10 ms later) makes the
+    # choices, and so the probe waits, the same on any machine
+    ticks = iter(range(10**9))
+    monkeypatch.setattr("coordinator.rounds.time.perf_counter", lambda: next(ticks) * 0.01)
     plain, _ = collect(LocalVerifier(target), None, PROMPTS[2], Plan(90, 0))
     garbage = LocalDrafter(GarbageProposer(target.identity.vocab_size))
     adaptive = AdaptiveK(SpeculationCosts(), k_max=4, probe_every=8, probe_every_max=16)
