@@ -13,16 +13,29 @@ from pathlib import Path
 from specd.cli import positive_int
 
 # --drafter names -> drafter kind; "-tree" variants draft trees, the others chains;
-# dflash-bN drafts blocks of N
+# dflash-bN drafts blocks of N; any name but none ending in -kN drafts k = N every round
 BENCH_DRAFTERS = {"ngram": "ngram", "eagle3": "eagle3", "eagle3-tree": "eagle3",
                   "dflash": "dflash", "none": None}  # fmt: skip
 
 
+def pinned_k(name: str) -> tuple[str, int | None]:
+    """("eagle3", 2) for "eagle3-k2": the variant with adaptive k off and k pinned at 2."""
+    base, sep, k = name.rpartition("-k")
+    if sep and k.isdigit() and int(k) > 0 and base != "none":
+        return base, int(k)
+    return name, None
+
+
 def bench_kind(name: str) -> str | None:
     """Drafter kind of a --drafter name; KeyError for unknown names."""
+    name, _ = pinned_k(name)
     if name.startswith("dflash-b") and name[len("dflash-b") :].isdigit():
         return "dflash"
     return BENCH_DRAFTERS[name]
+
+
+def adaptive_for(args, name: str) -> bool:
+    return args.adaptive and pinned_k(name)[1] is None
 
 
 def add_bench_args(p) -> None:
@@ -35,8 +48,8 @@ def add_bench_args(p) -> None:
         "--drafter",
         default="ngram",
         help="comma-separated: ngram, eagle3 (chains), eagle3-tree, dflash, dflash-bN (blocks "
-        "of N), none (the services without drafting: what the split costs); all run side by "
-        "side",
+        "of N), none (the services without drafting: what the split costs); a -kN suffix "
+        "(eagle3-k2) drafts k = N every round, adaptive k off; all run side by side",
     )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -131,8 +144,8 @@ def summarize(rows: list[dict]) -> dict:
     rounds = sum(r["rounds"] for r in rows)
     accepted = sum(r["accepted"] for r in rows)
     split = {
-        k: 1000 * sum(r[k] for r in rows) / max(rounds, 1)
-        for k in ("draft_s", "verify_s", "coordinator_s")
+        k: 1000 * sum(r.get(k, 0.0) for r in rows) / max(rounds, 1)
+        for k in ("draft_s", "verify_s", "coordinator_s", "draft_compute_s", "verify_compute_s")
     }
     return {
         "speedup": base / spec if spec else 0.0,
@@ -175,6 +188,7 @@ def _known(name: str) -> bool:
 
 def _variant_options(args, name: str) -> dict:
     """Options of bench drafter `name` as `specd serve drafter` flags take them."""
+    name, _ = pinned_k(name)  # the request pins k (see run_bench)
     tree = name.endswith("-tree")
     return {
         "num_draft_tokens": args.num_draft_tokens,
@@ -234,8 +248,8 @@ def in_process_runner(args, name: str):
             pass
 
     def run(prompt_ids) -> tuple[float, RoundStats]:
-        k = drafter.proposer.default_draft_tokens if drafter else 0
-        adaptive = AdaptiveK(costs, k) if args.adaptive and k else None
+        k = (pinned_k(name)[1] or drafter.proposer.default_draft_tokens) if drafter else 0
+        adaptive = AdaptiveK(costs, k) if adaptive_for(args, name) and k else None
         plan = Plan(
             args.max_tokens,
             k,
@@ -272,6 +286,8 @@ def _spec_row(question, base: Baseline, spec, spec_s: float, temperature: float)
                 "verify_s",
                 "coordinator_s",
                 "prefill_s",
+                "draft_compute_s",
+                "verify_compute_s",
             )
         },
     }
@@ -323,7 +339,7 @@ def run_bench(args) -> int:
                     drafter=bench_kind(d),
                     dtype=args.dtype,
                     drafter_args=_drafter_args(args, d),
-                    coordinator_args=([] if args.adaptive else ["--no-adaptive"])
+                    coordinator_args=([] if adaptive_for(args, d) else ["--no-adaptive"])
                     + (["--overlap-drafting"] if args.overlap else [])
                     + ["--decode-burst", str(args.decode_burst)],
                     log_dir=log_dir / d,
@@ -341,7 +357,10 @@ def run_bench(args) -> int:
             line = [f"[{i + 1}/{len(questions)}] {question.category:<12}"]
             for d in drafters:
                 request = make_request(
-                    prompt_ids=prompt_ids, max_tokens=args.max_tokens, temperature=args.temperature
+                    prompt_ids=prompt_ids,
+                    max_tokens=args.max_tokens,
+                    temperature=args.temperature,
+                    num_draft_tokens=pinned_k(d)[1],
                 )
                 start = time.perf_counter()
                 spec = clients[d].generate(request)
@@ -372,7 +391,7 @@ def _result(args, target, drafter: str, rows: list[dict], memory: dict) -> dict:
         "drafter": drafter,
         "dtype": target.dtype,
         "max_tokens": args.max_tokens,
-        "adaptive": args.adaptive,
+        "adaptive": adaptive_for(args, drafter),
         "decode_burst": args.decode_burst,
         "overlap": args.overlap,
         "temperature": args.temperature,
@@ -467,7 +486,8 @@ def format_table(result: dict) -> str:
         lines.append(f"split vs in-process: {ratio:.3f} (1.0 = the three processes cost nothing)")
     split = result["overall"]["round_split_ms"]
     lines.append(
-        f"per round: draft {split['draft']:.1f} ms, verify {split['verify']:.1f} ms, "
+        f"per round: draft {split['draft']:.1f} ms (compute {split['draft_compute']:.1f}), "
+        f"verify {split['verify']:.1f} ms (compute {split['verify_compute']:.1f}), "
         f"coordinator {split['coordinator']:.1f} ms"
     )
     return "\n".join(lines)

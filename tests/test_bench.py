@@ -26,7 +26,7 @@ def test_bench_compares_drafters_and_writes_json_markdown_chart(tiny_model_dir, 
             "24",
             "--in-process",
             "--drafter",
-            "ngram,none",
+            "ngram,ngram-k2,none",
             "--json",
             str(out),
         ],
@@ -38,6 +38,12 @@ def test_bench_compares_drafters_and_writes_json_markdown_chart(tiny_model_dir, 
     result = json.loads((tmp_path / "out-ngram.json").read_text())
     none = json.loads((tmp_path / "out-none.json").read_text())
     assert none["drafter"] == "none" and none["overall"]["tau"] == 1.0
+    pinned = json.loads((tmp_path / "out-ngram-k2.json").read_text())
+    assert result["adaptive"] is True and pinned["adaptive"] is False
+    # k pinned at 2: no round asks for more (n-gram's own default is 8)
+    assert all(q["drafted"] <= 2 * q["rounds"] for q in pinned["questions"])
+    assert pinned["overall"]["identical"] == 2
+    assert {"draft_compute", "verify_compute"} <= set(pinned["overall"]["round_split_ms"])
     table = (tmp_path / "out.md").read_text()
     assert "| ngram | **overall** |" in table and "| none | **overall** |" in table
     assert (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG"
@@ -67,3 +73,13 @@ def test_bench_compares_drafters_and_writes_json_markdown_chart(tiny_model_dir, 
     assert overall["identical"] == overall["count"] == 2
     assert overall["speedup"] > 0 and overall["split_vs_inprocess"] > 0
     assert "OVERALL" in run.stdout
+
+
+def test_pinned_k_variant_names():
+    from coordinator.bench import _known, bench_kind, pinned_k
+
+    assert pinned_k("eagle3-k2") == ("eagle3", 2)
+    assert pinned_k("dflash-b8-k3") == ("dflash-b8", 3)
+    assert pinned_k("eagle3") == ("eagle3", None)
+    assert bench_kind("dflash-b8-k3") == "dflash" and bench_kind("eagle3-tree-k4") == "eagle3"
+    assert not _known("none-k2") and not _known("eagle3-k0") and not _known("eagle3-kx")
