@@ -4,6 +4,7 @@ same model, same dtype, same prompts, in one run."""
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -158,6 +159,12 @@ def summarize(rows: list[dict]) -> dict:
         "baseline_tok_s": sum(r["baseline_tokens"] for r in rows) / base if base else 0.0,
         "spec_tok_s": sum(r["tokens"] for r in rows) / spec if spec else 0.0,
         "round_split_ms": {k.removesuffix("_s"): round(v, 2) for k, v in split.items()},
+        # the median question's median round: time outside the two services' compute
+        "round_outside_median_ms": round(
+            1000 * statistics.median(r.get("round_overhead_median_s", 0.0) for r in rows), 2
+        )
+        if rows
+        else 0.0,
         # in-process seconds / split seconds: what the three processes cost, 1.0 = nothing
         "split_vs_inprocess": (
             sum(r["inproc_s"] for r in rows) / spec
@@ -288,6 +295,7 @@ def _spec_row(question, base: Baseline, spec, spec_s: float, temperature: float)
                 "prefill_s",
                 "draft_compute_s",
                 "verify_compute_s",
+                "round_overhead_median_s",
             )
         },
     }
@@ -488,6 +496,7 @@ def format_table(result: dict) -> str:
     lines.append(
         f"per round: draft {split['draft']:.1f} ms (compute {split['draft_compute']:.1f}), "
         f"verify {split['verify']:.1f} ms (compute {split['verify_compute']:.1f}), "
-        f"coordinator {split['coordinator']:.1f} ms"
+        f"coordinator {split['coordinator']:.1f} ms; outside the compute, median "
+        f"{result['overall']['round_outside_median_ms']:.1f} ms"
     )
     return "\n".join(lines)

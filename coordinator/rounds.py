@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from coordinator.adaptive import AdaptiveK
 
@@ -84,6 +85,21 @@ class Plan:
     decode_burst: int = 1  # tokens one verify call may decode when no drafts are wanted
 
 
+class RoundTime(NamedTuple):
+    """Seconds of one round: RPC walls, the compute the services report inside them, and all."""
+
+    draft: float
+    verify: float
+    total: float
+    draft_compute: float = 0.0
+    verify_compute: float = 0.0
+
+    @property
+    def outside_forwards(self) -> float:
+        """RPC, serialization, scheduling and the coordinator's own work."""
+        return max(0.0, self.total - self.draft_compute - self.verify_compute)
+
+
 @dataclass
 class RoundStats:
     prompt_tokens: int = 0
@@ -99,9 +115,7 @@ class RoundStats:
     total_s: float = 0.0
     drafter_failed: bool = False
     predrafted_rounds: int = 0  # rounds whose drafts were ready when the verify returned
-    round_times: list[tuple[float, float, float]] = field(
-        default_factory=list
-    )  # draft, verify, all
+    round_times: list[RoundTime] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -110,6 +124,13 @@ class RoundStats:
     @property
     def coordinator_s(self) -> float:
         return max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s)
+
+    @property
+    def overhead_median_s(self) -> float:
+        """Median over rounds of the time outside the draft and verify compute."""
+        if not self.round_times:
+            return 0.0
+        return statistics.median(t.outside_forwards for t in self.round_times)
 
 
 class DrafterLink:
@@ -288,10 +309,12 @@ async def run_rounds(
             stats.total_s = time.perf_counter() - start
             yield new, finished
             stats.round_times.append(
-                (
+                RoundTime(
                     draft_done - round_start,
                     verify_done - draft_done,
                     time.perf_counter() - round_start,
+                    drafted.compute_s,
+                    verified.compute_s,
                 )
             )
     finally:

@@ -49,6 +49,7 @@ def stats_message(stats: RoundStats) -> coordinator_pb2.GenerateStats:
         draft_compute_s=stats.draft_compute_s,
         drafter_failed=stats.drafter_failed,
         predrafted_rounds=stats.predrafted_rounds,
+        round_overhead_median_s=stats.overhead_median_s,
     )
 
 

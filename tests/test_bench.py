@@ -44,6 +44,7 @@ def test_bench_compares_drafters_and_writes_json_markdown_chart(tiny_model_dir, 
     assert all(q["drafted"] <= 2 * q["rounds"] for q in pinned["questions"])
     assert pinned["overall"]["identical"] == 2
     assert {"draft_compute", "verify_compute"} <= set(pinned["overall"]["round_split_ms"])
+    assert 0 < pinned["overall"]["round_outside_median_ms"] < 1000
     table = (tmp_path / "out.md").read_text()
     assert "| ngram | **overall** |" in table and "| none | **overall** |" in table
     assert (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG"

@@ -7,7 +7,7 @@ import pytest
 
 from coordinator.adaptive import AdaptiveK, SpeculationCosts
 from coordinator.local import LocalDrafter, LocalVerifier
-from coordinator.rounds import Plan, RoundStats, run_rounds
+from coordinator.rounds import Plan, RoundStats, RoundTime, run_rounds
 from drafter_svc.ngram import NgramConfig, NgramProposer
 from drafter_svc.proposal import Proposal
 from specd.models.load import load_target
@@ -68,6 +68,26 @@ def test_speculation_equals_plain_rounds(target, prompt):
     assert stats.generated_tokens == len(spec)
     assert stats.tau == pytest.approx(1 + stats.accepted / stats.rounds)
     assert not verifier.sessions  # closed
+    # one timing per verify call, each with the compute the services reported inside it
+    assert len(stats.round_times) == stats.rounds
+    assert all(t.verify_compute > 0 and t.total >= t.draft + t.verify for t in stats.round_times)
+    assert 0 < stats.overhead_median_s < max(t.total for t in stats.round_times)
+
+
+def test_round_overhead_is_the_time_outside_both_computes():
+    stats = RoundStats(
+        round_times=[
+            RoundTime(
+                draft=0.010, verify=0.070, total=0.081, draft_compute=0.004, verify_compute=0.068
+            ),
+            RoundTime(0.0, 0.062, 0.0625, 0.0, 0.060),
+            RoundTime(0.008, 0.075, 0.0845, 0.005, 0.071),
+        ]
+    )
+    outside = [t.outside_forwards for t in stats.round_times]
+    assert outside == pytest.approx([0.009, 0.0025, 0.0085])
+    assert stats.overhead_median_s == pytest.approx(0.0085)
+    assert RoundStats().overhead_median_s == 0.0
 
 
 class RecordingDrafter(LocalDrafter):
