@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specd.cli import positive_int
+from specd.argtypes import non_negative_int, positive_int
 
 # --drafter names -> drafter kind; "-tree" variants draft trees, the others chains;
 # dflash-bN drafts blocks of N; any name but none ending in -kN drafts k = N every round
@@ -68,7 +68,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--tree-total-tokens", type=int, help="eagle3-tree: tokens per tree (16)")
     p.add_argument("--tree-depth", type=int, help="eagle3-tree: deepest path (5)")
     p.add_argument("--tree-top-k", type=int, help="eagle3-tree: children per node (4)")
-    p.add_argument("--drafter-blas-threads", type=int, help="OpenBLAS threads of each drafter")
+    p.add_argument(
+        "--drafter-blas-threads", type=non_negative_int, help="OpenBLAS threads of each drafter"
+    )
     p.add_argument(
         "--no-adaptive",
         dest="adaptive",

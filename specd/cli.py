@@ -12,17 +12,11 @@ from pathlib import Path
 
 import grpc
 
+from specd.argtypes import non_negative_int, positive_int
 from specd.platform import ensure_fast_blas
 from specd.security import ClientSecurity, ServerSecurity
 
 DEFAULT_PORTS = {"coordinator": 50050, "verifier": 50051, "drafter": 50052}
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _add_server_security(p) -> None:
@@ -129,7 +123,7 @@ def _add_serve(sub) -> None:
     )
     d.add_argument(
         "--blas-threads",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="OpenBLAS threads for this drafter (0: the library's default, one per core); 1 "
         "keeps its idle BLAS threads off a verifier on the same cores (no gain measured on 2 "
@@ -224,9 +218,6 @@ def _serve(args) -> int:
             )  # fmt: skip
         except ValueError as exc:
             print(f"specd: {exc}", file=sys.stderr)
-            return 2
-        if args.blas_threads < 0:
-            print("specd: --blas-threads must be >= 0", file=sys.stderr)
             return 2
         config = DrafterConfig(
             **options,

@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 from helpers import generate_json, wait_serving
 
 from specd.launch import free_port, health_status
@@ -70,3 +71,22 @@ def test_generate_against_nothing_says_unavailable():
         timeout=60,
     )
     assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
+
+
+def test_numeric_flags_are_checked_when_parsed(capsys):
+    from specd.cli import build_parser
+
+    parser = build_parser()
+    ok = parser.parse_args(["serve", "drafter", "--blas-threads", "0"])
+    assert ok.blas_threads == 0
+    for argv in (
+        ["serve", "drafter", "--blas-threads", "-1"],
+        ["serve", "coordinator", "--decode-burst", "0"],
+        ["bench", "--questions", "mt-bench", "--decode-burst", "x"],
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args(argv)
+        assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "must be at least 0, got -1" in err and "must be at least 1, got 0" in err
+    assert "expected an integer, got 'x'" in err
