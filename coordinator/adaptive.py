@@ -8,6 +8,8 @@ Model (documented in docs/adaptive.md):
 - k = argmax over 0..k_max of expected tokens / (draft cost + verify cost), where k = 0 costs
   no draft call. For draft trees k is the depth: acceptance is per depth (the path the target
   keeps), and the verify costs the tree's size.
+- A session's acceptance estimate starts from the drafter's recent acceptance over all sessions
+  (two pseudo-trials), or 1/2 until there are ten trials of evidence.
 - After `probe_every` rounds at k = 0 one round drafts `probe_tokens` (a cheap look: with a weak
   drafter a full-length probe costs a long verify every few rounds), so a session notices when
   drafts start matching; acceptance then raises k by itself. Each probe that is wholly rejected
@@ -53,11 +55,29 @@ def expected_tokens(k: int, acceptance: float) -> float:
 
 
 @dataclass
+class SharedAcceptance:
+    """Acceptance over all sessions of one drafter: where a new session's estimate starts."""
+
+    decay: float = 0.99  # ~100 recent trials: the drafter's typical rate, not one text's
+    successes: float = 0.0
+    trials: float = 0.0
+    min_trials: float = 10.0  # before this much evidence, sessions keep the fixed prior
+
+    def observe(self, accepted: int, rejected: int) -> None:
+        self.successes = self.successes * self.decay + accepted
+        self.trials = self.trials * self.decay + accepted + rejected
+
+    def prior(self, default: float) -> float:
+        return self.successes / self.trials if self.trials >= self.min_trials else default
+
+
+@dataclass
 class SpeculationCosts:
     """Per verifier/drafter pair, shared by all sessions of a coordinator."""
 
     verify: LinearCost = field(default_factory=lambda: LinearCost(0.06, 0.006))
     draft: LinearCost = field(default_factory=lambda: LinearCost(0.001, 0.0))
+    acceptance: SharedAcceptance = field(default_factory=SharedAcceptance)
 
 
 @dataclass
@@ -77,6 +97,14 @@ class AdaptiveK:
     probing: bool = False  # the round just chosen is a probe
     # tokens a verify checks when k is asked: k for chains, the tree's size for trees
     verified_tokens: Callable[[int], int] | None = None
+
+    @classmethod
+    def for_session(cls, costs: SpeculationCosts, k_max: int, **options) -> AdaptiveK:
+        """A new session's chooser, its acceptance prior (two pseudo-trials) taken from the
+        drafter's recent sessions once there are enough of them."""
+        prior_trials = cls.trials
+        start = costs.acceptance.prior(cls.successes / prior_trials)
+        return cls(costs, k_max, successes=start * prior_trials, trials=prior_trials, **options)
 
     @property
     def acceptance(self) -> float:
@@ -122,3 +150,4 @@ class AdaptiveK:
         rejected = 1 if accepted < drafted else 0
         self.successes = self.successes * self.decay + accepted
         self.trials = self.trials * self.decay + accepted + rejected
+        self.costs.acceptance.observe(accepted, rejected)

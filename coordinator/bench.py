@@ -258,7 +258,7 @@ def in_process_runner(args, name: str):
 
     def run(prompt_ids) -> tuple[float, RoundStats]:
         k = (pinned_k(name)[1] or drafter.proposer.default_draft_tokens) if drafter else 0
-        adaptive = AdaptiveK(costs, k) if adaptive_for(args, name) and k else None
+        adaptive = AdaptiveK.for_session(costs, k) if adaptive_for(args, name) and k else None
         plan = Plan(
             args.max_tokens,
             k,

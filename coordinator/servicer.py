@@ -190,7 +190,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         shape = tree if tree is not None else info.default_tree
         adaptive = None
         if self.config.adaptive and k > 0 and not pinned and not seeded:
-            adaptive = AdaptiveK(self.costs, k_max=k, verified_tokens=tree_size(shape))
+            adaptive = AdaptiveK.for_session(self.costs, k, verified_tokens=tree_size(shape))
         overlap = self.config.overlap_drafting and info.accepts_speculative_ids
         return Plan(
             max_tokens=max_tokens,

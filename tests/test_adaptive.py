@@ -78,3 +78,28 @@ def test_empty_proposals_do_not_count_as_rejections():
     before = k.acceptance
     k.observe(8, 0, 0)
     assert k.acceptance == before
+
+
+def test_new_sessions_start_from_the_drafters_recent_acceptance():
+    costs = SpeculationCosts()
+    first = AdaptiveK.for_session(costs, k_max=8)
+    assert first.acceptance == pytest.approx(0.5)  # no evidence yet: the fixed prior
+    for _ in range(4):  # a weak drafter: one draft in five accepted
+        first.observe(asked=2, drafted=2, accepted=0)
+    assert AdaptiveK.for_session(costs, k_max=8).acceptance == pytest.approx(0.5)  # 4 trials
+    for _ in range(20):
+        first.observe(asked=2, drafted=2, accepted=1)  # 1 accepted, then 1 rejected
+        for _ in range(3):
+            first.observe(asked=2, drafted=2, accepted=0)
+    shared = costs.acceptance.successes / costs.acceptance.trials
+    assert 0.1 < shared < 0.25
+    later = AdaptiveK.for_session(costs, k_max=8)
+    assert later.acceptance == pytest.approx(shared) and later.trials == 2.0
+    # with an EAGLE-3 round's costs measured here (docs/benchmarks.md, session 5) a fresh
+    # session of this drafter no longer drafts blindly
+    for _ in range(5):
+        costs.verify.observe(1, 0.059)
+        costs.verify.observe(2, 0.070)
+        costs.draft.observe(1, 0.0067)
+    assert later.choose(100) == 0
+    assert AdaptiveK(costs, k_max=8).choose(100) > 0  # the fixed prior would have
