@@ -1,5 +1,7 @@
 """How often a model drafter's first draft is the target's next token, and the tau it gets when
-served in-process with a pinned k: tells a weak drafter from a broken serving path.
+served in-process with a pinned k: tells a weak drafter from a broken serving path. For EAGLE-3
+also how often the next token is among the head's top 2-4 (what a tree's extra branches can
+catch) and how often a chain's second draft is right after a right first one.
 
     python benchmarks/drafter_agreement.py --kind eagle3 --k 1 [--weights DIR] [--prompts 3]
     python benchmarks/drafter_agreement.py --kind dflash --k 3
@@ -44,6 +46,24 @@ def first_draft_agreement(proposer, seq, rows, argmax, start) -> float:
     return float(np.mean(hits))
 
 
+def eagle3_depth_profile(drafter, seq, rows, argmax, start, top: int = 4):
+    """Per position: is the target's next token among the head's top-1..`top` first drafts, and
+    is a 2-chain's second draft right when its first is? (What a tree or a longer chain adds.)"""
+    covered = np.zeros(top)
+    positions = first_right = second_right = 0
+    for a in range(start, len(seq) - 2):
+        state = drafter.open([int(x) for x in seq[: a + 1]], mx.array(rows[:a]))
+        logits = np.array(drafter.head.logits(state.last_hidden))
+        best = drafter._to_target(np.argsort(-logits)[:top])
+        covered += [int(argmax[a]) in best[: j + 1] for j in range(top)]
+        positions += 1
+        chain = drafter.chain(state, 2).ids
+        if chain[0] == argmax[a]:
+            first_right += 1
+            second_right += chain[1] == argmax[a + 1]
+    return covered, positions, first_right, second_right
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--kind", choices=["eagle3", "dflash"], required=True)
@@ -58,6 +78,7 @@ def main() -> None:
     drafter = LocalDrafter(proposer)
     eos = set(loaded.identity.eos_token_ids)
     hits, positions, rounds, accepted, identical = 0.0, 0, 0, 0, True
+    covered, depth_positions, first_right, second_right = np.zeros(4), 0, 0, 0
     for prompt in PROMPTS[: args.prompts]:
         ids = encode_chat(loaded.tokenizer, [{"role": "user", "content": prompt}])
         out = plain_decode(loaded.model, ids, args.tokens, eos).token_ids
@@ -68,6 +89,12 @@ def main() -> None:
         agree = first_draft_agreement(proposer, seq, feats.rows, feats.argmax, len(ids))
         hits += agree * (len(out) - 1)
         positions += len(out) - 1
+        if args.kind == "eagle3":
+            c, n, f, sr = eagle3_depth_profile(
+                proposer.drafter, seq, feats.rows, feats.argmax, len(ids)
+            )
+            covered, depth_positions = covered + c, depth_positions + n
+            first_right, second_right = first_right + f, second_right + sr
 
         async def serve(ids=ids):
             stats, tokens = RoundStats(), []
@@ -81,6 +108,11 @@ def main() -> None:
         identical = identical and tokens == out
     print(f"{args.kind}: first-draft agreement with the target's next token "
           f"{hits / positions:.3f} over {positions} positions of its greedy output")  # fmt: skip
+    if depth_positions:
+        shares = " / ".join(f"{x:.3f}" for x in covered / depth_positions)
+        print(f"eagle3: target's next token among the head's top 1 / 2 / 3 / 4: {shares}")
+        print(f"eagle3: second draft of a 2-chain right when the first is: "
+              f"{second_right / max(first_right, 1):.3f} ({first_right} cases)")  # fmt: skip
     print(f"{args.kind}: served in-process, k = {args.k} pinned: tau {1 + accepted / rounds:.2f}, "
           f"identical to plain decoding: {identical}")  # fmt: skip
 
