@@ -147,7 +147,7 @@ def summarize(rows: list[dict]) -> dict:
     rounds = sum(r["rounds"] for r in rows)
     accepted = sum(r["accepted"] for r in rows)
     split = {
-        k: 1000 * sum(r.get(k, 0.0) for r in rows) / max(rounds, 1)
+        k: 1000 * sum(r[k] for r in rows) / max(rounds, 1)
         for k in ("draft_s", "verify_s", "coordinator_s", "draft_compute_s", "verify_compute_s")
     }
     return {
@@ -163,7 +163,7 @@ def summarize(rows: list[dict]) -> dict:
         "round_split_ms": {k.removesuffix("_s"): round(v, 2) for k, v in split.items()},
         # the median question's median round: time outside the two services' compute
         "round_outside_median_ms": round(
-            1000 * statistics.median(r.get("round_overhead_median_s", 0.0) for r in rows), 2
+            1000 * statistics.median(r["round_overhead_median_s"] for r in rows), 2
         )
         if rows
         else 0.0,
@@ -349,7 +349,7 @@ def run_bench(args) -> int:
                     drafter=bench_kind(d),
                     dtype=args.dtype,
                     drafter_args=_drafter_args(args, d),
-                    coordinator_args=([] if adaptive_for(args, d) else ["--no-adaptive"])
+                    coordinator_args=([] if args.adaptive else ["--no-adaptive"])
                     + (["--overlap-drafting"] if args.overlap else [])
                     + ["--decode-burst", str(args.decode_burst)],
                     log_dir=log_dir / d,
@@ -370,7 +370,7 @@ def run_bench(args) -> int:
                     prompt_ids=prompt_ids,
                     max_tokens=args.max_tokens,
                     temperature=args.temperature,
-                    num_draft_tokens=pinned_k(d)[1],
+                    num_draft_tokens=pinned_k(d)[1],  # a pinned request turns adaptation off
                 )
                 start = time.perf_counter()
                 spec = clients[d].generate(request)
