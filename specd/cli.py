@@ -252,10 +252,11 @@ def _serve(args) -> int:
         )
     from drafter_svc.checkpoints import CheckpointError
     from specd.models.resolve import ModelNotFoundError
+    from specd.service import CannotBind
 
     try:
         asyncio.run(serve(config))
-    except (CheckpointError, ModelNotFoundError, FileNotFoundError) as exc:
+    except (CheckpointError, ModelNotFoundError, FileNotFoundError, CannotBind) as exc:
         print(f"specd: {args.service}: {exc}", file=sys.stderr)
         return 1
     return 0

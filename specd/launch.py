@@ -17,9 +17,20 @@ from specd.platform import blas_env
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct free ports: all held open together, so none is handed out twice (one
+    at a time, a port whose service has not bound it yet can come back)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def health_status(
@@ -128,6 +139,10 @@ class Stack:
     services: dict[str, ServiceProcess] = field(default_factory=dict)
 
     def start(self) -> Stack:
+        names = ["verifier", *(["drafter"] if self.drafter else []), "coordinator"]
+        unset = [n for n in names if not self.ports.get(n)]
+        chosen = free_ports(len(unset), self.host)
+        self.ports = {**self.ports, **dict(zip(unset, chosen, strict=True))}
         try:
             target_args = ["--model", self.target] if self.target else []
             self._spawn("verifier", [*target_args, "--dtype", self.dtype, *self.verifier_args])

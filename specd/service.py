@@ -272,6 +272,10 @@ def channel_options() -> list[tuple[str, int]]:
     ]
 
 
+class CannotBind(OSError):
+    """The service's address is taken (or not ours to listen on)."""
+
+
 class Server:
     """An aio server with health (NOT_SERVING until `ready()`) and reflection."""
 
@@ -283,8 +287,11 @@ class Server:
         security: ServerSecurity | None = None,
     ):
         security = security or ServerSecurity()
+        # no SO_REUSEPORT (gRPC's default): a port already in use is an error, not a port
+        # silently shared with whatever listens there
         self.server = grpc.aio.server(
-            options=channel_options(), interceptors=security.interceptors()
+            options=[*channel_options(), ("grpc.so_reuseport", 0)],
+            interceptors=security.interceptors(),
         )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -294,12 +301,15 @@ class Server:
         )
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         credentials = security.credentials()
-        if credentials is None:
-            self.port = self.server.add_insecure_port(address)
-        else:
-            self.port = self.server.add_secure_port(address, credentials)
+        try:
+            if credentials is None:
+                self.port = self.server.add_insecure_port(address)
+            else:
+                self.port = self.server.add_secure_port(address, credentials)
+        except RuntimeError:  # newer grpcio raises where older ones returned 0
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind {address}")
+            raise CannotBind(f"cannot listen on {address}: the port is in use or not allowed")
         self.address = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     async def start(self):

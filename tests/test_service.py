@@ -31,3 +31,29 @@ def test_idle_sessions_expire_and_used_ones_stay(monkeypatch):
     with pytest.raises(FailedPrecondition) as gone:
         table.get(idle)
     assert "expired" in str(gone.value)
+
+
+def test_a_port_in_use_is_refused_not_shared():
+    """gRPC's default SO_REUSEPORT let a second service share a busy port, and calls went to
+    whichever answered (a Stack once gave its verifier and drafter the same port)."""
+    import asyncio
+    import subprocess
+    import sys
+
+    from specd.launch import free_ports
+    from specd.service import CannotBind, Server
+
+    async def hold_and_try_again():
+        held = Server("127.0.0.1", 0, [])
+        with pytest.raises(CannotBind, match="in use"):
+            Server("127.0.0.1", held.port, [])
+        run = subprocess.run(
+            [sys.executable, "-m", "specd", "serve", "drafter", "--port", str(held.port)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert run.returncode == 1
+        assert f"specd: drafter: cannot listen on 127.0.0.1:{held.port}" in run.stderr
+
+    asyncio.run(hold_and_try_again())
+    ports = free_ports(8)
+    assert len(set(ports)) == 8
