@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from coordinator.rounds import Drafted, Opened, Verified
@@ -14,10 +16,81 @@ from specd.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, ve
 class UpstreamError(ServiceError):
     """A verifier or drafter call failed; re-raised to our caller with the same code."""
 
-    def __init__(self, service: str, err: grpc.aio.AioRpcError):
-        super().__init__(f"{service}: {err.details()}")
-        self.code = err.code()
-        self.rpc_error = err
+    def __init__(self, service: str, code: grpc.StatusCode, details: str | None):
+        super().__init__(f"{service}: {details}")
+        self.code = code
+
+    @classmethod
+    def of(cls, service: str, err: grpc.aio.AioRpcError) -> UpstreamError:
+        return cls(service, err.code(), err.details())
+
+
+class SessionStreams:
+    """The round's hot calls of each session over one bidirectional stream, opened on first
+    use and ended when the session closes: a message on an open stream costs about half a
+    unary call here. A service without the stream method gets unary calls instead.
+
+    A failed, timed-out or cancelled exchange drops the stream, so a response can never be
+    read as the answer to a later request; the session's next call opens a new one.
+    """
+
+    def __init__(self, service: str, open_stream, unary, metadata):
+        self.service = service
+        self.open_stream = open_stream
+        self.unary = unary
+        self.metadata = metadata
+        self.streaming = True  # False once the service answered UNIMPLEMENTED
+        self._streams: dict[str, grpc.aio.StreamStreamCall] = {}
+
+    async def call(self, session_id: str, request, timeout: float):
+        if not self.streaming:
+            return await self._unary(request, timeout)
+        stream = self._streams.get(session_id)
+        if stream is None:
+            stream = self._streams[session_id] = self.open_stream(metadata=self.metadata)
+        try:
+            return await asyncio.wait_for(self._exchange(stream, request), timeout)
+        except TimeoutError:
+            self._drop(session_id)
+            raise UpstreamError(
+                self.service, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {timeout:g}s"
+            ) from None
+        except grpc.aio.AioRpcError as err:
+            self._drop(session_id)
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise UpstreamError.of(self.service, err) from None
+            self.streaming = False
+            return await self._unary(request, timeout)
+        except BaseException:  # cancelled mid-exchange: the stream's next message is stale
+            self._drop(session_id)
+            raise
+
+    async def _exchange(self, stream, request):
+        await stream.write(request)
+        response = await stream.read()
+        if response is grpc.aio.EOF:  # the service ended the stream without an error
+            code, details = await stream.code(), await stream.details()
+            raise UpstreamError(self.service, code, details or "the stream ended early")
+        return response
+
+    async def _unary(self, request, timeout: float):
+        try:
+            return await self.unary(request, timeout=timeout, metadata=self.metadata)
+        except grpc.aio.AioRpcError as err:
+            raise UpstreamError.of(self.service, err) from None
+
+    async def end(self, session_id: str) -> None:
+        stream = self._streams.pop(session_id, None)
+        if stream is not None:
+            try:
+                await stream.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                stream.cancel()
+
+    def _drop(self, session_id: str) -> None:
+        stream = self._streams.pop(session_id, None)
+        if stream is not None:
+            stream.cancel()
 
 
 def _channel(address: str, security: ClientSecurity) -> grpc.aio.Channel:
@@ -54,12 +127,15 @@ class VerifierClient:
         self.stub = verifier_pb2_grpc.VerifierStub(self.channel)
         self.timeout_s = timeout_s
         self.prefill_timeout_s = prefill_timeout_s
+        self.rounds = SessionStreams(
+            f"verifier {address}", self.stub.VerifyStream, self.stub.Verify, self.metadata
+        )
 
     async def _call(self, method, request, timeout: float):
         try:
             return await method(request, timeout=timeout, metadata=self.metadata)
         except grpc.aio.AioRpcError as err:
-            raise UpstreamError(f"verifier {self.address}", err) from None
+            raise UpstreamError.of(f"verifier {self.address}", err) from None
 
     async def info(self) -> verifier_pb2.VerifierInfo:
         return await self._call(self.stub.GetInfo, common_pb2.InfoRequest(), self.timeout_s)
@@ -86,12 +162,13 @@ class VerifierClient:
             draft_parents=draft_parents or (),
             plain_steps=plain_steps,
         )
-        r = await self._call(self.stub.Verify, request, self.timeout_s)
+        r = await self.rounds.call(session_id, request, self.timeout_s)
         return Verified(
             list(r.committed_ids), r.num_accepted, r.finished, r.hidden_rows, r.compute_s
         )
 
     async def close(self, session_id: str) -> None:
+        await self.rounds.end(session_id)
         request = common_pb2.CloseSessionRequest(session_id=session_id)
         await self._call(self.stub.CloseSession, request, self.timeout_s)
 
@@ -108,12 +185,15 @@ class DrafterClient:
         self.timeout_s = timeout_s
         self.capture_layers: tuple[int, ...] = ()
         self.accepts_speculative_ids = False
+        self.rounds = SessionStreams(
+            f"drafter {address}", self.stub.DraftStream, self.stub.Draft, self.metadata
+        )
 
     async def _call(self, method, request):
         try:
             return await method(request, timeout=self.timeout_s, metadata=self.metadata)
         except grpc.aio.AioRpcError as err:
-            raise UpstreamError(f"drafter {self.address}", err) from None
+            raise UpstreamError.of(f"drafter {self.address}", err) from None
 
     async def info(self) -> drafter_pb2.DrafterInfo:
         info = await self._call(self.stub.GetInfo, common_pb2.InfoRequest())
@@ -140,12 +220,13 @@ class DrafterClient:
             speculative_ids=speculative_ids,
             tree=tree,
         )
-        r = await self._call(self.stub.Draft, request)
+        r = await self.rounds.call(session_id, request, self.timeout_s)
         probs = None if wire.is_empty(r.draft_probs) else r.draft_probs
         parents = list(r.draft_parents) if r.draft_parents else None
         return Drafted(list(r.draft_ids), probs, r.compute_s, parents)
 
     async def close(self, session_id: str) -> None:
+        await self.rounds.end(session_id)
         await self._call(
             self.stub.CloseSession, common_pb2.CloseSessionRequest(session_id=session_id)
         )

@@ -16,6 +16,7 @@ from specd.service import (
     check_token_ids,
     process_stats,
     rpc,
+    stream_of,
 )
 from specd.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
@@ -141,6 +142,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             compute_s=time.perf_counter() - start,
             draft_parents=proposal.parents or (),
         )
+
+    DraftStream = stream_of(Draft)
 
     def _tree_shape(self, request):
         """None: the proposer's default; a TreeShape (total 0 = a chain) when asked."""

@@ -103,9 +103,9 @@ def _refusal(handler):
     if handler is None:
         return None
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(
-            deny, handler.request_deserializer, handler.response_serializer
-        )
-    return grpc.unary_stream_rpc_method_handler(
-        deny_stream, handler.request_deserializer, handler.response_serializer
-    )
+        make, behaviour = grpc.unary_unary_rpc_method_handler, deny
+    elif handler.stream_stream:
+        make, behaviour = grpc.stream_stream_rpc_method_handler, deny_stream
+    else:
+        make, behaviour = grpc.unary_stream_rpc_method_handler, deny_stream
+    return make(behaviour, handler.request_deserializer, handler.response_serializer)

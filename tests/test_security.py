@@ -7,7 +7,7 @@ from certs import make_pki
 from specd.client import CoordinatorClient, make_request
 from specd.launch import spawn
 from specd.security import ClientSecurity
-from specd.v1 import common_pb2, drafter_pb2_grpc
+from specd.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 TOKEN = "s3cret-token-for-tests-0123456789"
 
@@ -35,7 +35,8 @@ def server_args(pki, mtls: bool) -> list[str]:
     return args + (["--tls-client-ca", str(pki["ca"])] if mtls else [])
 
 
-def info_code(address: str, security: ClientSecurity, insecure: bool = False):
+def info_code(address: str, security: ClientSecurity, insecure: bool = False, stream: bool = False):
+    """Status of a GetInfo call, or with `stream` of a DraftStream of one request."""
     credentials = None if insecure else security.credentials()
     channel = (
         grpc.insecure_channel(address)
@@ -43,10 +44,13 @@ def info_code(address: str, security: ClientSecurity, insecure: bool = False):
         else grpc.secure_channel(address, credentials)
     )
     with channel:
+        stub = drafter_pb2_grpc.DrafterStub(channel)
         try:
-            drafter_pb2_grpc.DrafterStub(channel).GetInfo(
-                common_pb2.InfoRequest(), timeout=10, metadata=security.metadata()
-            )
+            if stream:
+                request = drafter_pb2.DraftRequest(session_id="none")
+                list(stub.DraftStream(iter([request]), timeout=10, metadata=security.metadata()))
+            else:
+                stub.GetInfo(common_pb2.InfoRequest(), timeout=10, metadata=security.metadata())
             return grpc.StatusCode.OK
         except grpc.RpcError as err:
             return err.code()
@@ -62,6 +66,12 @@ def test_drafter_accepts_and_refuses(pki, tmp_path, mtls):
         assert info_code(drafter.address, client) == ok
         no_token = ClientSecurity(pki["ca"], pki["client_cert"], pki["client_key"])
         assert info_code(drafter.address, no_token) == grpc.StatusCode.UNAUTHENTICATED
+        refused = info_code(drafter.address, no_token, stream=True)
+        assert refused == grpc.StatusCode.UNAUTHENTICATED
+        # with the token the stream reaches the servicer: the session is unknown
+        assert (
+            info_code(drafter.address, client, stream=True) == grpc.StatusCode.FAILED_PRECONDITION
+        )
         wrong = ClientSecurity(pki["ca"], pki["client_cert"], pki["client_key"], pki["wrong_token"])
         assert info_code(drafter.address, wrong) == grpc.StatusCode.UNAUTHENTICATED
         assert info_code(drafter.address, client, insecure=True) == grpc.StatusCode.UNAVAILABLE

@@ -12,7 +12,7 @@ from helpers import generate_json
 from test_rounds import GarbageProposer
 
 from coordinator.bench import plain_decode
-from coordinator.clients import VerifierClient
+from coordinator.clients import DrafterClient, UpstreamError, VerifierClient
 from coordinator.rounds import Plan, RoundStats, run_rounds
 from specd import wire
 from specd.client import CoordinatorClient, make_request
@@ -383,3 +383,80 @@ def test_drafter_speculative_ids_are_not_kept(drafter_stub):
         drafter_pb2.DraftRequest(session_id=sid, position=6, num_draft_tokens=2), timeout=30
     )
     assert list(now.draft_ids) == [3, 4]
+
+
+def test_round_streams_answer_as_unary_calls_do(stack, verifier_stub):
+    """A session's verifies over one VerifyStream commit what unary Verify calls commit; an
+    error ends the stream with Verify's status and commits nothing; the next call reopens."""
+    prompt, drafts = [5, 6, 7, 8], [[1, 2], [], [3], [4, 4, 4]]
+    opened = verifier_stub.OpenSession(
+        verifier_pb2.OpenSessionRequest(prompt_ids=prompt), timeout=30
+    )
+    position, unary = opened.position, []
+    for ids in drafts:
+        r = verifier_stub.Verify(
+            verifier_pb2.VerifyRequest(
+                session_id=opened.session_id, position=position, draft_ids=ids
+            ),
+            timeout=30,
+        )
+        unary.append(list(r.committed_ids))
+        position = r.position
+
+    async def go():
+        client = VerifierClient(stack.services["verifier"].address)
+        session = await client.open(prompt, (), None)
+        position, streamed = len(prompt) + 1, []
+        with pytest.raises(UpstreamError) as err:
+            await client.verify(session.session_id, position + 7, [1], None)
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "position" in err.value.message and not client.rounds._streams
+        for ids in drafts:
+            v = await client.verify(session.session_id, position, ids, None)
+            streamed.append(v.committed)
+            position += len(v.committed)
+        assert list(client.rounds._streams) == [session.session_id] and client.rounds.streaming
+        await client.close(session.session_id)
+        assert not client.rounds._streams
+        return streamed
+
+    assert asyncio.run(go()) == unary
+
+
+def test_round_streams_refuse_malformed_messages(stack):
+    address = stack.services["verifier"].address
+    with grpc.insecure_channel(address) as channel:
+        raw = channel.stream_stream("/specd.v1.Verifier/VerifyStream")
+        with pytest.raises(grpc.RpcError) as err:
+            list(raw(iter([b"\xff\xff\xff"]), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid protobuf" in err.value.details()
+
+
+def test_round_streams_fall_back_to_unary_and_time_out(stack):
+    """A service without the stream method (UNIMPLEMENTED) is called unary from then on; an
+    exchange past its deadline is DEADLINE_EXCEEDED and its stream is dropped."""
+    address = stack.services["drafter"].address
+
+    async def go():
+        client = DrafterClient(address)
+        session = await client.open([1, 2, 3, 1, 2], None)
+        missing = client.channel.stream_stream(
+            "/specd.v1.Drafter/NoSuchStream",
+            drafter_pb2.DraftRequest.SerializeToString,
+            drafter_pb2.DraftResponse.FromString,
+        )
+        client.rounds.open_stream = missing
+        drafted = await client.draft(session, 5, [], [], 2, None)
+        assert drafted.ids == [3, 1] and not client.rounds.streaming
+
+        client.rounds.open_stream, client.rounds.streaming = client.stub.DraftStream, True
+        with pytest.raises(UpstreamError) as err:
+            await client.rounds.call(
+                session, drafter_pb2.DraftRequest(session_id=session, position=5), 1e-6
+            )
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and not client.rounds._streams
+        assert (await client.draft(session, 5, [], [], 2, None)).ids == [3, 1]
+        await client.close(session)
+
+    asyncio.run(go())

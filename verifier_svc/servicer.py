@@ -19,6 +19,7 @@ from specd.service import (
     check_token_ids,
     process_stats,
     rpc,
+    stream_of,
 )
 from specd.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_svc.config import VerifierConfig
@@ -198,6 +199,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             position=session.position,
             compute_s=result.compute_s,
         )
+
+    VerifyStream = stream_of(Verify)
 
     def _verify_in_order(
         self, target: Target, session: Session, position: int, drafts, probs, parents=None,

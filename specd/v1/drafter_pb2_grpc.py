@@ -52,6 +52,11 @@ class DrafterStub:
                 request_serializer=specd_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.DraftStream = channel.stream_stream(
+                '/specd.v1.Drafter/DraftStream',
+                request_serializer=specd_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/specd.v1.Drafter/CloseSession',
                 request_serializer=specd_dot_v1_dot_common__pb2.CloseSessionRequest.SerializeToString,
@@ -82,6 +87,14 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DraftStream(self, request_iterator, context):
+        """The same calls over one stream, one response per request in order; the
+        first error ends the stream with Draft's status. Cheaper per round.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -103,6 +116,11 @@ def add_DrafterServicer_to_server(servicer, server):
             ),
             'Draft': grpc.unary_unary_rpc_method_handler(
                     servicer.Draft,
+                    request_deserializer=specd_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_drafter__pb2.DraftResponse.SerializeToString,
+            ),
+            'DraftStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DraftStream,
                     request_deserializer=specd_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
                     response_serializer=specd_dot_v1_dot_drafter__pb2.DraftResponse.SerializeToString,
             ),
@@ -193,6 +211,33 @@ class Drafter:
             request,
             target,
             '/specd.v1.Drafter/Draft',
+            specd_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
+            specd_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DraftStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specd.v1.Drafter/DraftStream',
             specd_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
             specd_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
             options,

@@ -57,6 +57,11 @@ class VerifierStub:
                 request_serializer=specd_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyStream = channel.stream_stream(
+                '/specd.v1.Verifier/VerifyStream',
+                request_serializer=specd_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/specd.v1.Verifier/CloseSession',
                 request_serializer=specd_dot_v1_dot_common__pb2.CloseSessionRequest.SerializeToString,
@@ -97,6 +102,14 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyStream(self, request_iterator, context):
+        """The same calls over one stream, one response per request in order; the
+        first error ends the stream with Verify's status. Cheaper per round.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -123,6 +136,11 @@ def add_VerifierServicer_to_server(servicer, server):
             ),
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
+                    request_deserializer=specd_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyStream,
                     request_deserializer=specd_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
                     response_serializer=specd_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
             ),
@@ -240,6 +258,33 @@ class Verifier:
             request,
             target,
             '/specd.v1.Verifier/Verify',
+            specd_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
+            specd_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specd.v1.Verifier/VerifyStream',
             specd_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
             specd_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
             options,
