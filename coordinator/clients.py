@@ -25,6 +25,14 @@ class UpstreamError(ServiceError):
         return cls(service, err.code(), err.details())
 
 
+def _ended(service: str) -> UpstreamError:
+    """The service ended a stream between requests: it is stopping (a graceful shutdown
+    cancels open streams once its grace period is over). Like a refused call: UNAVAILABLE."""
+    return UpstreamError(
+        service, grpc.StatusCode.UNAVAILABLE, "the service ended the stream (shutting down?)"
+    )
+
+
 class SessionStreams:
     """The round's hot calls of each session over one bidirectional stream, opened on first
     use and ended when the session closes: a message on an open stream costs about half a
@@ -57,6 +65,8 @@ class SessionStreams:
             ) from None
         except grpc.aio.AioRpcError as err:
             self._drop(session_id)
+            if err.code() == grpc.StatusCode.CANCELLED:  # we never read after cancelling
+                raise _ended(self.service) from None
             if err.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise UpstreamError.of(self.service, err) from None
             self.streaming = False
@@ -68,9 +78,8 @@ class SessionStreams:
     async def _exchange(self, stream, request):
         await stream.write(request)
         response = await stream.read()
-        if response is grpc.aio.EOF:  # the service ended the stream without an error
-            code, details = await stream.code(), await stream.details()
-            raise UpstreamError(self.service, code, details or "the stream ended early")
+        if response is grpc.aio.EOF:
+            raise _ended(self.service)
         return response
 
     async def _unary(self, request, timeout: float):

@@ -25,9 +25,16 @@ log = logging.getLogger("specd.failover")
 
 
 def session_lost(err: UpstreamError) -> bool:
-    """The verifier is gone, hung, or restarted without our session."""
+    """The verifier is gone, hung, stopping (it cancels calls still open when its grace period
+    ends; we never cancel an upstream call we still wait for), or restarted without our
+    session."""
     code = err.code
-    return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or (
+    gone = (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+    )
+    return code in gone or (
         code == grpc.StatusCode.FAILED_PRECONDITION and "unknown session" in err.message
     )
 

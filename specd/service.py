@@ -129,6 +129,13 @@ def rpc(method):
     return wrapper
 
 
+class _Shutdown:
+    started = False  # set once per process, when its server begins a graceful stop
+
+
+_shutdown = _Shutdown()
+
+
 def stream_of(unary):
     """A bidirectional stream method answering each request as the `rpc` method `unary`
     does; the first error ends the stream with the status that call would have returned.
@@ -140,6 +147,9 @@ def stream_of(unary):
 
     async def stream(self, requests, context):
         async for request in requests:
+            if _shutdown.started:  # as a unary call would be now: refused, so callers move on
+                metrics.RPCS.labels(name, grpc.StatusCode.UNAVAILABLE.name).inc()
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the service is shutting down")
             yield await _handle_one(name, method, self, request, context)
 
     stream.__name__ = stream.__qualname__ = f"{name}Stream"
@@ -353,6 +363,7 @@ class Server:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        _shutdown.started = True
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
 

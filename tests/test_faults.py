@@ -138,8 +138,10 @@ def test_hung_drafter_times_out_and_drafting_resumes(tiny_model_dir, tmp_path):
         assert until_drafting(client, reference, 200).stats["drafted"] > 0
 
 
-def test_another_verifier_takes_over(tmp_path):
-    """--verifier A,B: A dies mid-generation and B carries the session on."""
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_another_verifier_takes_over(tmp_path, fault):
+    """--verifier A,B: A dies (or is stopped: SIGTERM, in-flight calls drained) mid-generation
+    and B carries the session on."""
     # a long generation (no EOS in reach), so the kill lands mid-request
     tiny_model_dir = make_tiny_model_dir(
         tmp_path / "long", max_positions=16384, eos_token="<|im_start|>"
@@ -161,9 +163,14 @@ def test_another_verifier_takes_over(tmp_path):
         client = CoordinatorClient(coordinator.address)
         reference = client.generate(make_request(prompt=PROMPT, max_tokens=tokens)).token_ids
         assert client.info().verifier_address == first.address
-        ids, stats = generate_with_fault(client, first.kill, prompt=PROMPT, max_tokens=tokens)
+        ids, stats = generate_with_fault(
+            client, getattr(first, fault), prompt=PROMPT, max_tokens=tokens
+        )
         assert ids == reference and stats.generated_tokens == len(reference) == tokens
-        assert "lost the session" in coordinator.log_path.read_text()
+        log = coordinator.log_path.read_text()
+        assert "lost the session" in log
+        if fault == "stop":  # its stream was ended at once, not when the grace period ran out
+            assert "the service is shutting down" in log
         assert client.info().verifier_address == second.address
     finally:
         for service in (coordinator, second, first):
