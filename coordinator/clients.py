@@ -39,7 +39,8 @@ class SessionStreams:
     unary call here. A service without the stream method gets unary calls instead.
 
     A failed, timed-out or cancelled exchange drops the stream, so a response can never be
-    read as the answer to a later request; the session's next call opens a new one.
+    read as the answer to a later request; the session's next call opens a new one. A
+    session makes one call at a time (the round loop awaits each), which keeps the pairing.
     """
 
     def __init__(self, service: str, open_stream, unary, metadata):
