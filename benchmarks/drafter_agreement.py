@@ -5,8 +5,11 @@ catch) and how often a chain's second draft is right after a right first one.
 
     python benchmarks/drafter_agreement.py --kind eagle3 --k 1 [--weights DIR] [--prompts 3]
     python benchmarks/drafter_agreement.py --kind dflash --k 3
+    python benchmarks/drafter_agreement.py --kind eagle3 --questions mt-bench --every 8
 
-The prompts are written here, in none of the training data or benchmark sets.
+The prompts are written here, in none of the training data or benchmark sets; `--questions`
+takes the first turns of a benchmark set instead (MT-bench and HumanEval are not in the
+ShareGPT training data either), for a larger sample.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from coordinator.rounds import Plan, RoundStats, run_rounds
 from drafter_svc.config import DrafterConfig, drafter_options
 from drafter_svc.eagle3.data import Example, TargetFeatures
 from drafter_svc.server import make_proposer
+from specd.datasets import load_questions
 from specd.models.load import load_target
 from specd.prompts import encode_chat
 from verifier_svc.engine import Target
@@ -71,7 +75,12 @@ def main() -> None:
     p.add_argument("--k", type=int, default=1, help="pinned draft length when served")
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     p.add_argument("--prompts", type=int, default=1, help=f"how many of the {len(PROMPTS)} prompts")
+    p.add_argument("--questions", help="a question set (mt-bench, humaneval, a .jsonl) instead")
+    p.add_argument("--every", type=int, default=1, help="with --questions: every Nth question")
     args = p.parse_args()
+    prompts = PROMPTS[: args.prompts]
+    if args.questions:
+        prompts = [q.turns[0] for q in load_questions(args.questions)[:: args.every]]
     loaded = load_target(None, "float32")
     proposer = make_proposer(DrafterConfig(**drafter_options(args.kind, weights=args.weights)))
     verifier = LocalVerifier(Target(load_target(None, "float32")))
@@ -79,7 +88,7 @@ def main() -> None:
     eos = set(loaded.identity.eos_token_ids)
     hits, positions, rounds, accepted, identical = 0.0, 0, 0, 0, True
     covered, depth_positions, first_right, second_right = np.zeros(4), 0, 0, 0
-    for prompt in PROMPTS[: args.prompts]:
+    for prompt in prompts:
         ids = encode_chat(loaded.tokenizer, [{"role": "user", "content": prompt}])
         out = plain_decode(loaded.model, ids, args.tokens, eos).token_ids
         seq = np.array(ids + out, dtype=np.int32)
