@@ -4,7 +4,8 @@ Model (documented in docs/adaptive.md):
 - acceptance is geometric: each draft is accepted with probability a given the previous ones
   were, so a round with k drafts commits 1 + a (1 - a^k) / (1 - a) tokens on average;
 - a verify of n tokens costs v0 + v1 (n - 1) seconds and a draft of k tokens d0 + d1 k,
-  both fitted online by least squares with forgetting;
+  both fitted online by least squares with forgetting; a size seen twice or more is priced
+  by its own recent mean instead;
 - k = argmax over 0..k_max of expected tokens / (draft cost + verify cost), where k = 0 costs
   no draft call. For draft trees k is the depth: acceptance is per depth (the path the target
   keeps), and the verify costs the tree's size.
@@ -24,18 +25,28 @@ from dataclasses import dataclass, field
 
 @dataclass
 class LinearCost:
-    """seconds ~ base + per_token * n, fitted with exponential forgetting."""
+    """seconds ~ base + per_token * n, fitted with exponential forgetting; a size seen at
+    least twice is predicted by its own recent mean instead, since real costs are not a line
+    (a CPU verify is concave in n, and a line through 4- and 16-token trees under-predicts
+    the 4-token one)."""
 
     base: float  # prior until observations say otherwise
     per_token: float
     decay: float = 0.97  # ~30 recent observations dominate: costs drift with context length
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, wn, wt, wnn, wnt
+    _by_size: dict[int, list[float]] = field(default_factory=dict)  # n -> [weight, mean]
 
     def observe(self, n: int, seconds: float) -> None:
         w, wn, wt, wnn, wnt = (s * self.decay for s in self._sums)
         self._sums = [w + 1, wn + n, wt + seconds, wnn + n * n, wnt + n * seconds]
+        weight, mean = self._by_size.get(n, (0.0, 0.0))
+        weight = weight * self.decay + 1
+        self._by_size[n] = [weight, mean + (seconds - mean) / weight]
 
     def predict(self, n: int) -> float:
+        seen = self._by_size.get(n)
+        if seen is not None and seen[0] >= 2:
+            return max(1e-6, seen[1])
         w, wn, wt, wnn, wnt = self._sums
         if w < 1e-9:
             return self.base + self.per_token * n

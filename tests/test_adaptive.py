@@ -19,6 +19,23 @@ def test_linear_cost_with_one_n_keeps_the_prior_ratio():
     assert cost.predict(2) > cost.predict(1)
 
 
+def test_sizes_seen_are_priced_by_their_own_mean_not_the_line():
+    cost = LinearCost(base=0.06, per_token=0.006)
+    for _ in range(10):  # a concave cost, as a CPU verify is: 1, 5 and 17 tokens
+        for n, seconds in ((1, 0.060), (5, 0.095), (17, 0.130)):
+            cost.observe(n, seconds)
+    assert cost.predict(5) == pytest.approx(0.095)  # the line through all three says ~0.074
+    assert cost.predict(1) == pytest.approx(0.060)
+    line = cost.predict(9)  # not seen: from the fitted line
+    assert 0.07 < line < 0.11
+    once = LinearCost(base=0.06, per_token=0.006)
+    for _ in range(5):
+        once.observe(1, 0.06)
+        once.observe(9, 0.11)
+    once.observe(3, 0.5)  # one observation of a size is not yet trusted on its own
+    assert once.predict(3) < 0.2
+
+
 def test_expected_tokens():
     assert expected_tokens(0, 0.9) == 1
     assert expected_tokens(3, 0.0) == 1
