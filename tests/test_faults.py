@@ -169,8 +169,9 @@ def test_another_verifier_takes_over(tmp_path, fault):
         assert ids == reference and stats.generated_tokens == len(reference) == tokens
         log = coordinator.log_path.read_text()
         assert "lost the session" in log
-        if fault == "stop":  # its stream was ended at once, not when the grace period ran out
-            assert "the service is shutting down" in log
+        if fault == "stop":  # its stream was refused or ended at once, not cancelled at the
+            # end of the grace period (which surfaced as CANCELLED and failed the request)
+            assert "shutting down" in log
         assert client.info().verifier_address == second.address
     finally:
         for service in (coordinator, second, first):
