@@ -147,13 +147,16 @@ def stream_of(unary):
 
     async def stream(self, requests, context):
         async for request in requests:
-            if _shutdown.started:  # as a unary call would be now: refused, so callers move on
-                metrics.RPCS.labels(name, grpc.StatusCode.UNAVAILABLE.name).inc()
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "the service is shutting down")
-            yield await _handle_one(name, method, self, request, context)
+            # once stopping, refused as a new unary call would be, so callers move on
+            handler = _refuse_while_stopping if _shutdown.started else method
+            yield await _handle_one(name, handler, self, request, context)
 
     stream.__name__ = stream.__qualname__ = f"{name}Stream"
     return stream
+
+
+async def _refuse_while_stopping(self, request, context):
+    raise Unavailable("the service is shutting down")
 
 
 async def _handle_one(name: str, method, self, request, context):
