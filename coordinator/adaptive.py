@@ -12,9 +12,10 @@ Model (documented in docs/adaptive.md):
 - A session's acceptance estimate starts from the drafter's recent acceptance over all sessions
   (two pseudo-trials), or 1/2 until there are ten trials of evidence.
 - After `probe_every` rounds at k = 0 one round drafts `probe_tokens` (a cheap look: with a weak
-  drafter a full-length probe costs a long verify every few rounds), so a session notices when
-  drafts start matching; acceptance then raises k by itself. Each probe that is wholly rejected
-  doubles the wait before the next (up to `probe_every_max`); an accepted draft resets it.
+  drafter a full-length probe costs a long verify every few rounds; a tree probes one level
+  deep), so a session notices when drafts start matching; acceptance then raises k by itself.
+  Each probe that is wholly rejected doubles the wait before the next (up to
+  `probe_every_max`); an accepted draft resets it.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ class AdaptiveK:
             return 0
         if self.rounds_without_drafts >= (self.probe_wait or self.probe_every):
             self.probing = True
-            return min(k_max, self.probe_tokens)
+            return self._probe_depth(k_max)
         best_k, best_rate = 0, 1.0 / self.costs.verify.predict(1)
         for k in range(1, k_max + 1):
             n = self.verified_tokens(k) if self.verified_tokens else k
@@ -138,6 +139,16 @@ class AdaptiveK:
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
+
+    def _probe_depth(self, k_max: int) -> int:
+        """The deepest k whose verify checks at most `probe_tokens` drafts, and at least 1: a
+        chain probes `probe_tokens` deep, a tree one level (its second level is the dearest
+        verify there is)."""
+        size = self.verified_tokens or (lambda k: k)
+        k = min(k_max, self.probe_tokens)
+        while k > 1 and size(k) > self.probe_tokens:
+            k -= 1
+        return k
 
     def plain_rounds_ahead(self) -> int:
         """After `choose` gave 0 and no probe: rounds left before the next probe. Acceptance

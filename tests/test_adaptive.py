@@ -67,6 +67,15 @@ def test_probes_after_rounds_without_drafts_and_learns():
     assert k.acceptance > 0.9 and k.choose(100) == 8
 
 
+def test_a_tree_probes_one_level_deep():
+    k = chooser(0.02)
+    k.verified_tokens = lambda depth: min(16, 4 + (depth - 1) * 16)  # top-4, 16 tokens
+    for _ in range(k.probe_every):
+        assert k.choose(100) == 0
+        k.observe(0, 0, 0)
+    assert k.choose(100) == 1  # 4 tokens, not the 16 of depth 2
+
+
 def test_rejected_probes_back_off_and_an_accepted_one_resets():
     k = chooser(0.02)
 
