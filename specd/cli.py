@@ -503,7 +503,12 @@ def _add_train(sub) -> None:
     kinds = train.add_subparsers(dest="kind", required=True)
     e3 = kinds.add_parser("eagle3", help="an EAGLE-3 head (ShareGPT data, training-time test)")
     _add_common_train_args(e3, "head")
-    e3.add_argument("--draft-vocab", type=int, default=6144, help="reduced draft vocabulary")
+    e3.add_argument(
+        "--draft-vocab",
+        type=int,
+        help="reduced draft vocabulary (default 6144; with --init-from, the start point's: a "
+        "larger N adds the N - size most frequent tokens it lacks)",
+    )
     e3.add_argument("--ttt-steps", type=int, default=3, help="unrolled training-time-test passes")
     e3.add_argument("--decay", type=float, default=0.8, help="loss weight of pass j: decay**j")
     e3.add_argument("--format", dest="fmt", default="eagle", choices=["eagle", "speculators"])

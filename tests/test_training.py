@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from drafter_svc.dflash.model import load_drafter
@@ -83,6 +84,23 @@ def test_training_continues_from_a_given_model(tiny_model_dir, data, tmp_path):
     summary = train_dflash(DFlashOptions(**df_common, out=tmp_path / "d2",
                                          init_from=tmp_path / "d1"))  # fmt: skip
     assert summary["steps"] == 6 and load_drafter(tmp_path / "d2").config.num_hidden_layers == 1
+
+
+def test_a_continued_head_can_grow_its_draft_vocabulary(tiny_model_dir, data, tmp_path):
+    common = dict(target=str(tiny_model_dir), conversations=6, max_len=64, warmup=2, data=data,
+                  epochs=1)  # fmt: skip
+    train_eagle3(TrainOptions(**common, out=tmp_path / "small", draft_vocab=40))
+    small, _ = load_head(tmp_path / "small")
+    train_eagle3(TrainOptions(**common, out=tmp_path / "big", draft_vocab=60,
+                              init_from=tmp_path / "small"))  # fmt: skip
+    big, _ = load_head(tmp_path / "big")
+    old_ids = set((np.arange(40) + np.array(small.d2t)).tolist())
+    new_ids = np.arange(60) + np.array(big.d2t)
+    assert big.config.draft_vocab_size == 60 and old_ids <= set(new_ids.tolist())
+    assert (np.diff(new_ids) > 0).all()  # d2t stays an increasing map
+    with pytest.raises(ValueError, match="can grow, not shrink"):
+        train_eagle3(TrainOptions(**common, out=tmp_path / "less", draft_vocab=20,
+                                  init_from=tmp_path / "small"))  # fmt: skip
 
 
 def test_distill_writes_the_targets_own_replies_and_resumes(tiny_model_dir, data, tmp_path):

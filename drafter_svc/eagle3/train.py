@@ -48,6 +48,7 @@ from drafter_svc.eagle3.model import (
 from drafter_svc.training import epoch_order, run_steps
 
 NEG = -1e9
+DEFAULT_DRAFT_VOCAB = 6144
 
 
 @dataclass
@@ -56,7 +57,7 @@ class TrainOptions:
     out: Path
     conversations: int = 600
     max_len: int = 512
-    draft_vocab: int = 6144
+    draft_vocab: int | None = None  # None: 6144 for a new head, a start point's own size
     ttt_steps: int = 3
     decay: float = 0.8
     epochs: float = 2.0
@@ -93,14 +94,17 @@ def head_config(loaded, draft_vocab: int, capture: tuple[int, ...]) -> Eagle3Con
     )
 
 
-def choose_draft_vocab(feats: list[Features], vocab_size: int, size: int) -> np.ndarray:
-    """The `size` most frequent tokens the target predicts on assistant positions, id order."""
+def choose_draft_vocab(
+    feats: list[Features], vocab_size: int, size: int, sort: bool = True
+) -> np.ndarray:
+    """The `size` most frequent tokens the target predicts on assistant positions, in id
+    order (or by frequency, most frequent first)."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     for f in feats:
         np.add.at(counts, f.argmax[f.loss_mask], 1)
         np.add.at(counts, f.ids[f.loss_mask], 1)
     chosen = np.argsort(-counts, kind="stable")[:size]
-    return np.sort(chosen)
+    return np.sort(chosen) if sort else chosen
 
 
 def _shift(x: mx.array, by: int) -> mx.array:
@@ -171,7 +175,7 @@ class Trainer:
         if opts.init_from is not None:
             head = self._start_from(opts.init_from, loaded)
         else:
-            self.cfg = head_config(loaded, opts.draft_vocab, capture)
+            self.cfg = head_config(loaded, opts.draft_vocab or DEFAULT_DRAFT_VOCAB, capture)
             self.draft_ids = choose_draft_vocab(feats, self.cfg.vocab_size,
                                                 self.cfg.draft_vocab_size)  # fmt: skip
             self.cfg.draft_vocab_size = len(self.draft_ids)
@@ -201,7 +205,35 @@ class Trainer:
             )
         self.cfg = cfg
         self.draft_ids = np.arange(cfg.draft_vocab_size) + np.asarray(head.d2t)
+        wanted = self.opts.draft_vocab
+        if wanted is not None and wanted != cfg.draft_vocab_size:
+            head = self._grow_vocab(head, loaded, wanted)
         return head
+
+    def _grow_vocab(self, head: Eagle3Head, loaded, size: int) -> Eagle3Head:
+        """The start point's draft vocabulary plus the most frequent tokens it lacks, up to
+        `size`; a new token reads out through the target's own row, as a new head starts."""
+        cfg = self.cfg
+        if size < cfg.draft_vocab_size:
+            raise ValueError(
+                f"--draft-vocab {size} is smaller than the start point's "
+                f"{cfg.draft_vocab_size}; a vocabulary can grow, not shrink"
+            )
+        size = min(size, cfg.vocab_size)
+        old_ids = self.draft_ids
+        ranked = choose_draft_vocab(self.feats, cfg.vocab_size, cfg.vocab_size, sort=False)
+        extra = ranked[~np.isin(ranked, old_ids)][: size - len(old_ids)]
+        ids = np.sort(np.concatenate([old_ids, extra]))
+        rows = head_matrix(loaded.model).astype(mx.float32)[mx.array(ids)]
+        kept = np.searchsorted(ids, old_ids)
+        rows[mx.array(kept)] = head.lm_head.weight.astype(mx.float32)
+        cfg.draft_vocab_size = len(ids)
+        grown = Eagle3Head(cfg)
+        grown.update(head.parameters())  # every weight but the read-out keeps its shape
+        grown.lm_head.weight = rows
+        grown.d2t = mx.array(ids - np.arange(len(ids)), dtype=mx.int64)
+        self.draft_ids = ids
+        return grown
 
     def _loss(self, emb_next, rows, target_logp, valid):
         loss, logits = ttt_loss(
