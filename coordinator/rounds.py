@@ -266,7 +266,7 @@ async def run_rounds(
                 drafted = carried or await link.draft(position, k, plan.sampling, (), plan.tree)
             draft_done = time.perf_counter()
             steps = _plain_steps(plan, link, k, remaining)
-            if plan.overlap and link is not None and drafted.ids:
+            if plan.overlap and link is not None and drafted.ids and not drafted.parents:
                 verified = await _verify_and_predraft(
                     verifier, link, opened.session_id, position, drafted, plan.sampling
                 )

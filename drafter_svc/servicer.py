@@ -120,6 +120,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 f"the {self.proposer.kind} drafter cannot draft past "
                 "uncommitted tokens; send no speculative_ids"
             )
+        if len(speculative) > self.proposer.max_draft_tokens:
+            raise InvalidArgument(
+                f"{len(speculative)} speculative_ids; at most "
+                f"{self.proposer.max_draft_tokens} (the drafter's --max-draft-tokens)"
+            )
         tree = self._tree_shape(request)
         rows = _rows(request.hidden_rows)
         if self.proposer.capture_layers and new_ids and rows is None:

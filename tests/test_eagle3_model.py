@@ -149,6 +149,19 @@ def test_state_holds_committed_context_only():
     assert np.array_equal(np.array(state.keys), before[1])
 
 
+def test_drafting_past_speculative_ids_continues_the_chain():
+    head = tiny_head()
+    embedding, rows, tokens = sample_inputs(t=10)
+    drafter = Eagle3Drafter(head, embedding)
+    state = drafter.open(tokens[:8], rows[:7])
+    chain = drafter.chain(state, 5).ids
+    # fed the chain's own first drafts, the head continues where the chain went on
+    assert drafter.chain(state, 3, after=chain[:2]).ids == chain[2:5]
+    other = [(chain[0] + 1) % head.config.vocab_size]
+    assert drafter.chain(state, 2, after=other).ids != []  # any token can be drafted past
+    assert state.entries == 7 and state.tokens == tokens[:8]  # nothing of it is kept
+
+
 def test_tree_with_one_child_per_node_is_the_chain():
     head = tiny_head()
     embedding, rows, tokens = sample_inputs(t=10)

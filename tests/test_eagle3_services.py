@@ -69,7 +69,7 @@ def test_info_names_layers_and_binds_the_target(stack, plain):
     assert info.kind == "eagle3"
     assert list(info.capture_layers) == [0, 1]
     assert info.target_fingerprint == plain.identity.fingerprint
-    assert not info.accepts_speculative_ids
+    assert info.accepts_speculative_ids
     assert info.drafts_trees and info.max_tree_tokens > 0
 
 
@@ -164,3 +164,31 @@ def test_head_for_another_target_is_refused(other_tiny_model_dir, head_dir, tmp_
     text = proc.log_path.read_text()
     assert code != 0
     assert "trained for target" in text
+
+
+def test_overlap_drafting_is_lossless(stack, plain, tmp_path):
+    """The next chain drafted past the one being verified (coordinator --overlap-drafting);
+    tree rounds are verified without it. (A random head's drafts are never all accepted, so
+    no pre-drafted block is used here; test_real_drafters uses some.)"""
+    coordinator = spawn(
+        "coordinator",
+        [
+            "--verifier", stack.services["verifier"].address,
+            "--drafter", stack.services["drafter"].address,
+            "--overlap-drafting",
+        ],
+        log_dir=tmp_path,
+    )  # fmt: skip
+    try:
+        coordinator.wait_healthy(120)
+        client = CoordinatorClient(coordinator.address)
+        for prompt in PROMPTS:
+            for tree in (None, common_pb2.TreeShape(total_tokens=6, depth=3, top_k=2)):
+                request = make_request(prompt=prompt, max_tokens=40, num_draft_tokens=3)
+                if tree is not None:
+                    request.tree.CopyFrom(tree)
+                result = client.generate(request)
+                assert result.token_ids == _reference(plain, prompt, 40)
+        client.close()
+    finally:
+        coordinator.stop()

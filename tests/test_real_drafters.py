@@ -5,7 +5,7 @@ import pytest
 
 from coordinator.bench import plain_decode
 from specd.client import CoordinatorClient, make_request
-from specd.launch import Stack
+from specd.launch import Stack, spawn
 from specd.models.load import load_target
 from specd.prompts import encode_chat
 from specd.v1 import common_pb2
@@ -30,9 +30,9 @@ def references():
     return out
 
 
-def _check(stack, references, tree=None, **request):
-    client = CoordinatorClient(stack.coordinator)
-    rounds = accepted = 0
+def _check(stack, references, tree=None, coordinator=None, **request):
+    client = CoordinatorClient(coordinator or stack.coordinator)
+    rounds = accepted = predrafted = 0
     for ids, expected in references:
         req = make_request(prompt_ids=ids, max_tokens=TOKENS, **request)
         if tree is not None:
@@ -41,7 +41,10 @@ def _check(stack, references, tree=None, **request):
         assert got.token_ids == expected
         rounds += got.stats["rounds"]
         accepted += got.stats["accepted"]
+        predrafted += got.stats["predrafted_rounds"]
     client.close()
+    if coordinator is not None:
+        return predrafted
     return 1 + accepted / rounds
 
 
@@ -59,3 +62,23 @@ def test_shipped_drafter_is_lossless_and_accepted(kind, references, tmp_path):
             tree = common_pb2.TreeShape(total_tokens=12, depth=4, top_k=3)
             tree_tau = _check(stack, references, tree=tree, num_draft_tokens=4)
             assert tree_tau > 1.3
+            _check_overlap(stack, references, tmp_path)
+
+
+def _check_overlap(stack, references, tmp_path):
+    """Chains drafted past the one being verified: still lossless, and some are used."""
+    coordinator = spawn(
+        "coordinator",
+        [
+            "--verifier", stack.services["verifier"].address,
+            "--drafter", stack.services["drafter"].address,
+            "--overlap-drafting",
+        ],
+        log_dir=tmp_path / "overlap",
+    )  # fmt: skip
+    try:
+        coordinator.wait_healthy(120)
+        used = _check(stack, references, coordinator=coordinator.address, num_draft_tokens=1)
+        assert used > 0, "no pre-drafted block was ever used"
+    finally:
+        coordinator.stop()

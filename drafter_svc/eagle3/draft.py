@@ -119,27 +119,35 @@ class Eagle3Drafter:
         d = np.asarray(draft_ids, dtype=np.int64)
         return (d + self.d2t[d]).tolist()
 
-    def chain(self, state: Eagle3State, k: int) -> Proposal:
+    def chain(self, state: Eagle3State, k: int, after: list[int] = ()) -> Proposal:
+        """k drafts past the committed context, or past `after`: speculative tokens not yet
+        verified, which have no target rows, so each is fed with the head's own output as
+        its feature, as a chain's drafts are."""
         if not self.ready(state) or k <= 0:
             return Proposal([])
         position = state.entries  # of the first drafted entry
         keys, values = state.keys, state.values
         hidden = state.last_hidden
-        ids: list[int] = []
-        draft = int(mx.argmax(self.head.logits(hidden)).item())
-        ids.append(draft)
-        while len(ids) < k:
-            token = self._to_target([draft])[0]
+
+        def feed(token: int) -> None:
+            nonlocal keys, values, hidden, position
             emb = self.embedding[mx.array([token])][None]
             out, (k_new, v_new) = self.head.step(emb, hidden[None, None], position, (keys, values),
                                                  None)  # fmt: skip
             keys = mx.concatenate([keys, k_new], axis=2)
             values = mx.concatenate([values, v_new], axis=2)
             hidden = out[0, -1]
+            position += 1
+
+        for token in after:
+            feed(token)
+        ids: list[int] = []
+        while True:
             draft = int(mx.argmax(self.head.logits(hidden)).item())
             ids.append(draft)
-            position += 1
-        return Proposal(self._to_target(ids))
+            if len(ids) == k:
+                return Proposal(self._to_target(ids))
+            feed(self._to_target([draft])[0])
 
     def tree(self, state: Eagle3State, shape: TreeShape) -> Proposal:
         """Expand the top_k best nodes per depth (by cumulative log-prob), each with its top_k

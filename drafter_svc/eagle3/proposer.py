@@ -73,7 +73,7 @@ def target_embedding(target_dir: Path) -> mx.array:
 class Eagle3Proposer:
     kind = "eagle3"
     sends_draft_probs = False  # argmax drafting: q is one-hot
-    accepts_speculative_ids = False  # needs target rows for every context token
+    accepts_speculative_ids = True  # drafted past with the head's own features
 
     def __init__(self, drafter: Eagle3Drafter, options: Eagle3Options, source: str):
         self.drafter = drafter
@@ -100,8 +100,11 @@ class Eagle3Proposer:
 
     def propose(self, state, k: int, sampling=None, speculative=(), tree=None) -> Proposal:
         """A chain of k drafts, or a tree when `tree` (or the default shape) asks for one, at most
-        k deep (k is what adaptive speculation tunes)."""
+        k deep (k is what adaptive speculation tunes). Past speculative ids, always a chain: the
+        block a round drafts ahead while its verify runs."""
         shape = self.default_tree if tree is None else tree
+        if speculative:
+            return self.drafter.chain(state, k, list(speculative))
         if shape.total_tokens > 0:
             depth = min(shape.depth, k) if shape.depth else k
             return self.drafter.tree(
