@@ -7,21 +7,26 @@ Model (documented in docs/adaptive.md):
   both fitted online by least squares with forgetting; a size seen twice or more is priced
   by its own recent mean instead;
 - k = argmax over 0..k_max of expected tokens / (draft cost + verify cost), where k = 0 costs
-  no draft call. For draft trees k is the depth: acceptance is per depth (the path the target
-  keeps), and the verify costs the tree's size.
+  no draft call.
+- Draft trees choose their size n as well: the target's token is a node's r-th best drafted
+  child with probability p[r] (estimated per session from the paths the target kept), so the
+  best tree of n nodes expects the sum of its n largest path products (a greedy expansion
+  finds it), and n, with that tree's depth and fan-out, maximizes the same rate.
 - A session's acceptance estimate starts from the drafter's recent acceptance over all sessions
   (two pseudo-trials), or 1/2 until there are ten trials of evidence.
 - After `probe_every` rounds at k = 0 one round drafts `probe_tokens` (a cheap look: with a weak
-  drafter a full-length probe costs a long verify every few rounds; a tree probes one level
-  deep), so a session notices when drafts start matching; acceptance then raises k by itself.
-  Each probe that is wholly rejected doubles the wait before the next (up to
-  `probe_every_max`); an accepted draft resets it.
+  drafter a full-length probe costs a long verify every few rounds; a tree probe is the best
+  tree of `probe_tokens` nodes), so a session notices when drafts start matching;
+  acceptance then raises k by itself. Each probe that is wholly rejected doubles the wait
+  before the next (up to `probe_every_max`); an accepted draft resets it.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -93,6 +98,75 @@ class SpeculationCosts:
 
 
 @dataclass
+class TreeLimits:
+    """The largest tree a session may draft (the request's or the drafter's default shape)
+    and how to ask the drafter for one (`make(total_tokens=, depth=, top_k=)`)."""
+
+    total_tokens: int
+    depth: int  # 0: no limit but k
+    top_k: int
+    make: Callable[..., Any]
+
+
+@dataclass
+class RankAcceptance:
+    """p[r]: how often the target's token is a node's r-th best drafted child (r = 0: the
+    best, a chain's acceptance), over nodes that had an r-th child; decayed per round."""
+
+    hits: list[float]
+    trials: list[float]
+    decay: float = 0.9
+
+    @classmethod
+    def with_prior(cls, first: float, width: int, trials: float = 2.0) -> RankAcceptance:
+        # later ranks start at a fraction of the first: the EAGLE-3 head's top-2..4 add
+        # about a third, a tenth, a twentieth of its top-1 hits (docs/adaptive.md)
+        shares = [1.0, 0.3, 0.12, 0.08] + [0.05] * max(0, width - 4)
+        return cls([first * shares[r] * trials for r in range(width)], [trials] * width)
+
+    @property
+    def p(self) -> list[float]:
+        return [h / t for h, t in zip(self.hits, self.trials, strict=True)]
+
+    def observe_path(self, ids, parents, committed) -> None:
+        """One tree round: along the path the target kept, which child (best first) was its
+        token at each depth, until none was."""
+        self.hits = [h * self.decay for h in self.hits]
+        self.trials = [t * self.decay for t in self.trials]
+        node = -1
+        for token in committed:
+            children = [i for i, parent in enumerate(parents) if parent == node]
+            if not children:
+                return
+            for r in range(min(len(children), len(self.trials))):
+                self.trials[r] += 1
+            rank = next((r for r, i in enumerate(children) if ids[i] == token), None)
+            if rank is None:
+                return
+            if rank < len(self.hits):
+                self.hits[rank] += 1
+            node = children[rank]
+
+
+def best_trees(p: list[float], budget: int, max_depth: int) -> list[tuple[float, int, int]]:
+    """For n = 1..budget: (expected accepted drafts, depth, widest fan-out) of the best tree of
+    n nodes when a node's r-th child holds the target's token with probability p[r]. A child
+    is never worth more than its parent, so taking nodes by value keeps the tree closed."""
+    frontier = [(-p[r], 1, r) for r in range(len(p))]
+    heapq.heapify(frontier)
+    out: list[tuple[float, int, int]] = []
+    total, depth, width = 0.0, 0, 0
+    while frontier and len(out) < budget:
+        value, d, r = heapq.heappop(frontier)
+        total, depth, width = total - value, max(depth, d), max(width, r + 1)
+        out.append((total, depth, width))
+        if d < max_depth:
+            for child in range(len(p)):
+                heapq.heappush(frontier, (value * p[child], d + 1, child))
+    return out
+
+
+@dataclass
 class AdaptiveK:
     """Per session: acceptance estimate and the choice of k."""
 
@@ -107,8 +181,9 @@ class AdaptiveK:
     rounds_without_drafts: int = 0
     probe_wait: int = 0  # rounds at k = 0 before the next probe; 0 until set from probe_every
     probing: bool = False  # the round just chosen is a probe
-    # tokens a verify checks when k is asked: k for chains, the tree's size for trees
-    verified_tokens: Callable[[int], int] | None = None
+    tree: TreeLimits | None = None  # None: chains
+    ranks: RankAcceptance | None = None  # trees: set from the prior in for_session
+    tree_shape: Any = None  # the tree asked for by the round just chosen (trees only)
 
     @classmethod
     def for_session(cls, costs: SpeculationCosts, k_max: int, **options) -> AdaptiveK:
@@ -116,39 +191,58 @@ class AdaptiveK:
         drafter's recent sessions once there are enough of them."""
         prior_trials = cls.trials
         start = costs.acceptance.prior(cls.successes / prior_trials)
-        return cls(costs, k_max, successes=start * prior_trials, trials=prior_trials, **options)
+        chooser = cls(costs, k_max, successes=start * prior_trials, trials=prior_trials, **options)
+        if chooser.tree is not None and chooser.ranks is None:
+            chooser.ranks = RankAcceptance.with_prior(start, max(1, chooser.tree.top_k))
+        return chooser
 
     @property
     def acceptance(self) -> float:
         return self.successes / self.trials
 
     def choose(self, limit: int) -> int:
-        """k for the next round, at most `limit` (tokens still wanted - 1)."""
+        """k for the next round, at most `limit` (tokens still wanted - 1); for trees the depth,
+        with the whole shape in `tree_shape`."""
         k_max = min(self.k_max, limit)
         self.probing = False
+        self.tree_shape = None
         if k_max <= 0:
             return 0
-        if self.rounds_without_drafts >= (self.probe_wait or self.probe_every):
-            self.probing = True
-            return self._probe_depth(k_max)
+        probe = self.rounds_without_drafts >= (self.probe_wait or self.probe_every)
+        self.probing = probe
+        if self.tree is not None:
+            return self._choose_tree(k_max, probe)
+        if probe:
+            return min(k_max, self.probe_tokens)
         best_k, best_rate = 0, 1.0 / self.costs.verify.predict(1)
         for k in range(1, k_max + 1):
-            n = self.verified_tokens(k) if self.verified_tokens else k
-            seconds = self.costs.draft.predict(k) + self.costs.verify.predict(n + 1)
+            seconds = self.costs.draft.predict(k) + self.costs.verify.predict(k + 1)
             rate = expected_tokens(k, self.acceptance) / seconds
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
 
-    def _probe_depth(self, k_max: int) -> int:
-        """The deepest k whose verify checks at most `probe_tokens` drafts, and at least 1: a
-        chain probes `probe_tokens` deep, a tree one level (its second level is the dearest
-        verify there is)."""
-        size = self.verified_tokens or (lambda k: k)
-        k = min(k_max, self.probe_tokens)
-        while k > 1 and size(k) > self.probe_tokens:
-            k -= 1
-        return k
+    def _choose_tree(self, k_max: int, probe: bool) -> int:
+        """The tree size (and so depth and fan-out) of the best expected rate; a probe asks
+        for the best tree of `probe_tokens` nodes, whatever it costs."""
+        tree = self.tree
+        depth_limit = min(k_max, tree.depth) if tree.depth else k_max
+        options = best_trees(self.ranks.p, tree.total_tokens, depth_limit)
+        if not options:
+            return 0
+        if probe:
+            chosen = min(self.probe_tokens, len(options))
+        else:
+            chosen, best_rate = 0, 1.0 / self.costs.verify.predict(1)
+            for n, (accepted, depth, _) in enumerate(options, start=1):
+                seconds = self.costs.draft.predict(depth) + self.costs.verify.predict(n + 1)
+                if (1 + accepted) / seconds > best_rate:
+                    chosen, best_rate = n, (1 + accepted) / seconds
+            if chosen == 0:
+                return 0
+        _, depth, width = options[chosen - 1]
+        self.tree_shape = tree.make(total_tokens=chosen, depth=depth, top_k=width)
+        return depth
 
     def plain_rounds_ahead(self) -> int:
         """After `choose` gave 0 and no probe: rounds left before the next probe. Acceptance
@@ -159,6 +253,11 @@ class AdaptiveK:
     def observe_plain(self, rounds: int) -> None:
         """`rounds` tokens decoded in one call, none drafted."""
         self.rounds_without_drafts += rounds
+
+    def observe_tree(self, ids, parents, committed) -> None:
+        """After a tree round: which children held the target's tokens."""
+        if self.ranks is not None:
+            self.ranks.observe_path(ids, parents, committed)
 
     def observe(self, asked: int, drafted: int, accepted: int) -> None:
         """After a round: `asked` k, `drafted` tokens the drafter gave, `accepted` of them."""

@@ -263,7 +263,10 @@ async def run_rounds(
                 carried = link.take_carried(k)
                 if carried is not None:
                     stats.predrafted_rounds += 1
-                drafted = carried or await link.draft(position, k, plan.sampling, (), plan.tree)
+                tree = plan.tree
+                if plan.adaptive is not None and plan.adaptive.tree_shape is not None:
+                    tree = plan.adaptive.tree_shape
+                drafted = carried or await link.draft(position, k, plan.sampling, (), tree)
             draft_done = time.perf_counter()
             steps = _plain_steps(plan, link, k, remaining)
             if plan.overlap and link is not None and drafted.ids and not drafted.parents:
@@ -364,6 +367,8 @@ def _learn(
     called_drafter: bool,
 ) -> None:
     adaptive.observe(k, _path_length(drafted), verified.num_accepted)
+    if drafted.parents:
+        adaptive.observe_tree(drafted.ids, drafted.parents, verified.committed)
     adaptive.costs.verify.observe(len(drafted.ids) + 1, verify_s)
     if called_drafter:
         adaptive.costs.draft.observe(k, draft_s)

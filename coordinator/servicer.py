@@ -8,7 +8,7 @@ from contextlib import aclosing
 
 import grpc
 
-from coordinator.adaptive import AdaptiveK, SpeculationCosts
+from coordinator.adaptive import AdaptiveK, SpeculationCosts, TreeLimits
 from coordinator.clients import DrafterClient, UpstreamError, VerifierClient
 from coordinator.config import CoordinatorConfig
 from coordinator.failover import VerifierPool
@@ -190,7 +190,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         shape = tree if tree is not None else info.default_tree
         adaptive = None
         if self.config.adaptive and k > 0 and not pinned and not seeded:
-            adaptive = AdaptiveK.for_session(self.costs, k, verified_tokens=tree_size(shape))
+            adaptive = AdaptiveK.for_session(self.costs, k, tree=tree_limits(shape, info))
         overlap = self.config.overlap_drafting and info.accepts_speculative_ids
         return Plan(
             max_tokens=max_tokens,
@@ -307,15 +307,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         )
 
 
-def tree_size(shape):
-    """Drafts in a tree at most k deep (k -> count), or None for chains: top_k at depth 1, then
-    top_k expanded nodes with top_k children each, cut to total_tokens."""
+def tree_limits(shape, info) -> TreeLimits | None:
+    """What adaptive speculation may ask of a tree drafter: trees up to `shape`; None for
+    chains."""
     if shape is None or shape.total_tokens <= 0:
         return None
-    top_k = shape.top_k or 4
-
-    def size(k: int) -> int:
-        depth = min(k, shape.depth) if shape.depth else k
-        return min(shape.total_tokens, top_k + max(0, depth - 1) * top_k * top_k)
-
-    return size
+    default_top_k = info.default_tree.top_k if info.HasField("default_tree") else 0
+    return TreeLimits(
+        total_tokens=shape.total_tokens,
+        depth=shape.depth,
+        top_k=shape.top_k or default_top_k or 4,
+        make=type(shape),
+    )

@@ -1,6 +1,14 @@
 import pytest
 
-from coordinator.adaptive import AdaptiveK, LinearCost, SpeculationCosts, expected_tokens
+from coordinator.adaptive import (
+    AdaptiveK,
+    LinearCost,
+    RankAcceptance,
+    SpeculationCosts,
+    TreeLimits,
+    best_trees,
+    expected_tokens,
+)
 
 
 def test_linear_cost_recovers_a_line():
@@ -67,13 +75,58 @@ def test_probes_after_rounds_without_drafts_and_learns():
     assert k.acceptance > 0.9 and k.choose(100) == 8
 
 
-def test_a_tree_probes_one_level_deep():
-    k = chooser(0.02)
-    k.verified_tokens = lambda depth: min(16, 4 + (depth - 1) * 16)  # top-4, 16 tokens
+def test_best_trees_take_nodes_by_path_product():
+    chain = best_trees([0.5], budget=3, max_depth=8)  # one child per node: a chain
+    assert [round(e, 3) for e, _, _ in chain] == [0.5, 0.75, 0.875]
+    assert [(d, w) for _, d, w in chain] == [(1, 1), (2, 1), (3, 1)]
+    wide = best_trees([0.4, 0.2], budget=3, max_depth=8)
+    # the second-best root child (0.2) beats the best child's child (0.16), then the latter
+    assert [round(e, 3) for e, _, _ in wide] == [0.4, 0.6, 0.76]
+    assert [(d, w) for _, d, w in wide] == [(1, 1), (1, 2), (2, 2)]
+    assert [d for _, d, _ in best_trees([0.9], budget=5, max_depth=2)] == [1, 2]  # depth-capped
+
+
+def test_rank_acceptance_follows_the_kept_path():
+    ranks = RankAcceptance([0.0] * 3, [0.0] * 3, decay=1.0)
+    ids = [10, 11, 12, 20, 21]
+    parents = [-1, -1, -1, 1, 1]  # three root children; two under the second
+    ranks.observe_path(ids, parents, [11, 21, 99])  # 2nd child, then 2nd child, then a leaf
+    assert ranks.hits == [0, 2, 0] and ranks.trials == [2, 2, 1]
+    ranks.observe_path(ids, parents, [13, 5])  # no root child held the target's token
+    assert ranks.hits == [0, 2, 0] and ranks.trials == [3, 3, 2]
+
+
+def tree_chooser(p: list[float]) -> AdaptiveK:
+    costs = SpeculationCosts()
+    # this CPU's concave verify: 4 tokens ~1.3x one, 16 tokens ~1.85x (docs/benchmarks.md)
+    for n, seconds in ((1, 0.060), (2, 0.071), (3, 0.075), (4, 0.078), (5, 0.080), (17, 0.111)):
+        for _ in range(3):
+            costs.verify.observe(n, seconds)
+    for _ in range(3):
+        costs.draft.observe(1, 0.004)
+        costs.draft.observe(2, 0.006)
+    limits = TreeLimits(total_tokens=16, depth=5, top_k=4, make=dict)
+    ranks = RankAcceptance([x * 100 for x in p], [100.0] * len(p))
+    return AdaptiveK(costs, k_max=5, tree=limits, ranks=ranks)
+
+
+def test_trees_choose_their_size_from_rank_acceptance_and_cost():
+    assert tree_chooser([0.05, 0.02, 0.01, 0.01]).choose(100) == 0  # nothing pays
+    assert tree_chooser([0.05, 0.02, 0.01, 0.01]).tree_shape is None
+    wide = tree_chooser([0.40, 0.20, 0.10, 0.08])  # the runners-up often right: go wide
+    assert wide.choose(100) >= 1 and wide.tree_shape["top_k"] >= 2
+    deep = tree_chooser([0.95, 0.01, 0.01, 0.01])  # the best guess nearly always right
+    assert deep.choose(100) == 5 and deep.tree_shape["top_k"] == 1
+    assert deep.choose(2) == 2 and deep.tree_shape["depth"] == 2  # never past what is wanted
+
+
+def test_a_tree_probe_asks_for_a_tree_of_probe_tokens_nodes():
+    k = tree_chooser([0.05, 0.02, 0.01, 0.01])
     for _ in range(k.probe_every):
         assert k.choose(100) == 0
         k.observe(0, 0, 0)
-    assert k.choose(100) == 1  # 4 tokens, not the 16 of depth 2
+    assert k.choose(100) >= 1 and k.probing
+    assert k.tree_shape["total_tokens"] == k.probe_tokens  # 2 nodes, not a 16-token tree
 
 
 def test_rejected_probes_back_off_and_an_accepted_one_resets():
