@@ -107,6 +107,14 @@ class TreeLimits:
     top_k: int
     make: Callable[..., Any]
 
+    @classmethod
+    def of(cls, shape, default_top_k: int = 0) -> TreeLimits | None:
+        """Limits from a tree shape (a TreeShape message or dataclass); None for chains."""
+        if shape is None or shape.total_tokens <= 0:
+            return None
+        top_k = shape.top_k or default_top_k or 4
+        return cls(shape.total_tokens, shape.depth, top_k, make=type(shape))
+
 
 @dataclass
 class RankAcceptance:

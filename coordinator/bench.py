@@ -234,7 +234,7 @@ def in_process_runner(args, name: str):
     """The same round loop with no gRPC (coordinator/local.py), for the cost of the split."""
     import asyncio
 
-    from coordinator.adaptive import AdaptiveK, SpeculationCosts
+    from coordinator.adaptive import AdaptiveK, SpeculationCosts, TreeLimits
     from coordinator.local import LocalDrafter, LocalVerifier
     from coordinator.rounds import Plan, RoundStats, run_rounds
     from drafter_svc.config import DrafterConfig, drafter_options
@@ -258,7 +258,10 @@ def in_process_runner(args, name: str):
 
     def run(prompt_ids) -> tuple[float, RoundStats]:
         k = (pinned_k(name)[1] or drafter.proposer.default_draft_tokens) if drafter else 0
-        adaptive = AdaptiveK.for_session(costs, k) if adaptive_for(args, name) and k else None
+        adaptive = None
+        if adaptive_for(args, name) and k:
+            tree = TreeLimits.of(getattr(drafter.proposer, "default_tree", None))
+            adaptive = AdaptiveK.for_session(costs, k, tree=tree)
         plan = Plan(
             args.max_tokens,
             k,

@@ -190,7 +190,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         shape = tree if tree is not None else info.default_tree
         adaptive = None
         if self.config.adaptive and k > 0 and not pinned and not seeded:
-            adaptive = AdaptiveK.for_session(self.costs, k, tree=tree_limits(shape, info))
+            default_top_k = info.default_tree.top_k if info.HasField("default_tree") else 0
+            limits = TreeLimits.of(shape, default_top_k)
+            adaptive = AdaptiveK.for_session(self.costs, k, tree=limits)
         overlap = self.config.overlap_drafting and info.accepts_speculative_ids
         return Plan(
             max_tokens=max_tokens,
@@ -305,17 +307,3 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         yield coordinator_pb2.GenerateResponse(
             text=text.finish(), finish_reason=reason, stats=stats_message(stats)
         )
-
-
-def tree_limits(shape, info) -> TreeLimits | None:
-    """What adaptive speculation may ask of a tree drafter: trees up to `shape`; None for
-    chains."""
-    if shape is None or shape.total_tokens <= 0:
-        return None
-    default_top_k = info.default_tree.top_k if info.HasField("default_tree") else 0
-    return TreeLimits(
-        total_tokens=shape.total_tokens,
-        depth=shape.depth,
-        top_k=shape.top_k or default_top_k or 4,
-        make=type(shape),
-    )

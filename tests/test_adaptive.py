@@ -182,3 +182,12 @@ def test_new_sessions_start_from_the_drafters_recent_acceptance():
         costs.draft.observe(1, 0.0067)
     assert later.choose(100) == 0
     assert AdaptiveK(costs, k_max=8).choose(100) > 0  # the fixed prior would have
+
+
+def test_tree_limits_come_from_a_shape_and_make_the_same_kind():
+    from drafter_svc.proposal import TreeShape
+
+    assert TreeLimits.of(None) is None and TreeLimits.of(TreeShape(total_tokens=0)) is None
+    limits = TreeLimits.of(TreeShape(total_tokens=12, depth=0, top_k=0), default_top_k=3)
+    assert (limits.total_tokens, limits.depth, limits.top_k) == (12, 0, 3)
+    assert limits.make(total_tokens=2, depth=1, top_k=2) == TreeShape(2, 1, 2)
