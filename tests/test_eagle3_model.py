@@ -173,6 +173,21 @@ def test_tree_with_one_child_per_node_is_the_chain():
     assert tree.parents == [-1, 0, 1, 2]
 
 
+def test_a_one_child_tree_is_drafted_as_the_chain_it_is():
+    from drafter_svc.eagle3.proposer import Eagle3Options, Eagle3Proposer
+
+    head = tiny_head()
+    embedding, rows, tokens = sample_inputs(t=10)
+    drafter = Eagle3Drafter(head, embedding)
+    proposer = Eagle3Proposer(drafter, Eagle3Options(), "test")
+    state = drafter.open(tokens[:8], rows[:7])
+    chain = drafter.chain(state, 3)
+    narrow = proposer.propose(state, 3, tree=TreeShape(total_tokens=16, depth=5, top_k=1))
+    single = proposer.propose(state, 3, tree=TreeShape(total_tokens=1, depth=5, top_k=4))
+    assert narrow.ids == chain.ids and narrow.parents is None  # verified as a plain chain
+    assert single.ids == chain.ids[:1] and single.parents is None
+
+
 def test_tree_is_ancestor_closed_parents_first_within_budget():
     head = tiny_head()
     embedding, rows, tokens = sample_inputs(t=10)
