@@ -2,6 +2,7 @@
 coordinator-drafter link (benchmarks/delay_proxy.py), same prompts, side by side.
 
     python benchmarks/latency_hiding.py --questions mt-bench --every 8 --delays 1,5
+    python benchmarks/latency_hiding.py --drafter eagle3 --num-draft-tokens 1
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--delays", default="1,5", help="one-way delays in ms")
     parser.add_argument("--target")
+    parser.add_argument("--drafter", default="ngram", choices=["ngram", "eagle3"],
+                        help="a drafter that drafts past speculative ids")  # fmt: skip
+    parser.add_argument("--num-draft-tokens", type=int, default=0,
+                        help="k pinned per request; 0: adaptive")  # fmt: skip
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="specd-latency-"))
     tokenizer = load_target(args.target, "auto").tokenizer
@@ -39,7 +44,8 @@ def main() -> None:
     ]
     target_args = ["--model", args.target] if args.target else []
     verifier = spawn("verifier", target_args, log_dir=logs / "v")
-    drafter = spawn("drafter", ["--kind", "ngram"], log_dir=logs / "d")
+    drafter_target = ["--target", args.target] if args.target else []
+    drafter = spawn("drafter", ["--kind", args.drafter, *drafter_target], log_dir=logs / "d")
     processes, results = [verifier, drafter], []
     try:
         verifier.wait_healthy(600)
@@ -77,7 +83,11 @@ def main() -> None:
                     for mode, client in clients.items():  # alternate: noise hits both alike
                         start = time.perf_counter()
                         outs[mode] = client.generate(
-                            make_request(prompt_ids=prompt, max_tokens=args.max_tokens)
+                            make_request(
+                                prompt_ids=prompt,
+                                max_tokens=args.max_tokens,
+                                num_draft_tokens=args.num_draft_tokens or None,
+                            )
                         )
                         seconds[mode] += time.perf_counter() - start
                     tokens += len(outs["sync"].token_ids)
@@ -85,6 +95,8 @@ def main() -> None:
                     predrafted += outs["overlap"].stats.get("predrafted_rounds", 0)
                     rounds += outs["overlap"].stats["rounds"]
                 row = {
+                    "drafter": args.drafter,
+                    "k": args.num_draft_tokens or "adaptive",
                     "delay_ms": delay,
                     "questions": len(prompts),
                     "tokens": tokens,
