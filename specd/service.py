@@ -13,7 +13,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from google.protobuf import message_factory
@@ -263,20 +263,21 @@ class MlxThread:
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
-        # the worker runs jobs in order: when the newest is done, all are, even those whose
-        # caller was cancelled while its job ran on
-        self._newest: Future | None = None
+        self._pending = 0  # jobs handed to the worker and not yet collected
 
     async def run(self, fn: Callable, *args):
-        self._newest = self._pool.submit(fn, *args)
-        return await asyncio.wrap_future(self._newest)
+        self._pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self._pending -= 1
 
     async def run_round(self, fn: Callable, *args):
         """One round's job (a draft, a verify: tens of ms at most). With the worker idle it
         runs on the event loop's own thread: the hop to the worker and back costs ~0.25 ms,
         which is as much as a small draft. Behind other jobs it queues on the worker, in
         order."""
-        if self._newest is not None and not self._newest.done():
+        if self._pending:
             return await self.run(fn, *args)
         return fn(*args)
 

@@ -1,10 +1,7 @@
-import asyncio
-import threading
-
 import grpc
 import pytest
 
-from specd.service import FailedPrecondition, MlxThread, ResourceExhausted, SessionTable
+from specd.service import FailedPrecondition, ResourceExhausted, SessionTable
 
 
 def test_session_table_limits_and_unknown_ids():
@@ -60,36 +57,3 @@ def test_a_port_in_use_is_refused_not_shared():
     asyncio.run(hold_and_try_again())
     ports = free_ports(8)
     assert len(set(ports)) == 8
-
-
-def test_a_round_job_runs_inline_only_when_the_mlx_worker_is_idle():
-    ran: list[tuple[str, str]] = []
-
-    async def main():
-        mlx = MlxThread()
-        started, release = threading.Event(), threading.Event()
-
-        def long_job():
-            started.set()
-            release.wait(10)
-            ran.append(("long", threading.current_thread().name))
-
-        def round_job():
-            ran.append(("round", threading.current_thread().name))
-
-        waiting = asyncio.ensure_future(mlx.run(long_job))
-        while not started.is_set():
-            await asyncio.sleep(0.001)
-        waiting.cancel()  # its caller gives up; the job itself runs on
-        queued = asyncio.ensure_future(mlx.run_round(round_job))
-        await asyncio.sleep(0.05)
-        assert ran == []  # not beside the running job
-        release.set()
-        await queued
-        await mlx.run_round(round_job)  # the worker is idle: on the loop's own thread
-        mlx.shutdown()
-
-    asyncio.run(main())
-    main_thread = threading.current_thread().name
-    assert [what for what, _ in ran] == ["long", "round", "round"]
-    assert ran[1][1] != main_thread and ran[2][1] == main_thread
