@@ -258,28 +258,13 @@ class SessionTable:
 
 
 class MlxThread:
-    """All MLX work of a process, one job at a time. Long jobs (loading, prefill) run on a
-    worker thread so the event loop keeps answering meanwhile."""
+    """All MLX work of a process runs here, one job at a time, off the event loop."""
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
-        self._pending = 0  # jobs handed to the worker and not yet collected
 
     async def run(self, fn: Callable, *args):
-        self._pending += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-        finally:
-            self._pending -= 1
-
-    async def run_round(self, fn: Callable, *args):
-        """One round's job (a draft, a verify: tens of ms at most). With the worker idle it
-        runs on the event loop's own thread: the hop to the worker and back costs ~0.25 ms,
-        which is as much as a small draft. Behind other jobs it queues on the worker, in
-        order."""
-        if self._pending:
-            return await self.run(fn, *args)
-        return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def shutdown(self):
         self._pool.shutdown(wait=False, cancel_futures=True)
