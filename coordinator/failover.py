@@ -24,18 +24,28 @@ from specd.v1 import common_pb2
 log = logging.getLogger("specd.failover")
 
 
+# INTERNAL from gRPC's transport, not from a servicer (whose INTERNAL reads "internal error:
+# ..."): seen when a stopping verifier's process ends while a stream is still open
+TRANSPORT_FAILURES = ("Internal error from Core", "RST_STREAM")
+
+
 def session_lost(err: UpstreamError) -> bool:
     """The verifier is gone, hung, stopping (it cancels calls still open when its grace period
     ends; we never cancel an upstream call we still wait for), or restarted without our
-    session."""
+    session. Re-opening elsewhere is always safe: the committed tokens are kept here."""
     code = err.code
     gone = (
         grpc.StatusCode.UNAVAILABLE,
         grpc.StatusCode.DEADLINE_EXCEEDED,
         grpc.StatusCode.CANCELLED,
     )
-    return code in gone or (
-        code == grpc.StatusCode.FAILED_PRECONDITION and "unknown session" in err.message
+    return (
+        code in gone
+        or (code == grpc.StatusCode.FAILED_PRECONDITION and "unknown session" in err.message)
+        or (
+            code == grpc.StatusCode.INTERNAL
+            and any(marker in err.message for marker in TRANSPORT_FAILURES)
+        )
     )
 
 
