@@ -127,6 +127,20 @@ def test_bad_inputs_get_clear_errors(stack):
             )
         )  # fmt: skip
         assert len(ok.draft_ids) == 5 and len(ok.draft_parents) == 5
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Draft(
+                drafter_pb2.DraftRequest(
+                    session_id=sid, position=3, num_draft_tokens=2, speculative_ids=[5] * 17
+                )
+            )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "speculative_ids" in err.value.details()
+        past = stub.Draft(
+            drafter_pb2.DraftRequest(
+                session_id=sid, position=3, num_draft_tokens=2, speculative_ids=[5, 6]
+            )
+        )
+        assert len(past.draft_ids) == 2 and not past.draft_parents  # a chain past them
 
 
 def test_tree_verify_refuses_bad_parents(stack):
