@@ -263,9 +263,12 @@ class AdaptiveK:
         self.rounds_without_drafts += rounds
 
     def observe_tree(self, ids, parents, committed) -> None:
-        """After a tree round: which children held the target's tokens."""
-        if self.ranks is not None:
-            self.ranks.observe_path(ids, parents, committed)
+        """After a round of a tree session: which children held the target's tokens. A
+        one-child-per-node tree comes back as a chain (parents None)."""
+        if self.ranks is None or not ids:
+            return
+        parents = parents or list(range(-1, len(ids) - 1))
+        self.ranks.observe_path(ids, parents, committed)
 
     def observe(self, asked: int, drafted: int, accepted: int) -> None:
         """After a round: `asked` k, `drafted` tokens the drafter gave, `accepted` of them."""

@@ -367,10 +367,7 @@ def _learn(
     called_drafter: bool,
 ) -> None:
     adaptive.observe(k, _path_length(drafted), verified.num_accepted)
-    if adaptive.tree is not None and drafted.ids:
-        # a one-child-per-node tree comes back as a chain
-        parents = drafted.parents or list(range(-1, len(drafted.ids) - 1))
-        adaptive.observe_tree(drafted.ids, parents, verified.committed)
+    adaptive.observe_tree(drafted.ids, drafted.parents, verified.committed)
     adaptive.costs.verify.observe(len(drafted.ids) + 1, verify_s)
     if called_drafter:
         adaptive.costs.draft.observe(k, draft_s)
