@@ -7,13 +7,15 @@ import asyncio
 import functools
 import json
 import logging
+import queue
 import resource
 import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 
 import grpc
 from google.protobuf import message_factory
@@ -258,16 +260,56 @@ class SessionTable:
 
 
 class MlxThread:
-    """All MLX work of a process runs here, one job at a time, off the event loop."""
+    """All MLX work of a process runs here, one job at a time, off the event loop.
+
+    The thread is a daemon that stays parked until the process ends rather than exiting: an
+    exiting thread destroys MLX's thread-local compile cache, whose destructor takes the GIL, and
+    if the interpreter is finalizing by then the process aborts ("terminate called without an
+    active exception", exit status 134).
+    """
 
     def __init__(self):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        threading.Thread(target=self._work, name="mlx", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # the caller gets it, as from an executor
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+    def submit(self, fn: Callable, *args) -> Future:
+        if self._closed:
+            raise RuntimeError("the MLX thread is shut down")
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
 
     async def run(self, fn: Callable, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await asyncio.wrap_future(self.submit(fn, *args))
 
-    def shutdown(self):
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def shutdown(self) -> None:
+        """Cancel queued jobs and wait for the running one, so no MLX work overlaps the
+        interpreter's finalization; the thread itself stays parked."""
+        if self._closed:
+            return
+        self._closed = True
+        while True:
+            try:
+                future, _, _ = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            future.cancel()
+        idle: Future = Future()
+        self._jobs.put((idle, lambda: None, ()))
+        idle.result()
 
 
 def _status_kib(field: str) -> int | None:
