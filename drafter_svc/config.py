@@ -39,6 +39,7 @@ def drafter_options(
     tree_depth: int | None = None,
     tree_top_k: int | None = None,
     block_size: int | None = None,
+    draft_vocab: int | None = None,
 ) -> dict:
     """The kind-specific parts of a DrafterConfig from command-line style options (None: the
     default); ValueError names the bad option."""
@@ -70,7 +71,9 @@ def drafter_options(
         )
     if block_size is not None and block_size < 2:
         raise ValueError("--block-size must be >= 2 (the last token and one draft)")
-    dflash = DFlashOptions(weights=weights, block_size=block_size or 0)
+    if draft_vocab is not None and draft_vocab < 0:
+        raise ValueError("--draft-vocab must be >= 0 (0: the whole vocabulary)")
+    dflash = DFlashOptions(weights=weights, block_size=block_size or 0, draft_vocab=draft_vocab)
     if num_draft_tokens and kind == "dflash":
         dflash.block_size = dflash.block_size or num_draft_tokens + 1
     return {"kind": kind, "ngram": ngram, "eagle3": eagle3, "dflash": dflash}

@@ -135,7 +135,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             )
         start = time.perf_counter()
         try:
-            proposal = await self.mlx.run(
+            proposal = await self.mlx.run_round(
                 self._extend_and_propose, session, new_ids, rows, k, request.sampling,
                 speculative, tree,
             )  # fmt: skip

@@ -117,6 +117,12 @@ def _add_serve(sub) -> None:
         help="dflash: default block (drafts = block - 1; default: the drafter's config)",
     )
     d.add_argument(
+        "--draft-vocab",
+        type=int,
+        help="dflash: read out only the N most frequent tokens of the drafter's draft "
+        "vocabulary (default: all it lists; 0: the whole vocabulary)",
+    )
+    d.add_argument(
         "--tree-total-tokens",
         type=int,
         help="eagle3: draft trees of this many tokens by default (0: chains)",
@@ -214,7 +220,7 @@ def _serve(args) -> int:
             options = drafter_options(
                 args.kind, args.num_draft_tokens, args.ngram_min_n, args.ngram_max_n,
                 args.weights, args.tree_total_tokens, args.tree_depth, args.tree_top_k,
-                args.block_size,
+                args.block_size, args.draft_vocab,
             )  # fmt: skip
         except ValueError as exc:
             print(f"specd: {exc}", file=sys.stderr)
@@ -517,6 +523,13 @@ def _add_train(sub) -> None:
     df.add_argument("--block-size", type=int, default=8, help="block trained for")
     df.add_argument("--layers", type=int, default=2, help="drafter decoder layers")
     df.add_argument("--anchors", type=int, default=16, help="blocks per training step")
+    df.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=8192,
+        help="list the N tokens the target most often predicts in the data (draft_vocab.npy): "
+        "the drafter reads out only those, a few times cheaper (0: no list, the whole vocabulary)",
+    )
     df.add_argument("--gamma", type=float, default=0.0,
                     help="position j weighs exp(-(j-1)/gamma); 0: by block size")  # fmt: skip
 

@@ -13,7 +13,7 @@ from tiny import make_tiny_dflash_dir
 from coordinator.bench import plain_decode
 from drafter_svc.checkpoints import CheckpointError
 from drafter_svc.dflash.draft import BlockDrafter
-from drafter_svc.dflash.model import load_drafter, save_drafter
+from drafter_svc.dflash.model import load_drafter, save_draft_vocab, save_drafter
 from specd.client import CoordinatorClient, make_request
 from specd.launch import Stack, spawn
 from specd.models.load import load_target
@@ -113,6 +113,83 @@ def test_sampled_drafts_come_with_their_distributions(block):
     assert len(p.ids) == 3 and p.probs.shape == (3, block.cfg.vocab_size)
     assert np.allclose(p.probs.sum(1), 1, atol=1e-4)
     assert all(p.probs[i, t] > 0 for i, t in enumerate(p.ids))
+
+
+def test_frequency_ranked_readout_drafts_the_best_listed_token(block):
+    state = block.open([1, 2, 3, 4], rows_for(3, block.row_width))
+    full = np.array(block.block_logits(state, 5))
+    best = full.argmax(1)
+    vocab = block.cfg.vocab_size
+    unlisted = int(best[0])  # the full head's first choice is left out of the list
+    listed = np.array([t for t in range(vocab) if t != unlisted and t % 3 != 1])
+    part = BlockDrafter(block.model, block.embedding, block.lm_head, readout_ids=listed[::-1])
+    got = part.propose(state, 4).ids
+    assert got == [int(listed[full[i, listed].argmax()]) for i in range(4)]
+    assert got[0] != unlisted
+    sampled = part.propose(state, 4, temperature=1.0, rng=np.random.default_rng(2))
+    assert sampled.probs.shape == (4, vocab) and np.allclose(sampled.probs.sum(1), 1, atol=1e-4)
+    outside = np.setdiff1d(np.arange(vocab), listed)
+    assert not sampled.probs[:, outside].any() and set(sampled.ids) <= set(listed.tolist())
+
+
+def test_draft_vocab_options_are_checked(drafter_dir, tiny_model_dir, tmp_path):
+    import shutil
+
+    from drafter_svc.config import DrafterConfig, drafter_options
+    from drafter_svc.server import make_proposer
+
+    def proposer(weights, n=None):
+        options = drafter_options("dflash", weights=weights, draft_vocab=n)
+        return make_proposer(DrafterConfig(**options, target=str(tiny_model_dir)))
+
+    assert proposer(drafter_dir).params()["draft_vocab"] == "all"
+    with pytest.raises(CheckpointError, match="has no draft_vocab.npy"):
+        proposer(drafter_dir, 10)
+    listed = tmp_path / "listed"
+    shutil.copytree(drafter_dir, listed)
+    save_draft_vocab(listed, [5, 9, 2, 7])
+    assert proposer(listed).params()["draft_vocab"] == "4"
+    assert proposer(listed, 2).drafter.readout_ids.tolist() == [5, 9]
+    assert proposer(listed, 0).params()["draft_vocab"] == "all"
+    with pytest.raises(CheckpointError, match="lists 4 tokens"):
+        proposer(listed, 5)
+    save_draft_vocab(listed, [5, 5])
+    with pytest.raises(CheckpointError, match="repeat"):
+        proposer(listed)
+    with pytest.raises(ValueError, match="--draft-vocab"):
+        drafter_options("dflash", draft_vocab=-1)
+
+
+@pytest.fixture(scope="module")
+def listed_drafter_dir(drafter_dir, tiny_model_dir, tmp_path_factory):
+    import shutil
+
+    listed = tmp_path_factory.mktemp("listed") / "d"
+    shutil.copytree(drafter_dir, listed)
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    save_draft_vocab(listed, np.random.default_rng(3).permutation(vocab)[: vocab // 2])
+    return listed
+
+
+def test_greedy_output_with_a_readout_list_equals_plain_decoding(
+    tiny_model_dir, listed_drafter_dir, tmp_path
+):
+    plain = load_target(str(tiny_model_dir), "float32")
+    with Stack(
+        target=str(tiny_model_dir),
+        drafter="dflash",
+        drafter_args=["--weights", str(listed_drafter_dir)],
+        startup_timeout_s=120,
+        log_dir=tmp_path,
+    ) as s:
+        client = CoordinatorClient(s.coordinator)
+        for prompt in PROMPTS:
+            ids = plain.tokenizer.encode(prompt)
+            ref = plain_decode(plain.model, ids, 40, set(plain.identity.eos_token_ids)).token_ids
+            result = client.generate(make_request(prompt=prompt, max_tokens=40, num_draft_tokens=3))
+            assert result.token_ids == ref, prompt
+            assert result.stats["drafted"] > 0
+        client.close()
 
 
 @pytest.fixture(scope="module")

@@ -115,3 +115,43 @@ def test_mlx_thread_cancels_queued_jobs_at_shutdown_and_refuses_new_ones():
         assert await MlxThread().run(divmod, 7, 2) == (3, 1)
 
     asyncio.run(main())
+
+
+def test_a_round_job_runs_inline_only_when_the_mlx_worker_is_idle():
+    import asyncio
+    import threading
+
+    from specd.service import MlxThread
+
+    ran: list[tuple[str, str]] = []
+
+    async def main():
+        mlx = MlxThread()
+        started, release = threading.Event(), threading.Event()
+
+        def long_job():
+            started.set()
+            release.wait(10)
+            ran.append(("long", threading.current_thread().name))
+
+        def round_job():
+            ran.append(("round", threading.current_thread().name))
+
+        waiting = asyncio.ensure_future(mlx.run(long_job))
+        cancelled_while_queued = asyncio.ensure_future(mlx.run(round_job))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        waiting.cancel()  # its caller gives up; the job itself runs on
+        cancelled_while_queued.cancel()  # never runs, yet the worker is still busy
+        queued = asyncio.ensure_future(mlx.run_round(round_job))
+        await asyncio.sleep(0.05)
+        assert ran == []  # not beside the running job
+        release.set()
+        await queued
+        await mlx.run_round(round_job)  # the worker is idle: on the loop's own thread
+        mlx.shutdown()
+
+    asyncio.run(main())
+    main_thread = threading.current_thread().name
+    assert [what for what, _ in ran] == ["long", "round", "round"]
+    assert ran[1][1] != main_thread and ran[2][1] == main_thread

@@ -187,7 +187,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
         if steps > 1 and drafts:
             raise InvalidArgument("plain_steps > 1 takes no drafts: send them in their own call")
-        result = await self.mlx.run(
+        result = await self.mlx.run_round(
             self._verify_in_order, target, session, request.position, drafts, probs, parents,
             steps,
         )  # fmt: skip

@@ -46,11 +46,21 @@ class DFlashState:
 
 
 class BlockDrafter:
-    def __init__(self, model: DFlashDrafter, embedding: mx.array, lm_head: mx.array):
+    def __init__(
+        self, model: DFlashDrafter, embedding: mx.array, lm_head: mx.array, readout_ids=None
+    ):
+        """readout_ids: read out only these target tokens (drafts never leave them). The full
+        head is ~113 MB in float32 and reading it dominated a draft on CPU."""
         self.model = model
         self.cfg = model.config
         self.embedding = embedding  # the target's [V, H]
-        self.lm_head = lm_head  # the target's [V, H]
+        self.vocab_size = lm_head.shape[0]
+        self.readout_ids = None
+        if readout_ids is not None:
+            self.readout_ids = np.sort(np.asarray(readout_ids, dtype=np.int64))
+            lm_head = lm_head[mx.array(self.readout_ids)]
+            mx.eval(lm_head)
+        self.lm_head = lm_head  # the target's [V, H], or the readout tokens' rows of it
         self.row_width = len(self.cfg.target_layer_ids) * self.cfg.feature_size
 
     def open(self, context_ids: list[int], rows) -> DFlashState:
@@ -84,7 +94,8 @@ class BlockDrafter:
         return state.entries > 0 and state.entries == len(state.tokens) - 1
 
     def block_logits(self, state: DFlashState, size: int) -> mx.array:
-        """Logits [size - 1, V] for the block [last token, MASK x (size - 1)]."""
+        """Logits [size - 1, V] for the block [last token, MASK x (size - 1)], over the
+        readout tokens only when the drafter has them."""
         n = len(state.tokens) - 1  # position of the last committed token
         block = mx.array([state.tokens[-1]] + [self.cfg.mask_token_id] * (size - 1))
         hidden = self.model(self.embedding[block][None], n, state.context())
@@ -96,10 +107,19 @@ class BlockDrafter:
             return Proposal([])
         logits = self.block_logits(state, k + 1).astype(mx.float32)
         if temperature <= 0:
-            return Proposal(mx.argmax(logits, axis=-1).tolist())
+            return Proposal(self._target_ids(np.array(mx.argmax(logits, axis=-1))))
         # each position is drafted independently of the sampled ones before it, so its own
         # distribution q_j is the proposal the acceptance rule needs
         q = np.array(mx.softmax(logits / temperature, axis=-1))
         rng = rng or np.random.default_rng()
-        ids = [int(rng.choice(q.shape[1], p=row / row.sum())) for row in q]
+        ids = self._target_ids(np.array([rng.choice(q.shape[1], p=row / row.sum()) for row in q]))
+        if self.readout_ids is not None:  # q is 0 on tokens outside the readout
+            full = np.zeros((len(q), self.vocab_size), dtype=np.float32)
+            full[:, self.readout_ids] = q
+            q = full
         return Proposal(ids, probs=q.astype(np.float32))
+
+    def _target_ids(self, index: np.ndarray) -> list[int]:
+        if self.readout_ids is None:
+            return [int(i) for i in index]
+        return [int(i) for i in self.readout_ids[index]]

