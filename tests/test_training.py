@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from drafter_svc.dflash.model import load_drafter
+from drafter_svc.dflash.model import load_draft_vocab, load_drafter
 from drafter_svc.dflash.train import DFlashOptions
 from drafter_svc.dflash.train import train as train_dflash
 from drafter_svc.eagle3.model import load_head
@@ -59,11 +59,14 @@ def test_dflash_training_writes_a_loadable_drafter(tiny_model_dir, data, tmp_pat
     out = tmp_path / "dflash"
     summary = train_dflash(
         DFlashOptions(target=str(tiny_model_dir), out=out, conversations=6, max_len=64,
-                      block_size=4, layers=1, anchors=4, epochs=1, warmup=2, data=data)
+                      block_size=4, layers=1, anchors=4, epochs=1, warmup=2, data=data,
+                      draft_vocab=20)
     )  # fmt: skip
     assert summary["steps"] == 6
     model = load_drafter(out)
     cfg = model.config
+    listed = load_draft_vocab(out, cfg.vocab_size)  # the readout list, most frequent first
+    assert listed is not None and len(listed) == 20 and len(set(listed.tolist())) == 20
     assert cfg.block_size == 4 and cfg.num_hidden_layers == 1
     assert cfg.target_layer_ids == (0, 1)
     assert cfg.mask_token_id not in (1, 2)  # never a chat marker the target emits
