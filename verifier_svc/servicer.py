@@ -78,6 +78,9 @@ def check_draft_probs(tensor, drafts: list[int], vocab_size: int) -> np.ndarray 
     return q / q.sum(axis=1, keepdims=True)
 
 
+INLINE_MAX_STEPS = 4  # the coordinator's default decode burst (~0.25 s of forwards)
+
+
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, config: VerifierConfig, mlx_thread: MlxThread):
         self.config = config
@@ -187,7 +190,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
         if steps > 1 and drafts:
             raise InvalidArgument("plain_steps > 1 takes no drafts: send them in their own call")
-        result = await self.mlx.run_round(
+        # a few forwards may run on the event loop; a longer burst goes to the worker, so
+        # health checks and other sessions' calls are not held up for seconds
+        run = self.mlx.run_round if steps <= INLINE_MAX_STEPS else self.mlx.run
+        result = await run(
             self._verify_in_order, target, session, request.position, drafts, probs, parents,
             steps,
         )  # fmt: skip
