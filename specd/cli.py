@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 
@@ -260,12 +261,27 @@ def _serve(args) -> int:
     from specd.models.resolve import ModelNotFoundError
     from specd.service import CannotBind
 
+    code = 0
     try:
         asyncio.run(serve(config))
     except (CheckpointError, ModelNotFoundError, FileNotFoundError, CannotBind) as exc:
         print(f"specd: {args.service}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        code = 1
+    _end_service_process(code)
+
+
+def _end_service_process(code: int) -> NoReturn:
+    """Exit without the interpreter's finalization. The server has stopped and drained by now,
+    but MLX's worker stays parked until the process ends (specd.service.MlxThread), and if it
+    runs any Python while the interpreter finalizes (a job just finished, a signal) its thread
+    is torn down mid-destructor and the process aborts with status 134."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _stop_on_signals() -> None:
