@@ -67,6 +67,12 @@ def test_dflash_training_writes_a_loadable_drafter(tiny_model_dir, data, tmp_pat
     cfg = model.config
     listed = load_draft_vocab(out, cfg.vocab_size)  # the readout list, most frequent first
     assert listed is not None and len(listed) == 20 and len(set(listed.tolist())) == 20
+    train_dflash(
+        DFlashOptions(target=str(tiny_model_dir), out=out, conversations=6, max_len=64,
+                      block_size=4, layers=1, anchors=4, epochs=1, warmup=2, data=data,
+                      draft_vocab=0, resume=False)
+    )  # fmt: skip
+    assert load_draft_vocab(out, cfg.vocab_size) is None  # no stale list from the first run
     assert cfg.block_size == 4 and cfg.num_hidden_layers == 1
     assert cfg.target_layer_ids == (0, 1)
     assert cfg.mask_token_id not in (1, 2)  # never a chat marker the target emits

@@ -29,6 +29,7 @@ from drafter_svc.checkpoints import (
     save_training_state,
 )
 from drafter_svc.dflash.model import (
+    DRAFT_VOCAB,
     DFlashConfig,
     DFlashDrafter,
     load_drafter,
@@ -273,6 +274,8 @@ def train(opts: DFlashOptions) -> dict:
     if opts.draft_vocab:
         vocab = trainer.model.config.vocab_size
         save_draft_vocab(opts.out, choose_draft_vocab(feats, vocab, opts.draft_vocab, sort=False))
+    else:  # a list left by an earlier run into this directory would still be read
+        (opts.out / DRAFT_VOCAB).unlink(missing_ok=True)
     summary = {
         "target": loaded.path.name,
         "conversations": len(feats),
