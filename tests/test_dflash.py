@@ -4,6 +4,7 @@ greedy identity through real services with a tiny random target and drafter."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import mlx.core as mx
 import numpy as np
@@ -12,8 +13,10 @@ from tiny import make_tiny_dflash_dir
 
 from coordinator.bench import plain_decode
 from drafter_svc.checkpoints import CheckpointError
+from drafter_svc.config import DrafterConfig, drafter_options
 from drafter_svc.dflash.draft import BlockDrafter
 from drafter_svc.dflash.model import load_drafter, save_draft_vocab, save_drafter
+from drafter_svc.server import make_proposer
 from specd.client import CoordinatorClient, make_request
 from specd.launch import Stack, spawn
 from specd.models.load import load_target
@@ -133,11 +136,6 @@ def test_frequency_ranked_readout_drafts_the_best_listed_token(block):
 
 
 def test_draft_vocab_options_are_checked(drafter_dir, tiny_model_dir, tmp_path):
-    import shutil
-
-    from drafter_svc.config import DrafterConfig, drafter_options
-    from drafter_svc.server import make_proposer
-
     def proposer(weights, n=None):
         options = drafter_options("dflash", weights=weights, draft_vocab=n)
         return make_proposer(DrafterConfig(**options, target=str(tiny_model_dir)))
@@ -173,8 +171,6 @@ def test_a_bad_draft_vocab_ends_the_drafter_with_its_reason(tmp_path):
 
 @pytest.fixture(scope="module")
 def listed_drafter_dir(drafter_dir, tiny_model_dir, tmp_path_factory):
-    import shutil
-
     listed = tmp_path_factory.mktemp("listed") / "d"
     shutil.copytree(drafter_dir, listed)
     vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]

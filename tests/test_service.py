@@ -1,7 +1,20 @@
+import asyncio
+import subprocess
+import sys
+import threading
+
 import grpc
 import pytest
 
-from specd.service import FailedPrecondition, ResourceExhausted, SessionTable
+from specd.launch import free_ports
+from specd.service import (
+    CannotBind,
+    FailedPrecondition,
+    MlxThread,
+    ResourceExhausted,
+    Server,
+    SessionTable,
+)
 
 
 def test_session_table_limits_and_unknown_ids():
@@ -36,12 +49,6 @@ def test_idle_sessions_expire_and_used_ones_stay(monkeypatch):
 def test_a_port_in_use_is_refused_not_shared():
     """gRPC's default SO_REUSEPORT let a second service share a busy port, and calls went to
     whichever answered (a Stack once gave its verifier and drafter the same port)."""
-    import asyncio
-    import subprocess
-    import sys
-
-    from specd.launch import free_ports
-    from specd.service import CannotBind, Server
 
     async def hold_and_try_again():
         held = Server("127.0.0.1", 0, [])
@@ -83,9 +90,6 @@ def test_a_process_exits_cleanly_after_mlx_work_on_its_threads():
     """An exiting MLX thread destroys its compile cache under the GIL; racing the interpreter's
     finalization, that aborted services at exit (status 134) in about 4 of 10 runs of this
     script before the thread stayed parked."""
-    import subprocess
-    import sys
-
     for _ in range(6):
         done = subprocess.run(
             [sys.executable, "-c", EXIT_AFTER_MLX_WORK], capture_output=True, text=True, timeout=60
@@ -94,10 +98,6 @@ def test_a_process_exits_cleanly_after_mlx_work_on_its_threads():
 
 
 def test_mlx_thread_cancels_queued_jobs_at_shutdown_and_refuses_new_ones():
-    import asyncio
-    import threading
-
-    from specd.service import MlxThread
 
     async def main():
         worker = MlxThread()
@@ -118,10 +118,6 @@ def test_mlx_thread_cancels_queued_jobs_at_shutdown_and_refuses_new_ones():
 
 
 def test_a_round_job_runs_inline_only_when_the_mlx_worker_is_idle():
-    import asyncio
-    import threading
-
-    from specd.service import MlxThread
 
     ran: list[tuple[str, str]] = []
 
