@@ -103,6 +103,36 @@ class SessionStreams:
             stream.cancel()
 
 
+_closing: set[asyncio.Task] = set()  # closes of sessions opened for callers that left
+
+
+async def _open_session(call, close):
+    """Await an OpenSession call. If our caller is cancelled meanwhile (its client went away),
+    the call still completes and the session it made is closed, so nothing is left open on
+    the service until it idles out."""
+    task = asyncio.ensure_future(call)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(lambda done: _close_opened(done, close))
+        raise
+
+
+def _close_opened(done: asyncio.Future, close) -> None:
+    if done.cancelled() or done.exception() is not None:
+        return
+    closing = asyncio.ensure_future(_quietly(close(done.result().session_id)))
+    _closing.add(closing)
+    closing.add_done_callback(_closing.discard)
+
+
+async def _quietly(closing) -> None:
+    try:
+        await closing
+    except Exception:  # noqa: BLE001, S110 - best effort: an unclosed session idles out
+        pass
+
+
 def _channel(address: str, security: ClientSecurity) -> grpc.aio.Channel:
     credentials = security.credentials()
     if credentials is None:
@@ -158,7 +188,9 @@ class VerifierClient:
         request = verifier_pb2.OpenSessionRequest(
             prompt_ids=prompt_ids, capture_layers=capture_layers, sampling=sampling
         )
-        r = await self._call(self.stub.OpenSession, request, self.prefill_timeout_s)
+        r = await _open_session(
+            self._call(self.stub.OpenSession, request, self.prefill_timeout_s), self._close_stub
+        )
         return Opened(r.session_id, r.first_token, r.finished, r.hidden_rows, r.compute_s)
 
     async def verify(
@@ -179,6 +211,9 @@ class VerifierClient:
 
     async def close(self, session_id: str) -> None:
         await self.rounds.end(session_id)
+        await self._close_stub(session_id)
+
+    async def _close_stub(self, session_id: str) -> None:
         request = common_pb2.CloseSessionRequest(session_id=session_id)
         await self._call(self.stub.CloseSession, request, self.timeout_s)
 
@@ -215,7 +250,8 @@ class DrafterClient:
         """`rows`: one tensor, or a list of them (a re-open sends every row kept so far)."""
         rows = _join_rows(rows if isinstance(rows, list) else [rows])
         request = drafter_pb2.DraftOpenRequest(context_ids=context_ids, hidden_rows=rows)
-        return (await self._call(self.stub.OpenSession, request)).session_id
+        opened = await _open_session(self._call(self.stub.OpenSession, request), self._close_stub)
+        return opened.session_id
 
     async def draft(
         self, session_id, position, new_ids, rows, k, sampling, speculative_ids=(), tree=None
@@ -237,6 +273,9 @@ class DrafterClient:
 
     async def close(self, session_id: str) -> None:
         await self.rounds.end(session_id)
+        await self._close_stub(session_id)
+
+    async def _close_stub(self, session_id: str) -> None:
         await self._call(
             self.stub.CloseSession, common_pb2.CloseSessionRequest(session_id=session_id)
         )

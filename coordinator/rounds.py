@@ -322,9 +322,7 @@ async def run_rounds(
             )
     finally:
         stats.total_s = time.perf_counter() - start
-        await _close_quietly(verifier, opened.session_id)
-        if link is not None:
-            await link.close()
+        await _close_sessions(verifier, opened.session_id, link)
 
 
 def _plain_steps(plan: Plan, link: DrafterLink | None, k: int, remaining: int) -> int:
@@ -381,6 +379,20 @@ def _path_length(drafted: Drafted) -> int:
     for p in drafted.parents:
         depth.append(1 if p < 0 else depth[p] + 1)
     return max(depth)
+
+
+_closing: set[asyncio.Future] = set()  # closes that outlive a cancelled round loop
+
+
+async def _close_sessions(verifier, session_id: str, link: DrafterLink | None) -> None:
+    """Close both sessions, together. Shielded: a caller cancelled again meanwhile (its client
+    went away) must not leave a session open on a service until it idles out."""
+    closing = asyncio.gather(
+        _close_quietly(verifier, session_id), *([link.close()] if link is not None else [])
+    )
+    _closing.add(closing)
+    closing.add_done_callback(_closing.discard)
+    await asyncio.shield(closing)
 
 
 async def _close_quietly(port, session_id: str) -> None:
