@@ -42,7 +42,8 @@ async def _start_http(servicer: CoordinatorServicer, config: CoordinatorConfig):
     from coordinator.http_api import OpenAIApi
 
     api = OpenAIApi(servicer, servicer.verifier_info.model.name)
-    runner = web.AppRunner(api.app(), access_log=None)
+    # a client that disconnects cancels its request, so no generation runs on for nobody
+    runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.http_port).start()
     log.info("OpenAI-compatible API on http://%s:%d/v1", config.host, config.http_port)

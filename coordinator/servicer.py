@@ -259,16 +259,25 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     @rpc_stream
     async def Generate(self, request, context):
-        async for message in self.generate(request):
-            yield message
+        async with aclosing(self.generate(request)) as messages:
+            async for message in messages:
+                yield message
 
     async def generate(self, request):
-        """Stream GenerateResponse messages for a GenerateRequest (gRPC and HTTP share it)."""
+        """Stream GenerateResponse messages for a GenerateRequest (gRPC and HTTP share it).
+        Closing it closes the generation's sessions at once."""
+        finished = False
         try:
-            async for message in self._generate(request):
-                yield message
+            async with aclosing(self._generate(request)) as messages:
+                async for message in messages:
+                    finished = bool(message.finish_reason)
+                    yield message
         except ServiceError as err:
             metrics.REQUESTS.labels(err.code.name).inc()
+            raise
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away
+            if not finished:
+                metrics.REQUESTS.labels("cancelled").inc()
             raise
 
     async def _generate(self, request):
@@ -279,10 +288,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         drafter, drafter_info = self.drafter, self.drafter_info  # a swap now won't touch us
         plan = self._plan(request, drafter_info if usable else None)
         limit = self.verifier_info.max_context
+        if len(prompt_ids) >= limit:
+            raise InvalidArgument(
+                f"the prompt is {len(prompt_ids)} tokens; the verifier's context limit is "
+                f"{limit} tokens, with room for the reply: shorten the prompt"
+            )
         if len(prompt_ids) + plan.max_tokens > limit:
             raise InvalidArgument(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({plan.max_tokens}) exceeds the "
-                f"verifier's context limit of {limit} tokens; lower max_tokens"
+                f"verifier's context limit of {limit} tokens; lower max_tokens to at most "
+                f"{limit - len(prompt_ids)}"
             )
         text = TextStream(self.tokenizer.detokenizer, list(request.stop))
         eos_ids = set(self.verifier_info.model.eos_token_ids)

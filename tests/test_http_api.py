@@ -1,6 +1,8 @@
 """The OpenAI-compatible API, with the official openai client and with plain HTTP."""
 
 import json
+import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -13,13 +15,14 @@ from specd.launch import Stack, free_port  # noqa: E402
 
 @pytest.fixture(scope="module")
 def api(tiny_model_dir, tmp_path_factory):
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     with Stack(
         target=str(tiny_model_dir),
         drafter="ngram",
-        coordinator_args=["--http-port", str(port)],
+        coordinator_args=["--http-port", str(port), "--metrics-port", str(metrics_port)],
         log_dir=tmp_path_factory.mktemp("logs"),
     ) as stack:
+        stack.metrics_port = metrics_port
         yield f"http://127.0.0.1:{port}/v1", stack
 
 
@@ -28,9 +31,10 @@ def client(api):
     return openai.OpenAI(base_url=api[0], api_key="unused", max_retries=0)
 
 
-def post(url: str, body) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+def post(url: str, body, headers=None, method="POST") -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    request = urllib.request.Request(url, data=data, headers=headers, method=method)
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read())
@@ -98,3 +102,116 @@ def test_errors_in_openai_format(api, client):
     assert status == 400 and "context limit" in body["error"]["message"]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="m", prompt="x", n=2)
+
+
+X = '"prompt": "x"'
+BAD_BODIES = {  # each a 400 in OpenAI's format, none a 500
+    "max_tokens above int32": {"prompt": "x", "max_tokens": 2**31},
+    "max_tokens huge": b'{"prompt": "x", "max_tokens": 99999999999999999999}',
+    "top_k NaN": b"{" + X.encode() + b', "top_k": NaN}',
+    "top_k 1e20": {"prompt": "x", "top_k": 1e20},
+    "top_k fraction": {"prompt": "x", "top_k": 2.5},
+    "seed Infinity": b"{" + X.encode() + b', "seed": Infinity}',
+    "seed above uint64": {"prompt": "x", "seed": 2**64},
+    "token id above int32": {"prompt": [2**31]},
+    "token id a boolean": {"prompt": [True]},
+    "a batch of prompts": {"prompt": ["a", "b"]},
+    "a text part without text": {"messages": [{"role": "user", "content": [{"text": 5}]}]},
+    "an image part": {
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]
+    },
+    "an unknown role": {"messages": [{"role": "wizard", "content": "hi"}]},
+    "a lone surrogate": b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+    "a lone surrogate in stop": b"{" + X.encode() + b', "stop": "\\udc00"}',
+    "not UTF-8": b'{"prompt": "\xff\xfe"}',
+    "nested too deeply": b"[" * 100000,
+    "stream not a boolean": {"prompt": "x", "stream": "no"},
+    "logprobs": {"prompt": "x", "logprobs": 2},
+    "tools": {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+    "model not a string": {"prompt": "x", "model": 5},
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_BODIES))
+def test_bad_input_is_a_400_that_names_the_problem(api, case):
+    body = BAD_BODIES[case]
+    path = (
+        "chat/completions"
+        if b"messages" in (body if isinstance(body, bytes) else json.dumps(body).encode())
+        else "completions"
+    )
+    status, answer = post(f"{api[0]}/{path}", body)
+    assert status == 400, (case, answer)
+    assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
+
+
+def test_bad_charset_and_encoding_are_400s(api):
+    url = f"{api[0]}/completions"
+    status, answer = post(url, {"prompt": "x"}, {"Content-Type": "application/json; charset=foo"})
+    assert status == 400 and "charset" in answer["error"]["message"]
+    status, answer = post(url, {"prompt": "x"}, {"Content-Encoding": "gzip"})
+    assert status == 400 and answer["error"]["message"]
+    latin1 = '{"prompt": "caf\u00e9", "max_tokens": 2}'.encode("latin-1")
+    status, answer = post(url, latin1, {"Content-Type": "application/json; charset=latin-1"})
+    assert status == 200 and answer["choices"][0]["text"] is not None
+
+
+def test_unknown_paths_and_methods_answer_in_openai_format(api):
+    status, answer = post(f"{api[0]}/nothing", {"prompt": "x"})
+    assert status == 404 and answer["error"]["type"] == "not_found_error"
+    status, answer = post(f"{api[0]}/completions", None, method="GET")
+    assert status == 405 and answer["error"]["message"]
+    status, answer = post(f"{api[0]}/models/not-this-one", None, method="GET")
+    assert status == 404 and answer["error"]["param"] == "model"
+
+
+def test_a_model_is_found_by_its_id(client):
+    name = client.models.list().data[0].id
+    assert client.models.retrieve(name).id == name
+
+
+def _requests_cancelled(stack) -> float:
+    from test_metrics import scrape, value
+
+    return value(scrape(stack.metrics_port), 'specd_requests_total{outcome="cancelled"}')
+
+
+def _open_sessions(stack) -> tuple[int, int]:
+    from specd.client import CoordinatorClient
+
+    info = CoordinatorClient(stack.coordinator).info()
+    return info.verifier.process.open_sessions, info.drafter.process.open_sessions
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_ends_its_generation_and_frees_its_sessions(api, stream):
+    """Nothing runs on for a client that has gone, and its sessions close at once (a leaked
+    session counts against the verifier's --max-sessions until it idles out)."""
+    url, stack = api
+    host, port = url.removeprefix("http://").split("/")[0].split(":")
+    body = json.dumps(
+        {"prompt": "abc", "max_tokens": 1000, "temperature": 0, "stream": stream}
+    ).encode()
+    before = _requests_cancelled(stack)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        if stream:
+            seen = b""
+            while b"data:" not in seen:  # the generation is under way
+                seen += sock.recv(4096)
+        else:
+            deadline = time.monotonic() + 30
+            while _open_sessions(stack) == (0, 0) and time.monotonic() < deadline:
+                time.sleep(0.01)
+    # the socket is closed: the coordinator notices, cancels, closes both sessions
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if _requests_cancelled(stack) == before + 1 and _open_sessions(stack) == (0, 0):
+            break
+        time.sleep(0.05)
+    assert _requests_cancelled(stack) == before + 1
+    assert _open_sessions(stack) == (0, 0)
