@@ -382,19 +382,24 @@ def _generate(args) -> int:
     from specd.client import CoordinatorClient, make_request
 
     messages = [{"role": "user", "content": args.prompt}] if args.chat else None
-    request = make_request(
-        prompt=None if args.chat else args.prompt,
-        messages=messages,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-        stop=args.stop,
-        num_draft_tokens=args.num_draft_tokens,
-        tree=None if args.tree is None else _tree_arg(args.tree),
-    )
+    try:
+        request = make_request(
+            prompt=None if args.chat else args.prompt,
+            messages=messages,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            seed=args.seed,
+            stop=args.stop,
+            num_draft_tokens=args.num_draft_tokens,
+            tree=None if args.tree is None else _tree_arg(args.tree),
+        )
+    except ValueError as err:  # an option outside its range: name it, no traceback
+        name, reason = str(err).split(" ", 1)
+        print(f"specd: generate: --{name.replace('_', '-')} {reason}", file=sys.stderr)
+        return 2
     client = CoordinatorClient(args.coordinator, _client_security(args))
 
     def show(text: str) -> None:
@@ -515,7 +520,7 @@ def _tree_arg(text: str) -> tuple[int, int, int]:
         parts = [int(x) for x in text.split(",")]
     except ValueError:
         parts = []
-    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts):
+    if not 1 <= len(parts) <= 3 or any(not 0 <= p < 2**31 for p in parts):
         raise SystemExit(f"specd: --tree wants TOTAL[,DEPTH[,TOP_K]] of integers >= 0, not {text}")
     return (*parts, 0, 0)[:3]
 

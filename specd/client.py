@@ -29,6 +29,14 @@ class Generation:
         }
 
 
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _in_range(name: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be between {low} and {high}, not {value}")
+
+
 def make_request(
     *,
     prompt: str | None = None,
@@ -44,6 +52,16 @@ def make_request(
     num_draft_tokens: int | None = None,
     tree: tuple[int, int, int] | None = None,  # (total_tokens, depth, top_k); total 0: chains
 ) -> coordinator_pb2.GenerateRequest:
+    """The request for these options. ValueError names an option its protobuf field cannot
+    hold; values it can hold are the coordinator's to judge (INVALID_ARGUMENT, with a reason)."""
+    _in_range("max_tokens", max_tokens, INT32_MIN, INT32_MAX)
+    _in_range("top_k", top_k, INT32_MIN, INT32_MAX)
+    if seed is not None:
+        _in_range("seed", seed, 0, 2**64 - 1)
+    if num_draft_tokens is not None:
+        _in_range("num_draft_tokens", num_draft_tokens, INT32_MIN, INT32_MAX)
+    for id_ in prompt_ids or ():
+        _in_range("prompt_ids", id_, INT32_MIN, INT32_MAX)
     request = coordinator_pb2.GenerateRequest(
         max_tokens=max_tokens,
         stop=stop or [],

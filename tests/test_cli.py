@@ -73,6 +73,22 @@ def test_generate_against_nothing_says_unavailable():
     assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
 
 
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--max-tokens", "99999999999"), ("--top-k", "99999999999"), ("--seed", "-1"),
+     ("--num-draft-tokens", "99999999999")],
+)  # fmt: skip
+def test_generate_refuses_a_value_its_request_cannot_hold(flag, value):
+    out = subprocess.run(
+        [sys.executable, "-m", "specd", "generate", "--coordinator", f"127.0.0.1:{free_port()}",
+         "--prompt", "hi", flag, value],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert f"specd: generate: {flag} must be between" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_numeric_flags_are_checked_when_parsed(capsys):
     from specd.cli import build_parser
 
