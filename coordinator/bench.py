@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specd.argtypes import non_negative_int, positive_int
+from specd.argtypes import int_between, non_negative_int, positive_int
 
 # --drafter names -> drafter kind; "-tree" variants draft trees, the others chains;
 # dflash-bN drafts blocks of N; any name but none ending in -kN drafts k = N every round
@@ -52,22 +52,26 @@ def add_bench_args(p) -> None:
         "of N), none (the services without drafting: what the split costs); a -kN suffix "
         "(eagle3-k2) drafts k = N every round, adaptive k off; all run side by side",
     )
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int_between(1), default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--target", help="model (default: the embedded SmolLM2)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--limit", type=int, help="first N questions only")
+    p.add_argument("--limit", type=int_between(1), help="first N questions only")
     p.add_argument("--categories", help="comma-separated categories to keep")
-    p.add_argument("--every", type=int, default=1, help="keep every N-th question (spread sample)")
+    p.add_argument(
+        "--every", type=int_between(1), default=1, help="keep every N-th question (spread sample)"
+    )
     p.add_argument(
         "--num-draft-tokens", type=int, help="the drafter's k (the most k when adaptive)"
     )
-    p.add_argument("--ngram-min-n", type=int)
-    p.add_argument("--ngram-max-n", type=int)
+    p.add_argument("--ngram-min-n", type=int_between(1))
+    p.add_argument("--ngram-max-n", type=int_between(1))
     p.add_argument("--weights", type=Path, help="eagle3 head (default: the shipped one)")
-    p.add_argument("--tree-total-tokens", type=int, help="eagle3-tree: tokens per tree (16)")
-    p.add_argument("--tree-depth", type=int, help="eagle3-tree: deepest path (5)")
-    p.add_argument("--tree-top-k", type=int, help="eagle3-tree: children per node (4)")
+    p.add_argument(
+        "--tree-total-tokens", type=int_between(0), help="eagle3-tree: tokens per tree (16)"
+    )
+    p.add_argument("--tree-depth", type=int_between(1), help="eagle3-tree: deepest path (5)")
+    p.add_argument("--tree-top-k", type=int_between(1), help="eagle3-tree: children per node (4)")
     p.add_argument(
         "--drafter-blas-threads", type=non_negative_int, help="OpenBLAS threads of each drafter"
     )
@@ -330,8 +334,19 @@ def run_bench(args) -> int:
         )
         return 2
     categories = args.categories.split(",") if args.categories else None
-    questions = load_questions(args.questions, limit=args.limit, categories=categories)
-    questions = questions[:: max(1, args.every)]
+    try:
+        questions = load_questions(args.questions, limit=args.limit, categories=categories)
+    except (ValueError, OSError) as exc:
+        print(f"specd: bench: {exc}", file=sys.stderr)
+        return 1
+    questions = questions[:: args.every]
+    if not questions:
+        print(
+            f"specd: bench: no questions in {args.questions}"
+            + (f" of categories {args.categories}" if args.categories else ""),
+            file=sys.stderr,
+        )
+        return 1
     target = load_target(args.target, args.dtype)
     tokenizer, eos = target.tokenizer, set(target.identity.eos_token_ids)
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]

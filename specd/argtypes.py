@@ -21,3 +21,33 @@ def _at_least(text: str, least: int) -> int:
     if value < least:
         raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
     return value
+
+
+INT32_MAX = 2**31 - 1
+
+
+def int_between(least: int, most: int = INT32_MAX):
+    """An integer flag in [least, most] (int32 by default: what the protobuf fields hold)."""
+
+    def parse(text: str) -> int:
+        value = _at_least(text, least)
+        if value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most}, got {value}")
+        return value
+
+    parse.__name__ = f"integer in [{least}, {most}]"
+    return parse
+
+
+def port(text: str) -> int:
+    return int_between(0, 65535)(text)
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value

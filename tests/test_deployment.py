@@ -69,3 +69,37 @@ def test_unknown_option_in_the_file_is_an_error(tmp_path):
         timeout=60,
     )
     assert out.returncode == 2 and "verifer" in out.stderr
+
+
+def test_file_values_are_checked_as_their_flags_are(tmp_path):
+    from specd.cli import _parse
+
+    config = tmp_path / "d.toml"
+    for table, needle in (
+        ("[coordinator]\ndecode_burst = 0\n", "decode-burst: must be at least 1"),
+        ('[verifier]\ndtype = "int8"\n', "dtype must be one of"),
+        ('[coordinator]\nadaptive = "yes"\n', "adaptive must be true or false"),
+        ("[verifier]\nport = 70000\n", "must be at most 65535"),
+        ("[verifier]\nport = [1, 2]\n", "must be a single value"),
+    ):
+        config.write_text(table)
+        service = table[1 : table.index("]")]
+        out = subprocess.run(
+            [sys.executable, "-m", "specd", "serve", service, "--config", str(config)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 2 and needle in out.stderr, (table, out.stderr)
+        assert f"usage: specd serve {service}" in out.stderr
+    config.write_text("[coordinator]\nadaptive = false\ndecode_burst = 2\nport = 50999\n")
+    args = _parse(["serve", "coordinator", "--config", str(config)])
+    assert (args.adaptive, args.decode_burst, args.port) == (False, 2, 50999)
+
+
+def test_a_file_that_names_no_service_is_refused(tmp_path):
+    config = tmp_path / "empty.toml"
+    config.write_text("# nothing yet\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "specd", "up", "--config", str(config)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and "names no service" in out.stderr
