@@ -23,9 +23,15 @@ class Example:
 
 
 def to_messages(record: dict) -> list[dict] | None:
-    turns = record.get("conversations") or []
+    """The chat of a ShareGPT record; None when it has none this can train on (malformed
+    records included: a data file is skipped through, not failed on)."""
+    turns = record.get("conversations") if isinstance(record, dict) else None
+    if not isinstance(turns, list):
+        return None
     messages = []
     for turn in turns:
+        if not isinstance(turn, dict):
+            return None
         role = ROLES.get(str(turn.get("from", "")).lower())
         text = turn.get("value")
         if role is None or not isinstance(text, str) or not text.strip():

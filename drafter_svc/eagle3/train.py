@@ -302,13 +302,27 @@ def read_conversations(path: Path | None) -> list[dict]:
 
     if path is None:
         return sharegpt_conversations()
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
     if str(path).endswith(".jsonl"):
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    records = json.loads(text)
+        records = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                records.append(_json(line, f"{path}:{number}"))
+        return records
+    records = _json(text, str(path))
     if not isinstance(records, list):
         raise ValueError(f"{path}: expected a JSON array of ShareGPT records")
     return records
+
+
+def _json(text: str, where: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
 
 
 FEATURE_SAVE_EVERY = 300  # conversations between partial saves: a kill loses at most these
