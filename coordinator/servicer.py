@@ -78,6 +78,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def connect(self) -> bool:
         """Wait for a verifier, fetch the tokenizer, and pair with the drafter if it is up."""
         deadline = asyncio.get_running_loop().time() + self.config.connect_timeout_s
+        next_note = 0.0
         while self.verifier_info is None:
             for index, client in enumerate(self.verifier.clients):
                 try:
@@ -88,11 +89,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     if err.code != grpc.StatusCode.UNAVAILABLE:
                         raise
             else:
-                if asyncio.get_running_loop().time() > deadline:
+                now = asyncio.get_running_loop().time()
+                if now > deadline:
                     raise TimeoutError(
                         f"no verifier at {self.config.verifier} answered within "
                         f"{self.config.connect_timeout_s:.0f}s"
                     )
+                if now >= next_note:  # a wrong address should not look like a slow start
+                    log.info("waiting for a verifier at %s", self.config.verifier)
+                    next_note = now + 30
                 await asyncio.sleep(0.5)
         self.verifier.fingerprint = self.verifier_info.model.fingerprint
         files = await self.verifier.clients[self.verifier.preferred].tokenizer_files()

@@ -18,6 +18,16 @@ from specd.platform import ensure_fast_blas
 from specd.security import ClientSecurity, ServerSecurity
 
 DEFAULT_PORTS = {"coordinator": 50050, "verifier": 50051, "drafter": 50052}
+KIND_ONLY_FLAGS = {  # drafter flags that mean something to some kinds only: refused elsewhere
+    "ngram_min_n": ("ngram",),
+    "ngram_max_n": ("ngram",),
+    "weights": ("eagle3", "dflash"),
+    "tree_total_tokens": ("eagle3",),
+    "tree_depth": ("eagle3",),
+    "tree_top_k": ("eagle3",),
+    "block_size": ("dflash",),
+    "draft_vocab": ("dflash",),
+}
 
 
 def _add_server_security(p) -> None:
@@ -256,6 +266,12 @@ def _service_config(args):
         from drafter_svc.config import DrafterConfig, drafter_options
         from drafter_svc.server import serve
 
+        for dest, kinds in KIND_ONLY_FLAGS.items():
+            if getattr(args, dest) is not None and args.kind not in kinds:
+                flag = "--" + dest.replace("_", "-")
+                print(f"specd: {flag} applies to {' and '.join(kinds)} drafters, not "
+                      f"--kind {args.kind}", file=sys.stderr)  # fmt: skip
+                return None, None
         try:
             options = drafter_options(
                 args.kind, args.num_draft_tokens, args.ngram_min_n, args.ngram_max_n,
@@ -279,6 +295,11 @@ def _service_config(args):
         from coordinator.config import CoordinatorConfig
         from coordinator.server import serve
 
+        addresses = [args.verifier, *([] if args.drafter == "none" else [args.drafter])]
+        if not all(a.strip() for part in addresses for a in part.split(",")):
+            print("specd: coordinator: --verifier and --drafter need HOST:PORT addresses "
+                  "(--drafter none for no drafting)", file=sys.stderr)  # fmt: skip
+            return None, None
         config = CoordinatorConfig(
             verifier=args.verifier,
             drafter=None if args.drafter == "none" else args.drafter,
@@ -364,10 +385,24 @@ def _up_from_config(args) -> int:
             service.stop()
 
 
+def _command_parser(command: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._subparsers._group_actions if a.dest == "command")
+    return sub.choices[command]
+
+
 def _up(args) -> int:
     from specd.launch import Stack
 
     if args.config is not None:
+        ignored = sorted(
+            "--" + a.dest.replace("_", "-")
+            for a in _command_parser("up")._actions
+            if a.dest not in ("config", "help") and getattr(args, a.dest) != a.default
+        )
+        if ignored:
+            print(f"specd: up: with --config the file says everything; drop {', '.join(ignored)} "
+                  "or set them in the file", file=sys.stderr)  # fmt: skip
+            return 2
         return _up_from_config(args)
     ports = [("--port", args.port), ("--verifier-port", args.verifier_port)]
     if args.drafter != "none":

@@ -368,6 +368,16 @@ class CannotBind(OSError):
     """The service's address is taken (or not ours to listen on)."""
 
 
+def _why_not_bound(host: str) -> str:
+    import socket
+
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError:
+        return f"the host {host!r} does not resolve to an address"
+    return "the port is in use or not allowed"
+
+
 class Server:
     """An aio server with health (NOT_SERVING until `ready()`) and reflection."""
 
@@ -401,7 +411,7 @@ class Server:
         except RuntimeError:  # newer grpcio raises where older ones returned 0
             self.port = 0
         if self.port == 0:
-            raise CannotBind(f"cannot listen on {address}: the port is in use or not allowed")
+            raise CannotBind(f"cannot listen on {address}: {_why_not_bound(host)}")
         self.address = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     async def start(self):

@@ -174,3 +174,19 @@ def test_bench_with_no_questions_says_so_before_starting_anything(tmp_path):
     assert out.returncode == 1 and "no questions" in out.stderr
     out = _specd("bench", "--questions", "mt-bench", "--categories", "nothing")
     assert out.returncode == 1 and "no questions" in out.stderr
+
+
+def test_flags_of_another_drafter_kind_and_empty_addresses_are_refused(tmp_path):
+    out = _specd("serve", "drafter", "--kind", "ngram", "--block-size", "5", "--port", "0")
+    assert out.returncode == 2 and "--block-size applies to dflash" in out.stderr
+    out = _specd("serve", "coordinator", "--verifier", "", "--port", "0")
+    assert out.returncode == 2 and "HOST:PORT" in out.stderr
+    config = tmp_path / "u.toml"
+    config.write_text("[verifier]\nport = 50999\n")
+    out = _specd("up", "--config", str(config), "--port", "5")
+    assert out.returncode == 2 and "drop --port" in out.stderr
+
+
+def test_a_host_that_does_not_resolve_is_named_as_such():
+    out = _specd("serve", "drafter", "--host", "nosuchhost.invalid", "--port", "0")
+    assert out.returncode == 1 and "does not resolve" in out.stderr
