@@ -1,6 +1,7 @@
 """The OpenAI-compatible API, with the official openai client and with plain HTTP."""
 
 import json
+import signal
 import socket
 import time
 import urllib.error
@@ -183,35 +184,60 @@ def _open_sessions(stack) -> tuple[int, int]:
     return info.verifier.process.open_sessions, info.drafter.process.open_sessions
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_disconnects_ends_its_generation_and_frees_its_sessions(api, stream):
-    """Nothing runs on for a client that has gone, and its sessions close at once (a leaked
-    session counts against the verifier's --max-sessions until it idles out)."""
-    url, stack = api
+def _post_raw(url: str, body: dict) -> socket.socket:
     host, port = url.removeprefix("http://").split("/")[0].split(":")
-    body = json.dumps(
-        {"prompt": "abc", "max_tokens": 1000, "temperature": 0, "stream": stream}
-    ).encode()
-    before = _requests_cancelled(stack)
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        if stream:
-            seen = b""
-            while b"data:" not in seen:  # the generation is under way
-                seen += sock.recv(4096)
-        else:
-            deadline = time.monotonic() + 30
-            while _open_sessions(stack) == (0, 0) and time.monotonic() < deadline:
-                time.sleep(0.01)
-    # the socket is closed: the coordinator notices, cancels, closes both sessions
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return sock
+
+
+def _wait_cancelled_and_closed(stack, cancelled: float) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if _requests_cancelled(stack) == before + 1 and _open_sessions(stack) == (0, 0):
+        if _requests_cancelled(stack) == cancelled and _open_sessions(stack) == (0, 0):
             break
         time.sleep(0.05)
-    assert _requests_cancelled(stack) == before + 1
+    assert _requests_cancelled(stack) == cancelled
     assert _open_sessions(stack) == (0, 0)
+
+
+# a prompt the tiny target answers at length (~300 tokens), so a generation is under way
+LONG = {"prompt": "the quick brown fox", "max_tokens": 1000, "temperature": 0}
+
+
+def test_a_streaming_client_that_disconnects_ends_its_generation_and_frees_its_sessions(api):
+    """A leaked session counts against the verifier's --max-sessions until it idles out."""
+    url, stack = api
+    verifier = stack.services["verifier"].process
+    before = _requests_cancelled(stack)
+    with _post_raw(url, {**LONG, "stream": True}) as sock:
+        seen = b""
+        while b"data:" not in seen:  # the generation is under way
+            seen += sock.recv(4096)
+        verifier.send_signal(signal.SIGSTOP)  # it cannot finish on its own meanwhile
+    try:
+        time.sleep(0.5)  # the coordinator sees the closed connection
+    finally:
+        verifier.send_signal(signal.SIGCONT)
+    _wait_cancelled_and_closed(stack, before + 1)
+
+
+def test_a_client_that_leaves_while_its_session_opens_leaves_nothing_open(api):
+    """A non-streaming request whose client leaves is cancelled, not run to the end for
+    nobody, even while its session is still opening; no session is left behind."""
+    url, stack = api
+    verifier = stack.services["verifier"].process
+    before = _requests_cancelled(stack)
+    verifier.send_signal(signal.SIGSTOP)  # the session's open waits on it
+    try:
+        with _post_raw(url, LONG):
+            time.sleep(0.5)  # the coordinator has sent OpenSession
+        time.sleep(0.5)  # and seen the client go
+    finally:
+        verifier.send_signal(signal.SIGCONT)
+    _wait_cancelled_and_closed(stack, before + 1)
