@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 
-from coordinator.rounds import Drafted, Opened, Verified
+from coordinator.rounds import Drafted, Opened, Verified, close_in_background, close_quietly
 from specd import wire
 from specd.security import ClientSecurity
 from specd.service import ServiceError, channel_options
@@ -103,10 +103,7 @@ class SessionStreams:
             stream.cancel()
 
 
-_closing: set[asyncio.Task] = set()  # closes of sessions opened for callers that left
-
-
-async def _open_session(call, close):
+async def _open_session(call, client):
     """Await an OpenSession call. If our caller is cancelled meanwhile (its client went away),
     the call still completes and the session it made is closed, so nothing is left open on
     the service until it idles out."""
@@ -114,23 +111,13 @@ async def _open_session(call, close):
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
-        task.add_done_callback(lambda done: _close_opened(done, close))
+        task.add_done_callback(lambda done: _close_opened(done, client))
         raise
 
 
-def _close_opened(done: asyncio.Future, close) -> None:
-    if done.cancelled() or done.exception() is not None:
-        return
-    closing = asyncio.ensure_future(_quietly(close(done.result().session_id)))
-    _closing.add(closing)
-    closing.add_done_callback(_closing.discard)
-
-
-async def _quietly(closing) -> None:
-    try:
-        await closing
-    except Exception:  # noqa: BLE001, S110 - best effort: an unclosed session idles out
-        pass
+def _close_opened(done: asyncio.Future, client) -> None:
+    if not done.cancelled() and done.exception() is None:
+        close_in_background(close_quietly(client, done.result().session_id))
 
 
 def _channel(address: str, security: ClientSecurity) -> grpc.aio.Channel:
@@ -189,7 +176,7 @@ class VerifierClient:
             prompt_ids=prompt_ids, capture_layers=capture_layers, sampling=sampling
         )
         r = await _open_session(
-            self._call(self.stub.OpenSession, request, self.prefill_timeout_s), self._close_stub
+            self._call(self.stub.OpenSession, request, self.prefill_timeout_s), self
         )
         return Opened(r.session_id, r.first_token, r.finished, r.hidden_rows, r.compute_s)
 
@@ -211,9 +198,6 @@ class VerifierClient:
 
     async def close(self, session_id: str) -> None:
         await self.rounds.end(session_id)
-        await self._close_stub(session_id)
-
-    async def _close_stub(self, session_id: str) -> None:
         request = common_pb2.CloseSessionRequest(session_id=session_id)
         await self._call(self.stub.CloseSession, request, self.timeout_s)
 
@@ -250,7 +234,7 @@ class DrafterClient:
         """`rows`: one tensor, or a list of them (a re-open sends every row kept so far)."""
         rows = _join_rows(rows if isinstance(rows, list) else [rows])
         request = drafter_pb2.DraftOpenRequest(context_ids=context_ids, hidden_rows=rows)
-        opened = await _open_session(self._call(self.stub.OpenSession, request), self._close_stub)
+        opened = await _open_session(self._call(self.stub.OpenSession, request), self)
         return opened.session_id
 
     async def draft(
@@ -273,9 +257,6 @@ class DrafterClient:
 
     async def close(self, session_id: str) -> None:
         await self.rounds.end(session_id)
-        await self._close_stub(session_id)
-
-    async def _close_stub(self, session_id: str) -> None:
         await self._call(
             self.stub.CloseSession, common_pb2.CloseSessionRequest(session_id=session_id)
         )

@@ -347,9 +347,8 @@ async def _openai_errors(request: web.Request, handler):
         response = error_response(
             ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}", kind=kind)
         )
-        for header in ("Allow",):
-            if header in exc.headers:
-                response.headers[header] = exc.headers[header]
+        if "Allow" in exc.headers:  # a 405 says which methods would do
+            response.headers["Allow"] = exc.headers["Allow"]
         return response
 
 

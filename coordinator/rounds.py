@@ -221,7 +221,7 @@ class DrafterLink:
 
     async def close(self) -> None:
         if self.session is not None:
-            await _close_quietly(self.drafter, self.session)
+            await close_quietly(self.drafter, self.session)
 
 
 async def run_rounds(
@@ -381,21 +381,25 @@ def _path_length(drafted: Drafted) -> int:
     return max(depth)
 
 
-_closing: set[asyncio.Future] = set()  # closes that outlive a cancelled round loop
+_closing: set[asyncio.Future] = set()  # closes that outlive a cancelled caller
+
+
+def close_in_background(*closes) -> asyncio.Future:
+    """Run these closes to their end even if whoever awaits them is cancelled (its client
+    went away): a session left open holds a slot on its service until it idles out."""
+    closing = asyncio.gather(*closes)
+    _closing.add(closing)
+    closing.add_done_callback(_closing.discard)
+    return closing
 
 
 async def _close_sessions(verifier, session_id: str, link: DrafterLink | None) -> None:
-    """Close both sessions, together. Shielded: a caller cancelled again meanwhile (its client
-    went away) must not leave a session open on a service until it idles out."""
-    closing = asyncio.gather(
-        _close_quietly(verifier, session_id), *([link.close()] if link is not None else [])
-    )
-    _closing.add(closing)
-    closing.add_done_callback(_closing.discard)
-    await asyncio.shield(closing)
+    """Close both sessions, together, to the end even if we are cancelled again."""
+    drafter_close = [link.close()] if link is not None else []
+    await asyncio.shield(close_in_background(close_quietly(verifier, session_id), *drafter_close))
 
 
-async def _close_quietly(port, session_id: str) -> None:
+async def close_quietly(port, session_id: str) -> None:
     try:
         await port.close(session_id)
     except Exception as exc:  # noqa: BLE001 - closing is best effort; idle sessions expire

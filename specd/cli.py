@@ -385,9 +385,11 @@ def _up_from_config(args) -> int:
             service.stop()
 
 
-def _command_parser(command: str) -> argparse.ArgumentParser:
-    sub = next(a for a in build_parser()._subparsers._group_actions if a.dest == "command")
-    return sub.choices[command]
+def _subparser(parser: argparse.ArgumentParser, *names: str) -> argparse.ArgumentParser:
+    """The parser of a (nested) subcommand, e.g. ("serve", "verifier")."""
+    for name in names:
+        parser = parser._subparsers._group_actions[0].choices[name]
+    return parser
 
 
 def _up(args) -> int:
@@ -396,7 +398,7 @@ def _up(args) -> int:
     if args.config is not None:
         ignored = sorted(
             "--" + a.dest.replace("_", "-")
-            for a in _command_parser("up")._actions
+            for a in _subparser(build_parser(), "up")._actions
             if a.dest not in ("config", "help") and getattr(args, a.dest) != a.default
         )
         if ignored:
@@ -729,8 +731,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         return args
     from specd.deployment import DeploymentError, service_table
 
-    sub = next(a for a in parser._subparsers._group_actions if a.dest == "command")
-    service_parser = sub.choices["serve"]._subparsers._group_actions[0].choices[args.service]
+    service_parser = _subparser(parser, "serve", args.service)
     actions = {a.dest: a for a in service_parser._actions}
     try:
         table = service_table(args.config, args.service, set(actions))
