@@ -19,6 +19,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 from google.protobuf.json_format import MessageToDict
 
+from specd.argtypes import INT32_MAX
 from specd.service import ServiceError
 from specd.v1 import common_pb2, coordinator_pb2
 
@@ -50,7 +51,6 @@ def error_response(err: ApiError) -> web.Response:
     return web.json_response(body, status=err.status)
 
 
-INT32_MAX = 2**31 - 1
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI fields this server cannot honour: set to anything but their neutral value, refused
 UNSUPPORTED = (

@@ -23,7 +23,7 @@ def _at_least(text: str, least: int) -> int:
     return value
 
 
-INT32_MAX = 2**31 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # what the protobuf int32 fields hold
 
 
 def int_between(least: int, most: int = INT32_MAX):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from specd.argtypes import INT32_MAX, INT32_MIN
 from specd.security import ClientSecurity
 from specd.service import channel_options
 from specd.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -27,9 +28,6 @@ class Generation:
             "finish_reason": self.finish_reason,
             "stats": self.stats,
         }
-
-
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 def _in_range(name: str, value: int, low: int, high: int) -> None:
