@@ -49,8 +49,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--context", type=int, default=300, help="tokens already in the cache")
     parser.add_argument("--k", type=int, nargs="+", default=[0, 1, 3, 7, 15])
+    parser.add_argument(
+        "--gemv-rows", type=int, help="numpy gemv for forwards of <= N tokens (0: all MLX)"
+    )
     args = parser.parse_args()
-    target = Target(load_target(args.model, args.dtype))
+    target = Target(load_target(args.model, args.dtype), args.gemv_rows)
     weights = sum(v.nbytes for _, v in tree_flatten(target.model.parameters()))
     session = prefill(target, list(range(100, 100 + args.context))).session
     gbs = bandwidth_gbs()
@@ -65,6 +68,7 @@ def main() -> None:
         "bandwidth_gbs": gbs,
         "floor_ms": floor_ms,
         "context": args.context,
+        "gemv_rows": target.gemv_rows,
         "steps": rows,
     }
     print(json.dumps(result, indent=1))

@@ -56,6 +56,12 @@ def add_bench_args(p) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--target", help="model (default: the embedded SmolLM2)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--gemv-rows",
+        type=int_between(0),
+        metavar="N",
+        help="the verifier's --gemv-rows (default: its own); plain mlx-lm is never changed",
+    )
     p.add_argument("--limit", type=int_between(1), help="first N questions only")
     p.add_argument("--categories", help="comma-separated categories to keep")
     p.add_argument(
@@ -248,7 +254,7 @@ def in_process_runner(args, name: str):
     from verifier_svc.engine import Target
 
     # its own copy of the model: the baseline's stays free of the capture wrappers
-    verifier = LocalVerifier(Target(load_target(args.target, args.dtype)))
+    verifier = LocalVerifier(Target(load_target(args.target, args.dtype), args.gemv_rows))
     drafter = None
     if bench_kind(name) is not None:
         options = drafter_options(bench_kind(name), **_variant_options(args, name))
@@ -366,6 +372,9 @@ def run_bench(args) -> int:
                     target=args.target,
                     drafter=bench_kind(d),
                     dtype=args.dtype,
+                    verifier_args=[]
+                    if args.gemv_rows is None
+                    else ["--gemv-rows", str(args.gemv_rows)],
                     drafter_args=_drafter_args(args, d),
                     coordinator_args=([] if args.adaptive else ["--no-adaptive"])
                     + (["--overlap-drafting"] if args.overlap else [])
@@ -418,6 +427,7 @@ def _result(args, target, drafter: str, rows: list[dict], memory: dict) -> dict:
         "target": target.identity.name,
         "drafter": drafter,
         "dtype": target.dtype,
+        "gemv_rows": args.gemv_rows,  # None: the verifier's default
         "max_tokens": args.max_tokens,
         "adaptive": adaptive_for(args, drafter),
         "decode_burst": args.decode_burst,

@@ -18,6 +18,11 @@ from specd.platform import ensure_fast_blas
 from specd.security import ClientSecurity, ServerSecurity
 
 DEFAULT_PORTS = {"coordinator": 50050, "verifier": 50051, "drafter": 50052}
+GEMV_HELP = (
+    "forwards of at most N tokens (decode steps, short verifies) do their weight products as "
+    "numpy matrix-vector products, faster than MLX's CPU matmul for a few rows; float32 on "
+    "the CPU only; 0: all in MLX (default: 3 on the CPU with float32, else 0)"
+)
 KIND_ONLY_FLAGS = {  # drafter flags that mean something to some kinds only: refused elsewhere
     "ngram_min_n": ("ngram",),
     "ngram_max_n": ("ngram",),
@@ -104,6 +109,7 @@ def _add_serve(sub) -> None:
         choices=["auto", "native", "float32", "float16", "bfloat16"],
         help="compute dtype; auto = float32 on CPU, as stored on GPUs",
     )
+    v.add_argument("--gemv-rows", type=int_between(0), metavar="N", help=GEMV_HELP)
     v.add_argument("--max-sessions", type=int_between(1), default=64)
     v.add_argument("--max-context", type=int_between(0), default=0, help="0: the model's own limit")
     v.add_argument("--max-draft-tokens", type=int_between(1), default=64)
@@ -253,6 +259,7 @@ def _service_config(args):
         config = VerifierConfig(
             model=args.model,
             dtype=args.dtype,
+            gemv_rows=args.gemv_rows,
             host=args.host,
             port=args.port,
             max_sessions=args.max_sessions,
@@ -425,6 +432,7 @@ def _up(args) -> int:
         target=args.target,
         drafter=drafter,
         dtype=args.dtype,
+        verifier_args=[] if args.gemv_rows is None else ["--gemv-rows", str(args.gemv_rows)],
         host=args.host,
         ports={
             "verifier": args.verifier_port,
@@ -545,6 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--target", help="model for the verifier (default: embedded SmolLM2)")
     up.add_argument("--drafter", default="ngram", choices=["ngram", "eagle3", "dflash", "none"])
     up.add_argument("--dtype", default="auto")
+    up.add_argument("--gemv-rows", type=int_between(0), metavar="N", help=GEMV_HELP)
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument(
         "--port", type=port, default=DEFAULT_PORTS["coordinator"], help="coordinator port"

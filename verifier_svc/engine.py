@@ -13,7 +13,8 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from specd.models.capture import install_capture, install_tree_positions
-from specd.models.load import LoadedTarget
+from specd.models.gemv import check_max_rows, default_max_rows, use_gemv
+from specd.models.load import LoadedTarget, device_kind
 from verifier_svc.accept import accept_greedy
 from verifier_svc.sampling import SamplingConfig, accept_sampled, sample, target_distribution
 from verifier_svc.tree import (
@@ -31,9 +32,17 @@ PREFILL_CHUNK = 2048  # mlx-lm's prefill step: same chunks, same numerics as pla
 class Target:
     """An mlx-lm model whose forward can also return chosen decoder-layer outputs."""
 
-    def __init__(self, loaded: LoadedTarget):
+    def __init__(self, loaded: LoadedTarget, gemv_rows: int | None = None):
+        """gemv_rows: forwards of at most this many tokens do their weight products with
+        numpy's gemv (specd.models.gemv); None: the default for the device and dtype."""
         self.loaded = loaded
         self.model = loaded.model
+        device = device_kind()
+        if gemv_rows is None:
+            gemv_rows = default_max_rows(device, loaded.dtype)
+        check_max_rows(gemv_rows, device, loaded.dtype)
+        self.gemv_rows = gemv_rows
+        use_gemv(self.model, gemv_rows)
         self.identity = loaded.identity
         self.eos_ids = frozenset(loaded.identity.eos_token_ids)
         self._sink = install_capture(self.model)

@@ -27,11 +27,12 @@ async def serve(config: VerifierConfig) -> None:
     await servicer.load()
     ident = servicer.target.identity
     log.info(
-        "verifier ready: %s (%s, %d layers, dtype %s)",
+        "verifier ready: %s (%s, %d layers, dtype %s, gemv products up to %d rows)",
         ident.name,
         ident.fingerprint[:12],
         ident.num_layers,
         servicer.target.loaded.dtype,
+        servicer.target.gemv_rows,
     )
     await server.ready()
     sweeper = asyncio.create_task(servicer.sessions.expire_forever())

@@ -92,7 +92,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.target = await self.mlx.run(self._load_and_warm)
 
     def _load_and_warm(self) -> Target:
-        target = Target(load_target(self.config.model, self.config.dtype, self.config.cache_dir))
+        loaded = load_target(self.config.model, self.config.dtype, self.config.cache_dir)
+        target = Target(loaded, self.config.gemv_rows)
         verify(target, prefill(target, [0, 1, 2]).session, [3, 4])  # compile kernels now
         return target
 

@@ -1,0 +1,93 @@
+"""Weight products of decode-sized forwards as numpy matrix-vector products (CPU, float32).
+
+MLX on CPU sends every Linear to one `cblas_sgemm`, and a general sgemm packs the whole
+weight matrix before multiplying: for one to three input rows that packing costs more than
+the product. numpy's bundled OpenBLAS does each row as a `gemv` that reads the weights once
+(SmolLM2-135M, all 211 products of a step: ~25 ms against MLX's ~55 ms on a 2-core x86 box;
+docs/benchmarks.md, "Cost of a verify step"). So forwards of at most `max_rows` tokens hand
+their Linear products to numpy, on zero-copy views of the same weight buffers, and the rest
+of the graph stays in MLX. Each such product makes MLX evaluate its input first, which is why
+it pays only for a few rows.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+DEFAULT_MAX_ROWS = 3  # measured: 1-3 rows faster than MLX's sgemm here, 4 even, 5 slower
+
+
+def default_max_rows(device: str, dtype: str) -> int:
+    return DEFAULT_MAX_ROWS if device == "cpu" and dtype == "float32" else 0
+
+
+def check_max_rows(max_rows: int, device: str, dtype: str) -> None:
+    """Refuse a request that cannot apply, rather than ignore it."""
+    if max_rows > 0 and (device != "cpu" or dtype != "float32"):
+        raise ValueError(
+            f"gemv products apply to float32 weights on the CPU; this target runs {dtype} "
+            f"on the {device} (use --gemv-rows 0, or --dtype float32 on a CPU)"
+        )
+
+
+def _products(weight: np.ndarray, bias: np.ndarray | None, x: mx.array) -> mx.array:
+    rows = np.asarray(x).reshape(-1, x.shape[-1])  # evaluates x
+    out = np.empty((rows.shape[0], weight.shape[0]), dtype=np.float32)
+    for i, row in enumerate(rows):
+        np.matmul(weight, row, out=out[i])
+    if bias is not None:
+        out += bias
+    return mx.array(out).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _wants_numpy(module: nn.Module, x: mx.array) -> bool:
+    return x.dtype == mx.float32 and x.size <= module._gemv_max_rows * x.shape[-1]
+
+
+class GemvLinear(nn.Linear):
+    def __call__(self, x: mx.array) -> mx.array:
+        if _wants_numpy(self, x):
+            return _products(self._gemv_weight, self._gemv_bias, x)
+        return super().__call__(x)
+
+
+class GemvEmbedding(nn.Embedding):
+    def as_linear(self, x: mx.array) -> mx.array:  # tied output heads
+        if _wants_numpy(self, x):
+            return _products(self._gemv_weight, None, x)
+        return super().as_linear(x)
+
+
+_SWAPS = {nn.Linear: GemvLinear, nn.Embedding: GemvEmbedding}
+
+
+def _weight_view(array: mx.array) -> np.ndarray | None:
+    view = np.asarray(array)
+    if view.dtype != np.float32 or not view.flags.c_contiguous:
+        return None  # numpy would copy it on every call
+    return view
+
+
+def use_gemv(model: nn.Module, max_rows: int) -> int:
+    """Route products of at most `max_rows` rows in `model`'s float32 Linears (and tied
+    embedding heads) to numpy; the weights must not be replaced afterwards. Returns how many
+    modules were switched."""
+    if max_rows <= 0:
+        return 0
+    switched = 0
+    for _, module in model.named_modules():
+        swap = _SWAPS.get(type(module))
+        if swap is None:
+            continue
+        weight = _weight_view(module.weight)
+        bias = module.get("bias")
+        bias_view = None if bias is None else _weight_view(bias)
+        if weight is None or (bias is not None and bias_view is None):
+            continue
+        module._gemv_weight, module._gemv_bias = weight, bias_view
+        module._gemv_max_rows = max_rows
+        module.__class__ = swap
+        switched += 1
+    return switched

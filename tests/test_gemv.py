@@ -1,0 +1,97 @@
+"""Decode-sized weight products through numpy (specd.models.gemv) against MLX's own."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from specd.models.gemv import GemvEmbedding, GemvLinear, check_max_rows, use_gemv
+from specd.models.load import load_target
+from verifier_svc.engine import Target, prefill
+
+PROMPT = [3, 40, 41, 42, 43, 40, 41, 42, 50, 60, 70]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_dir):
+    """The same weights twice: all products in MLX, and up to 3 rows through numpy."""
+    return (
+        Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0),
+        Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=3),
+    )
+
+
+def _logits(target, tokens, cache=None):
+    cache = prefill(target, PROMPT).session.cache if cache is None else cache
+    logits, rows = target.forward(mx.array(tokens), cache, (0, 1))
+    return np.array(logits), np.array(rows)
+
+
+def test_every_linear_and_the_tied_head_are_switched(pair):
+    plain, fast = pair
+    kinds = {type(m) for _, m in fast.model.named_modules()}
+    assert nn.Linear not in kinds and nn.Embedding not in kinds
+    assert {GemvLinear, GemvEmbedding} <= kinds
+    assert all(type(m) in (nn.Linear, nn.Embedding) for m in _products(plain.model))
+
+
+def _products(model):
+    return [m for _, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+
+
+@pytest.mark.parametrize("tokens", [[7], [7, 8], [7, 8, 9]])
+def test_few_row_forwards_match_mlx(pair, tokens):
+    plain, fast = pair
+    want_logits, want_rows = _logits(plain, tokens)
+    got_logits, got_rows = _logits(fast, tokens)
+    assert np.allclose(got_logits, want_logits, rtol=1e-5, atol=1e-4)
+    assert np.allclose(got_rows, want_rows, rtol=1e-5, atol=1e-4)
+    assert (got_logits.argmax(-1) == want_logits.argmax(-1)).all()
+
+
+def test_larger_forwards_stay_in_mlx_bit_for_bit(pair):
+    plain, fast = pair
+    tokens = PROMPT[:4]  # on empty caches: prefill's last step is a one-row forward
+    got = _logits(fast, tokens, fast.new_cache())[0]
+    assert np.array_equal(got, _logits(plain, tokens, plain.new_cache())[0])
+
+
+def test_numpy_really_does_the_few_row_products(pair, monkeypatch):
+    _, fast = pair
+    calls = []
+    real = np.matmul
+    monkeypatch.setattr(np, "matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    session = prefill(fast, PROMPT).session
+    calls.clear()
+    _logits(fast, [7, 8], session.cache)
+    switched = len(_products(fast.model))
+    assert len(calls) == 2 * switched  # one gemv per row and product
+    calls.clear()
+    _logits(fast, [7, 8, 9, 10], session.cache)
+    assert calls == []
+
+
+def test_a_bias_is_added():
+    layer = nn.Linear(8, 5, bias=True)
+    want = layer(mx.ones((1, 2, 8)))
+    assert use_gemv(layer, 2) == 1
+    assert np.allclose(np.array(layer(mx.ones((1, 2, 8)))), np.array(want), atol=1e-6)
+
+
+def test_weights_numpy_would_copy_are_left_to_mlx():
+    layer = nn.Linear(8, 5, bias=False)
+    layer.weight = mx.ones((8, 5)).T  # a transposed view: not row-contiguous
+    assert use_gemv(layer, 3) == 0
+    assert type(layer) is nn.Linear
+    half = nn.Linear(8, 5)
+    half.set_dtype(mx.float16)
+    assert use_gemv(half, 3) == 0
+
+
+def test_settings_that_cannot_apply_are_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="float32 weights on the CPU"):
+        check_max_rows(3, "gpu", "float32")
+    with pytest.raises(ValueError, match="--gemv-rows 0"):
+        Target(load_target(str(tiny_model_dir), dtype="float16"), gemv_rows=2)
+    assert Target(load_target(str(tiny_model_dir), dtype="float16")).gemv_rows == 0
+    assert Target(load_target(str(tiny_model_dir), dtype="float32")).gemv_rows == 3
