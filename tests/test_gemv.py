@@ -5,6 +5,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from specd.models import gemv
 from specd.models.gemv import GemvEmbedding, GemvLinear, check_max_rows, use_gemv
 from specd.models.load import load_target
 from verifier_svc.engine import Target, prefill
@@ -76,6 +77,17 @@ def test_a_bias_is_added():
     want = layer(mx.ones((1, 2, 8)))
     assert use_gemv(layer, 2) == 1
     assert np.allclose(np.array(layer(mx.ones((1, 2, 8)))), np.array(want), atol=1e-6)
+
+
+def test_multi_row_products_by_cache_sized_blocks(monkeypatch):
+    monkeypatch.setattr(gemv, "BLOCK_BYTES", 16 * 8 * 4)  # 16 weight rows per block
+    layer = nn.Linear(8, 50, bias=True)
+    x = mx.random.normal((1, 3, 8))
+    want = np.array(layer(x))
+    assert use_gemv(layer, 3) == 1
+    assert [start for start, _ in layer._gemv_blocks] == [0, 16, 32, 48]
+    assert np.allclose(np.array(layer(x)), want, atol=1e-5)
+    assert np.allclose(np.array(layer(x[:, :1])), want[:, :1], atol=1e-5)
 
 
 def test_weights_numpy_would_copy_are_left_to_mlx():

@@ -17,6 +17,9 @@ import mlx.nn as nn
 import numpy as np
 
 DEFAULT_MAX_ROWS = 3  # measured: 1-3 rows faster than MLX's sgemm here, 4 even, 5 slower
+# A second row re-reads the weights; blocks of this size are still in cache when it does
+# (SmolLM2's 108 MiB output head, 2 / 3 rows: 18.8 / 28.9 ms whole, 16.5 / 21.9 ms by blocks).
+BLOCK_BYTES = 4 << 20
 
 
 def default_max_rows(device: str, dtype: str) -> int:
@@ -32,11 +35,21 @@ def check_max_rows(max_rows: int, device: str, dtype: str) -> None:
         )
 
 
-def _products(weight: np.ndarray, bias: np.ndarray | None, x: mx.array) -> mx.array:
+def _blocks(weight: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    step = max(1, BLOCK_BYTES // (weight.shape[1] * weight.itemsize))
+    return [(start, weight[start : start + step]) for start in range(0, weight.shape[0], step)]
+
+
+def _products(module: nn.Module, x: mx.array) -> mx.array:
+    weight, bias = module._gemv_weight, module._gemv_bias
     rows = np.asarray(x).reshape(-1, x.shape[-1])  # evaluates x
     out = np.empty((rows.shape[0], weight.shape[0]), dtype=np.float32)
-    for i, row in enumerate(rows):
-        np.matmul(weight, row, out=out[i])
+    if len(rows) == 1:
+        np.matmul(weight, rows[0], out=out[0])
+    else:
+        for start, block in module._gemv_blocks:
+            for i, row in enumerate(rows):
+                np.matmul(block, row, out=out[i, start : start + len(block)])
     if bias is not None:
         out += bias
     return mx.array(out).reshape(*x.shape[:-1], weight.shape[0])
@@ -49,14 +62,14 @@ def _wants_numpy(module: nn.Module, x: mx.array) -> bool:
 class GemvLinear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
         if _wants_numpy(self, x):
-            return _products(self._gemv_weight, self._gemv_bias, x)
+            return _products(self, x)
         return super().__call__(x)
 
 
 class GemvEmbedding(nn.Embedding):
     def as_linear(self, x: mx.array) -> mx.array:  # tied output heads
         if _wants_numpy(self, x):
-            return _products(self._gemv_weight, None, x)
+            return _products(self, x)
         return super().as_linear(x)
 
 
@@ -87,6 +100,7 @@ def use_gemv(model: nn.Module, max_rows: int) -> int:
         if weight is None or (bias is not None and bias_view is None):
             continue
         module._gemv_weight, module._gemv_bias = weight, bias_view
+        module._gemv_blocks = _blocks(weight)
         module._gemv_max_rows = max_rows
         module.__class__ = swap
         switched += 1
