@@ -79,7 +79,9 @@ def add_bench_args(p) -> None:
     p.add_argument("--tree-depth", type=int_between(1), help="eagle3-tree: deepest path (5)")
     p.add_argument("--tree-top-k", type=int_between(1), help="eagle3-tree: children per node (4)")
     p.add_argument(
-        "--drafter-blas-threads", type=non_negative_int, help="OpenBLAS threads of each drafter"
+        "--drafter-blas-threads",
+        type=non_negative_int,
+        help="each drafter's --blas-threads (default: its own, 1)",
     )
     p.add_argument(
         "--no-adaptive",

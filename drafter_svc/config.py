@@ -25,7 +25,7 @@ class DrafterConfig:
     max_context: int = 1 << 17  # tokens per session
     max_tree_tokens: int = 128  # largest draft tree a request may ask for
     session_idle_timeout_s: float = 600.0  # sessions a dead coordinator left are freed after
-    blas_threads: int = 0  # OpenBLAS threads in this process; 0: the library's default
+    blas_threads: int = 1  # OpenBLAS threads in this process; 0: the library's default
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, token
 
 

@@ -147,10 +147,10 @@ def _add_serve(sub) -> None:
     d.add_argument(
         "--blas-threads",
         type=non_negative_int,
-        default=0,
-        help="OpenBLAS threads for this drafter (0: the library's default, one per core); 1 "
-        "keeps its idle BLAS threads off a verifier on the same cores (no gain measured on 2 "
-        "cores, docs/benchmarks.md)",
+        default=1,
+        help="OpenBLAS threads for this drafter (0: the library's default, one per core). A "
+        "drafter's products are small, and a second thread spins after each job on a core a "
+        "verifier on the same machine needs (docs/benchmarks.md, session 10)",
     )
     d.add_argument("--tree-depth", type=int_between(1), help="eagle3: deepest tree path")
     d.add_argument(
