@@ -4,6 +4,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from specd.models import gemv
 from specd.models.gemv import GemvEmbedding, GemvLinear, check_max_rows, use_gemv
@@ -34,6 +35,10 @@ def test_every_linear_and_the_tied_head_are_switched(pair):
     assert nn.Linear not in kinds and nn.Embedding not in kinds
     assert {GemvLinear, GemvEmbedding} <= kinds
     assert all(type(m) in (nn.Linear, nn.Embedding) for m in _products(plain.model))
+    # the numpy views are neither parameters nor children: the module trees are unchanged
+    names = [name for name, _ in tree_flatten(fast.model.parameters())]
+    assert names == [name for name, _ in tree_flatten(plain.model.parameters())]
+    assert [sorted(m) for m in _products(fast.model)] == [sorted(m) for m in _products(plain.model)]
 
 
 def _products(model):
@@ -85,7 +90,7 @@ def test_multi_row_products_by_cache_sized_blocks(monkeypatch):
     x = mx.random.normal((1, 3, 8))
     want = np.array(layer(x))
     assert use_gemv(layer, 3) == 1
-    assert [start for start, _ in layer._gemv_blocks] == [0, 16, 32, 48]
+    assert [start for start, _ in layer._gemv.blocks] == [0, 16, 32, 48]
     assert np.allclose(np.array(layer(x)), want, atol=1e-5)
     assert np.allclose(np.array(layer(x[:, :1])), want[:, :1], atol=1e-5)
 

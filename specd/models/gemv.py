@@ -12,6 +12,8 @@ it pays only for a few rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -35,41 +37,48 @@ def check_max_rows(max_rows: int, device: str, dtype: str) -> None:
         )
 
 
-def _blocks(weight: np.ndarray) -> list[tuple[int, np.ndarray]]:
+@dataclass(frozen=True)
+class GemvWeights:
+    """numpy views of one module's weights; a plain attribute, not an MLX parameter."""
+
+    weight: np.ndarray
+    bias: np.ndarray | None
+    blocks: tuple[tuple[int, np.ndarray], ...]  # (first row, rows) of about BLOCK_BYTES each
+    max_rows: int
+
+    def wanted(self, x: mx.array) -> bool:
+        return x.dtype == mx.float32 and x.size <= self.max_rows * x.shape[-1]
+
+    def products(self, x: mx.array) -> mx.array:
+        rows = np.asarray(x).reshape(-1, x.shape[-1])  # evaluates x
+        out = np.empty((rows.shape[0], self.weight.shape[0]), dtype=np.float32)
+        if len(rows) == 1:
+            np.matmul(self.weight, rows[0], out=out[0])
+        else:
+            for start, block in self.blocks:
+                for i, row in enumerate(rows):
+                    np.matmul(block, row, out=out[i, start : start + len(block)])
+        if self.bias is not None:
+            out += self.bias
+        return mx.array(out).reshape(*x.shape[:-1], self.weight.shape[0])
+
+
+def _blocks(weight: np.ndarray) -> tuple[tuple[int, np.ndarray], ...]:
     step = max(1, BLOCK_BYTES // (weight.shape[1] * weight.itemsize))
-    return [(start, weight[start : start + step]) for start in range(0, weight.shape[0], step)]
-
-
-def _products(module: nn.Module, x: mx.array) -> mx.array:
-    weight, bias = module._gemv_weight, module._gemv_bias
-    rows = np.asarray(x).reshape(-1, x.shape[-1])  # evaluates x
-    out = np.empty((rows.shape[0], weight.shape[0]), dtype=np.float32)
-    if len(rows) == 1:
-        np.matmul(weight, rows[0], out=out[0])
-    else:
-        for start, block in module._gemv_blocks:
-            for i, row in enumerate(rows):
-                np.matmul(block, row, out=out[i, start : start + len(block)])
-    if bias is not None:
-        out += bias
-    return mx.array(out).reshape(*x.shape[:-1], weight.shape[0])
-
-
-def _wants_numpy(module: nn.Module, x: mx.array) -> bool:
-    return x.dtype == mx.float32 and x.size <= module._gemv_max_rows * x.shape[-1]
+    return tuple((start, weight[start : start + step]) for start in range(0, len(weight), step))
 
 
 class GemvLinear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
-        if _wants_numpy(self, x):
-            return _products(self, x)
+        if self._gemv.wanted(x):
+            return self._gemv.products(x)
         return super().__call__(x)
 
 
 class GemvEmbedding(nn.Embedding):
     def as_linear(self, x: mx.array) -> mx.array:  # tied output heads
-        if _wants_numpy(self, x):
-            return _products(self, x)
+        if self._gemv.wanted(x):
+            return self._gemv.products(x)
         return super().as_linear(x)
 
 
@@ -99,9 +108,7 @@ def use_gemv(model: nn.Module, max_rows: int) -> int:
         bias_view = None if bias is None else _weight_view(bias)
         if weight is None or (bias is not None and bias_view is None):
             continue
-        module._gemv_weight, module._gemv_bias = weight, bias_view
-        module._gemv_blocks = _blocks(weight)
-        module._gemv_max_rows = max_rows
+        module._gemv = GemvWeights(weight, bias_view, _blocks(weight), max_rows)
         module.__class__ = swap
         switched += 1
     return switched
