@@ -33,6 +33,12 @@ def _ended(service: str) -> UpstreamError:
     )
 
 
+def _refused_before_sending(err: grpc.aio.AioRpcError) -> bool:
+    """grpc-python's status when a stream's first write fails because the service already
+    ended the stream (an UNIMPLEMENTED method, say) before that status has arrived."""
+    return err.code() == grpc.StatusCode.INTERNAL and err.details() == "Internal error from Core"
+
+
 class SessionStreams:
     """The round's hot calls of each session over one bidirectional stream, opened on first
     use and ended when the session closes: a message on an open stream costs about half a
@@ -55,7 +61,8 @@ class SessionStreams:
         if not self.streaming:
             return await self._unary(request, timeout)
         stream = self._streams.get(session_id)
-        if stream is None:
+        fresh = stream is None
+        if fresh:
             stream = self._streams[session_id] = self.open_stream(metadata=self.metadata)
         try:
             return await asyncio.wait_for(self._exchange(stream, request), timeout)
@@ -68,10 +75,15 @@ class SessionStreams:
             self._drop(session_id)
             if err.code() == grpc.StatusCode.CANCELLED:  # we never read after cancelling
                 raise _ended(self.service) from None
-            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED and not (
+                fresh and _refused_before_sending(err)
+            ):
                 raise UpstreamError.of(self.service, err) from None
+            # The request never reached the service's handler: ask it unary. A service that
+            # answers unary but refused a new stream has no stream method.
+            response = await self._unary(request, timeout)
             self.streaming = False
-            return await self._unary(request, timeout)
+            return response
         except BaseException:  # cancelled mid-exchange: the stream's next message is stale
             self._drop(session_id)
             raise
