@@ -374,9 +374,7 @@ def run_bench(args) -> int:
                     target=args.target,
                     drafter=bench_kind(d),
                     dtype=args.dtype,
-                    verifier_args=[]
-                    if args.gemv_rows is None
-                    else ["--gemv-rows", str(args.gemv_rows)],
+                    gemv_rows=args.gemv_rows,
                     drafter_args=_drafter_args(args, d),
                     coordinator_args=([] if args.adaptive else ["--no-adaptive"])
                     + (["--overlap-drafting"] if args.overlap else [])

@@ -432,7 +432,7 @@ def _up(args) -> int:
         target=args.target,
         drafter=drafter,
         dtype=args.dtype,
-        verifier_args=[] if args.gemv_rows is None else ["--gemv-rows", str(args.gemv_rows)],
+        gemv_rows=args.gemv_rows,
         host=args.host,
         ports={
             "verifier": args.verifier_port,

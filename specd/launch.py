@@ -129,6 +129,7 @@ class Stack:
     target: str | None = None
     drafter: str | None = "ngram"  # None: no drafter, the coordinator runs verify-only rounds
     dtype: str = "auto"
+    gemv_rows: int | None = None  # None: the verifier's default
     host: str = "127.0.0.1"
     ports: dict[str, int] = field(default_factory=dict)
     verifier_args: list[str] = field(default_factory=list)
@@ -144,8 +145,10 @@ class Stack:
         chosen = free_ports(len(unset), self.host)
         self.ports = {**self.ports, **dict(zip(unset, chosen, strict=True))}
         try:
-            target_args = ["--model", self.target] if self.target else []
-            self._spawn("verifier", [*target_args, "--dtype", self.dtype, *self.verifier_args])
+            verifier_flags = ["--model", self.target] if self.target else []
+            if self.gemv_rows is not None:
+                verifier_flags += ["--gemv-rows", str(self.gemv_rows)]
+            self._spawn("verifier", [*verifier_flags, "--dtype", self.dtype, *self.verifier_args])
             if self.drafter:
                 model_drafter = self.drafter != "ngram" and self.target
                 target = ["--target", self.target] if model_drafter else []

@@ -86,10 +86,10 @@ _SWAPS = {nn.Linear: GemvLinear, nn.Embedding: GemvEmbedding}
 
 
 def _weight_view(array: mx.array) -> np.ndarray | None:
+    if array.dtype != mx.float32:
+        return None  # numpy has no bfloat16, and half products are slow there
     view = np.asarray(array)
-    if view.dtype != np.float32 or not view.flags.c_contiguous:
-        return None  # numpy would copy it on every call
-    return view
+    return view if view.flags.c_contiguous else None  # else numpy copies it every call
 
 
 def use_gemv(model: nn.Module, max_rows: int) -> int:
