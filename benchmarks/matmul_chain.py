@@ -1,5 +1,6 @@
 """Time only the weight products of one target forward (every 2-D parameter, M input rows),
-to see how much of a decode or verify step is BLAS.
+to see how much of a decode or verify step is BLAS; MLX's products (`ms`) beside the
+numpy gemv products the verifier uses for few-row forwards (`gemv_ms`).
 
     python -m specd.platform exec -- python benchmarks/matmul_chain.py [--rows 1 2 4 8 16]
 """
@@ -11,8 +12,10 @@ import json
 import time
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
+from specd.models.gemv import GemvWeights, weight_blocks
 from specd.models.load import load_target
 
 
@@ -32,7 +35,10 @@ def main() -> None:
     args = parser.parse_args()
     weights = [w for _, w in tree_flatten(load_target(args.model, "float32").model.parameters())
                if w.ndim == 2]  # fmt: skip
-    result = {"products": len(weights), "ms": {}}
+    views = [
+        GemvWeights(np.asarray(w), None, weight_blocks(np.asarray(w)), 1 << 30) for w in weights
+    ]
+    result = {"products": len(weights), "ms": {}, "gemv_ms": {}}
     for rows in args.rows:
         inputs = {w.shape[1]: mx.ones((rows, w.shape[1])) for w in weights}
 
@@ -40,7 +46,12 @@ def main() -> None:
             for w in weights:
                 mx.eval(inputs[w.shape[1]] @ w.T)  # one at a time, as a forward issues them
 
+        def gemv_products(inputs=inputs):  # the verifier's --gemv-rows path, any row count
+            for view in views:
+                mx.eval(view.products(inputs[view.weight.shape[1]]))
+
         result["ms"][rows] = round(median_ms(products), 1)
+        result["gemv_ms"][rows] = round(median_ms(gemv_products), 1)
     print(json.dumps(result))
 
 

@@ -63,7 +63,7 @@ class GemvWeights:
         return mx.array(out).reshape(*x.shape[:-1], self.weight.shape[0])
 
 
-def _blocks(weight: np.ndarray) -> tuple[tuple[int, np.ndarray], ...]:
+def weight_blocks(weight: np.ndarray) -> tuple[tuple[int, np.ndarray], ...]:
     step = max(1, BLOCK_BYTES // (weight.shape[1] * weight.itemsize))
     return tuple((start, weight[start : start + step]) for start in range(0, len(weight), step))
 
@@ -108,7 +108,7 @@ def use_gemv(model: nn.Module, max_rows: int) -> int:
         bias_view = None if bias is None else _weight_view(bias)
         if weight is None or (bias is not None and bias_view is None):
             continue
-        module._gemv = GemvWeights(weight, bias_view, _blocks(weight), max_rows)
+        module._gemv = GemvWeights(weight, bias_view, weight_blocks(weight), max_rows)
         module.__class__ = swap
         switched += 1
     return switched
