@@ -88,7 +88,8 @@ def test_captured_rows_equal_full_forward(target):
     got = mx.concatenate(rows, axis=0)  # rows for every position the cache holds
     cache = target.new_cache()
     _, full = target.forward(mx.array(tokens[: got.shape[0]]), cache, layers)
-    assert mx.allclose(got, full, atol=1e-4).item()
+    # decode forwards run on numpy (host_llama), the reference on MLX: float32 rounding only
+    assert mx.allclose(got, full, atol=5e-4).item()
 
 
 def test_failed_round_leaves_session_unchanged(target, monkeypatch):
@@ -122,7 +123,8 @@ def test_decode_bursts_equal_plain_greedy_and_keep_rows(target):
     assert out[: len(reference)] == reference[: len(out)]
     got = mx.concatenate(rows, axis=0)
     _, full = target.forward(mx.array((PROMPT + out)[: got.shape[0]]), target.new_cache(), layers)
-    assert mx.allclose(got, full, atol=1e-4).item()
+    # decode forwards run on numpy (host_llama), the reference on MLX: float32 rounding only
+    assert mx.allclose(got, full, atol=5e-4).item()
 
 
 def test_decode_stops_after_eos_and_drops_the_queued_forward(tiny_model_dir):

@@ -38,6 +38,7 @@ def make_tiny_model_dir(
     extra_specials: tuple[str, ...] = (),
     max_positions: int = 1024,
     eos_token: str = "<|im_end|>",
+    config_overrides: dict | None = None,
 ) -> Path:
     """A loadable mlx-lm directory: random Llama weights, byte-level tokenizer, chat template."""
     path.mkdir(parents=True, exist_ok=True)
@@ -57,6 +58,7 @@ def make_tiny_model_dir(
         "max_position_embeddings": max_positions,
         "eos_token_id": tokenizer.token_to_id(eos_token),
     }
+    config.update(config_overrides or {})
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     # larger-than-default weights make the random model's argmax decisive, not near-ties

@@ -14,6 +14,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from specd.models.capture import install_capture, install_tree_positions
 from specd.models.gemv import check_max_rows, default_max_rows, use_gemv
+from specd.models.host_llama import HostLlama
 from specd.models.load import LoadedTarget, device_kind
 from verifier_svc.accept import accept_greedy
 from verifier_svc.sampling import SamplingConfig, accept_sampled, sample, target_distribution
@@ -22,6 +23,7 @@ from verifier_svc.tree import (
     accept_tree_sampled,
     ancestor_mask,
     check_parents,
+    depths,
     rope_groups,
 )
 
@@ -33,8 +35,9 @@ class Target:
     """An mlx-lm model whose forward can also return chosen decoder-layer outputs."""
 
     def __init__(self, loaded: LoadedTarget, gemv_rows: int | None = None):
-        """gemv_rows: forwards of at most this many tokens do their weight products with
-        numpy's gemv (specd.models.gemv); None: the default for the device and dtype."""
+        """gemv_rows: forwards of at most this many tokens run on numpy: whole layers for
+        Llama-family models (specd.models.host_llama), else the weight products alone
+        (specd.models.gemv); None: the default for the device and dtype."""
         self.loaded = loaded
         self.model = loaded.model
         device = device_kind()
@@ -43,6 +46,7 @@ class Target:
         check_max_rows(gemv_rows, device, loaded.dtype)
         self.gemv_rows = gemv_rows
         use_gemv(self.model, gemv_rows)
+        self._host = HostLlama.attach(self.model) if gemv_rows else None
         self.identity = loaded.identity
         self.eos_ids = frozenset(loaded.identity.eos_token_ids)
         self._sink = install_capture(self.model)
@@ -62,6 +66,9 @@ class Target:
             raise TreeUnsupported("this target's architecture or cache cannot verify draft trees")
         base = _cache_len(cache)
         tree = ancestor_mask(parents)
+        if self._host is not None and self._host.can_run(token_ids.size, cache):
+            positions = np.array([base, *[base + d for d in depths(parents)]])
+            return self._on_host(token_ids, cache, capture, positions, tree)
         mask = np.concatenate([np.ones((len(tree), base), dtype=bool), tree], axis=1)
         self._sink.mask = mx.array(mask)
         self._sink.rope_groups = rope_groups(parents, base)
@@ -77,6 +84,12 @@ class Target:
         self, token_ids: mx.array, cache: list, capture: tuple[int, ...] = ()
     ) -> tuple[mx.array, mx.array | None]:
         """token_ids [T] appended at the cache end -> (logits [T, V], rows [T, L*H] or None)."""
+        if (
+            self._host is not None
+            and self._sink.mask is None
+            and self._host.can_run(token_ids.size, cache)
+        ):
+            return self._on_host(token_ids, cache, capture)
         self._sink.wanted = frozenset(capture)
         self._sink.outputs = {}
         try:
@@ -87,6 +100,13 @@ class Target:
         finally:
             self._sink.wanted, self._sink.outputs = frozenset(), {}
         return logits, rows
+
+    def _on_host(self, token_ids, cache, capture, positions=None, sees=None):
+        logits, outputs = self._host.forward(
+            np.asarray(token_ids), cache, frozenset(capture), positions, sees
+        )
+        rows = np.concatenate([outputs[i] for i in capture], axis=-1) if capture else None
+        return mx.array(logits), None if rows is None else mx.array(rows)
 
 
 @dataclass

@@ -1,0 +1,234 @@
+"""Whole decode-sized forwards of a Llama-family model on numpy (CPU, float32).
+
+With its weight products on numpy's gemv (specd.models.gemv), a one-token forward of
+SmolLM2-135M still spent ~37 of its ~89 ms waiting on MLX: every product makes MLX evaluate
+its input, ~4 small graphs per layer at ~35-170 us each. The rest of a layer (two RMSNorms,
+RoPE, attention over the cache, SwiGLU) is a few microseconds of numpy work per token, so
+forwards of a few tokens run every layer here and touch MLX only to append their keys and
+values to the model's own KV caches, in one evaluation at the end. Bigger forwards, tree
+forwards and other architectures stay in MLX. docs/benchmarks.md, "Session 11".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import Llama3RoPE
+
+from specd.models.gemv import GemvWeights
+
+ROPE_BLOCK = 256  # positions per table of RoPE angles, made on first use
+
+
+@dataclass(frozen=True)
+class _Layer:
+    input_norm: np.ndarray
+    post_norm: np.ndarray
+    q: GemvWeights
+    k: GemvWeights
+    v: GemvWeights
+    o: GemvWeights
+    gate: GemvWeights
+    up: GemvWeights
+    down: GemvWeights
+
+
+# RoPEs that turn each pair of features by an angle of its position alone
+_PAIR_ROTATIONS = (nn.RoPE, Llama3RoPE)
+
+
+def _rope_of(attn) -> nn.Module | None:
+    rope = attn.rope
+    rope = getattr(rope, "inner", rope)  # under specd.models.capture.GroupedRoPE
+    return rope if type(rope) in _PAIR_ROTATIONS else None
+
+
+def _gemv_of(module) -> GemvWeights | None:
+    return getattr(module, "_gemv", None)
+
+
+class HostLlama:
+    """numpy forwards of at most `max_rows` tokens for an mlx-lm `llama` model whose products
+    were switched to gemv; build with `HostLlama.attach`, which says None when it cannot."""
+
+    def __init__(self, layers, embed, final_norm, head, eps, heads, kv_heads, head_dim, rope):
+        self.layers: list[_Layer] = layers
+        self.embed: np.ndarray = embed
+        self.final_norm: np.ndarray = final_norm
+        self.head: GemvWeights = head
+        self.eps = eps
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.rope = rope
+        self.rope_dims = rope.dims
+        self.rope_traditional = rope.traditional
+        self._rope_blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.max_rows = head.max_rows
+
+    @classmethod
+    def attach(cls, model: nn.Module) -> HostLlama | None:
+        args = getattr(model, "args", None)
+        if getattr(model, "model_type", None) != "llama" or args is None:
+            return None
+        if any(t != "full_attention" for t in (args.layer_types or [])):
+            return None
+        layers = []
+        rope = None
+        for wrapped in model.layers:
+            block = getattr(wrapped, "inner", wrapped)  # under specd.models.capture
+            attn, mlp = block.self_attn, block.mlp
+            parts = [
+                _gemv_of(m)
+                for m in (
+                    attn.q_proj,
+                    attn.k_proj,
+                    attn.v_proj,
+                    attn.o_proj,
+                    mlp.gate_proj,
+                    mlp.up_proj,
+                    mlp.down_proj,
+                )
+            ]
+            rope = _rope_of(attn)
+            norms = [
+                _float32_view(block.input_layernorm.weight),
+                _float32_view(block.post_attention_layernorm.weight),
+            ]
+            if any(p is None for p in parts) or rope is None or any(n is None for n in norms):
+                return None
+            q, k, v, o, gate, up, down = parts
+            layers.append(_Layer(norms[0], norms[1], q, k, v, o, gate, up, down))
+        inner = model.model
+        embed = _gemv_of(inner.embed_tokens)
+        head = embed if args.tie_word_embeddings else _gemv_of(getattr(model, "lm_head", None))
+        final_norm = _float32_view(inner.norm.weight)
+        if embed is None or head is None or final_norm is None or not layers:
+            return None
+        heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
+        head_dim = args.head_dim or args.hidden_size // heads
+        first = model.layers[0]
+        first = getattr(first, "inner", first)
+        norm_eps = first.input_layernorm.eps
+        return cls(
+            layers, embed.weight, final_norm, head, norm_eps, heads, kv_heads, head_dim, rope
+        )
+
+    def can_run(self, tokens: int, cache: list) -> bool:
+        return 0 < tokens <= self.max_rows and all(type(c) is KVCache for c in cache)
+
+    def forward(
+        self,
+        token_ids: np.ndarray,
+        cache: list,
+        capture: frozenset[int],
+        positions: np.ndarray | None = None,
+        sees: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """token_ids [T] appended at the cache end -> (logits [T, V], {layer: output [T, H]}).
+
+        Each new token sees the whole cache and, among the new tokens, those `sees` [T, T]
+        allows (default: itself and the ones before it); `positions` [T] are its RoPE
+        positions (default: its place in the cache). Appends each layer's keys and values
+        to its KVCache, as MLX's forward would."""
+        n = len(token_ids)
+        offset = cache[0].offset
+        if positions is None:
+            positions = np.arange(offset, offset + n)
+        cos, sin = self._rope_tables(positions)
+        if sees is None:
+            sees = np.tri(n, dtype=bool)
+        causal = np.where(sees, np.float32(0), np.float32(-np.inf))
+        h = self.embed[token_ids]  # fancy indexing copies: [T, H]
+        captured: dict[int, np.ndarray] = {}
+        new_kv = []
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache, strict=True)):
+            x = self._rms(h, layer.input_norm)
+            q = self._heads(layer.q.of_rows(x), self.heads, cos, sin)
+            k = self._heads(layer.k.of_rows(x), self.kv_heads, cos, sin)
+            v = layer.v.of_rows(x).reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
+            attended = self._attend(q, k, v, layer_cache, offset, causal)
+            h = h + layer.o.of_rows(attended)
+            x = self._rms(h, layer.post_norm)
+            gate = layer.gate.of_rows(x)
+            gate *= 1.0 / (1.0 + np.exp(-gate))  # SiLU
+            gate *= layer.up.of_rows(x)
+            h = h + layer.down.of_rows(gate)
+            if i in capture:
+                captured[i] = h
+            new_kv.append((k, v))
+        logits = self.head.of_rows(self._rms(h, self.final_norm))
+        # numpy views of the caches are gone: MLX may update their buffers in place
+        for layer_cache, (k, v) in zip(cache, new_kv, strict=True):
+            layer_cache.update_and_fetch(mx.array(k[None]), mx.array(np.ascontiguousarray(v)[None]))
+        mx.eval([a for c in cache for a in (c.keys, c.values)])
+        return logits, captured
+
+    def _rms(self, h: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        mean_square = np.mean(np.square(h), axis=-1, keepdims=True)
+        return h * (1.0 / np.sqrt(mean_square + self.eps)) * weight
+
+    def _rope_tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin [T, dims/2] at `positions`, exactly as the model's RoPE has them."""
+        tables = [(self._rope_block(p // ROPE_BLOCK), p % ROPE_BLOCK) for p in positions.tolist()]
+        cos = np.stack([cos[i] for (cos, _), i in tables])
+        sin = np.stack([sin[i] for (_, sin), i in tables])
+        return cos, sin
+
+    def _rope_block(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        # Rotating (1, 0) pairs yields (cos, sin): MLX's own angles, which a numpy
+        # recomputation misses by up to ~1e-5 rad at position 2000 (float32 rounding).
+        if index not in self._rope_blocks:
+            half = self.rope_dims // 2
+            unit = np.zeros((ROPE_BLOCK, self.rope_dims), dtype=np.float32)
+            first_of_pair = slice(0, None, 2) if self.rope_traditional else slice(0, half)
+            second_of_pair = slice(1, None, 2) if self.rope_traditional else slice(half, None)
+            unit[:, first_of_pair] = 1.0
+            turned = np.array(self.rope(mx.array(unit)[None], offset=index * ROPE_BLOCK)[0])
+            self._rope_blocks[index] = (turned[:, first_of_pair], turned[:, second_of_pair])
+        return self._rope_blocks[index]
+
+    def _heads(self, rows: np.ndarray, heads: int, cos, sin) -> np.ndarray:
+        """[T, heads*D] -> [heads, T, D] with RoPE applied."""
+        x = rows.reshape(len(rows), heads, self.head_dim).transpose(1, 0, 2)
+        half = self.rope_dims // 2
+        out = x.copy()
+        if self.rope_traditional:
+            a, b = x[..., 0 : self.rope_dims : 2], x[..., 1 : self.rope_dims : 2]
+            out[..., 0 : self.rope_dims : 2] = a * cos - b * sin
+            out[..., 1 : self.rope_dims : 2] = a * sin + b * cos
+        else:
+            a, b = x[..., :half], x[..., half : self.rope_dims]
+            out[..., :half] = a * cos - b * sin
+            out[..., half : self.rope_dims] = a * sin + b * cos
+        return out
+
+    def _attend(self, q, k, v, layer_cache: KVCache, offset: int, causal) -> np.ndarray:
+        """Attention of the new queries over the cached rows and the new rows -> [T, heads*D]."""
+        n, group = q.shape[1], self.heads // self.kv_heads
+        # query head j reads kv head j // group: group the queries under their kv head
+        queries = q.reshape(self.kv_heads, group * n, self.head_dim) * self.scale
+        new_scores = queries @ k.transpose(0, 2, 1)  # [kv, group*T, T]
+        new_scores += np.tile(causal, (group, 1))
+        if offset:
+            past_k = np.asarray(layer_cache.keys)[0, :, :offset]
+            past_v = np.asarray(layer_cache.values)[0, :, :offset]
+            scores = np.concatenate([queries @ past_k.transpose(0, 2, 1), new_scores], axis=-1)
+        else:
+            scores = new_scores
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        out = scores[..., offset:] @ v
+        if offset:
+            out += scores[..., :offset] @ past_v
+        # [kv, group*T, D] -> [heads, T, D] -> [T, heads*D]
+        out = out.reshape(self.heads, n, self.head_dim).transpose(1, 0, 2)
+        return out.reshape(n, self.heads * self.head_dim)
+
+
+def _float32_view(array: mx.array) -> np.ndarray | None:
+    return np.asarray(array) if array.dtype == mx.float32 else None

@@ -1,0 +1,128 @@
+"""Decode-sized Llama forwards on numpy (specd.models.host_llama) against MLX's own."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny import make_tiny_model_dir
+
+from specd.models.host_llama import ROPE_BLOCK, HostLlama
+from specd.models.load import load_target
+from verifier_svc.engine import Target, _rollback, decode, prefill, verify_tree
+
+PROMPT = [3, 40, 41, 42, 43, 40, 41, 42, 50, 60, 70]
+VARIANTS = {
+    "tied": {},
+    "untied-with-biases": {"tie_word_embeddings": False, "attention_bias": True, "mlp_bias": True},
+    "traditional-rope": {"rope_traditional": True},
+    "llama3-rope": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    },
+}
+
+
+def _pair(path):
+    """The same weights twice: all in MLX, and forwards of up to 3 tokens on numpy."""
+    plain = Target(load_target(str(path), dtype="float32"), gemv_rows=0)
+    fast = Target(load_target(str(path), dtype="float32"), gemv_rows=3)
+    return plain, fast
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def pair(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("host") / request.param
+    return _pair(make_tiny_model_dir(path, config_overrides=VARIANTS[request.param]))
+
+
+def _prompt(length: int) -> list[int]:
+    return np.random.default_rng(length).integers(3, 200, length).tolist()
+
+
+def _check_close(got, want):
+    got, want = np.array(got), np.array(want)
+    assert np.allclose(got, want, rtol=1e-5, atol=2e-4), np.abs(got - want).max()
+
+
+@pytest.mark.parametrize("context", [0, 11, ROPE_BLOCK - 2, 2 * ROPE_BLOCK - 1])
+@pytest.mark.parametrize("tokens", [1, 2, 3])
+def test_forwards_match_mlx_and_leave_the_same_cache(pair, context, tokens):
+    """Logits, captured rows, and the keys and values appended (which the next forward,
+    an MLX one, reads), across RoPE tables and the cache's 256-row growth steps."""
+    plain, fast = pair
+    assert fast._host is not None and plain._host is None
+    prompt, new = _prompt(context), [7, 8, 9][:tokens]
+    caches = []
+    for target in (plain, fast):
+        cache = prefill(target, prompt).session.cache if prompt else target.new_cache()
+        caches.append((cache, *target.forward(mx.array(new), cache, (0, 1))))
+    (plain_cache, want_logits, want_rows), (fast_cache, got_logits, got_rows) = caches
+    _check_close(got_logits, want_logits)
+    _check_close(got_rows, want_rows)
+    assert (np.array(got_logits).argmax(-1) == np.array(want_logits).argmax(-1)).all()
+    assert fast_cache[0].offset == plain_cache[0].offset == context + tokens
+    following = [plain.forward(mx.array([5, 6, 7, 8]), c)[0] for c in (plain_cache, fast_cache)]
+    _check_close(following[1], following[0])
+
+
+def test_greedy_decoding_equals_mlx(pair):
+    plain, fast = pair
+    outputs = []
+    for target in (plain, fast):
+        result = prefill(target, PROMPT)
+        session, out = result.session, [result.first_token]
+        for steps in [1, 3, 8, 2, 16, 16]:
+            out += decode(target, session, steps).committed
+        outputs.append(out)
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("parents", [[-1, -1], [-1, 0], [-1, -1, 0, 1, 1], [-1, 0, 1, 2, 3, 4, 5]])
+def test_tree_forwards_match_mlx(pair, parents):
+    """Ancestor-only visibility and depth positions, against MLX's masked tree forward."""
+    plain, fast = pair
+    drafts = [20 + i for i in range(len(parents))]
+    out = []
+    for target in (plain, fast):
+        cache = prefill(target, PROMPT).session.cache
+        out.append(target.forward_tree(mx.array([9, *drafts]), parents, cache, (0, 1)))
+    _check_close(out[1][0], out[0][0])
+    _check_close(out[1][1], out[0][1])
+
+
+def test_small_forwards_and_trees_run_on_numpy(tiny_model_dir, monkeypatch):
+    _, fast = _pair(tiny_model_dir)
+    sizes = []
+    real = HostLlama.forward
+    monkeypatch.setattr(
+        HostLlama, "forward", lambda self, ids, *a: sizes.append(len(ids)) or real(self, ids, *a)
+    )
+    session = prefill(fast, PROMPT).session
+    assert sizes == [1]  # prefill: 10 tokens in MLX, then the last one, as mlx-lm does
+    sizes.clear()
+    base = session.cache[0].offset
+    for n in (1, 3, 4):
+        fast.forward(mx.array([7] * n), session.cache)
+        _rollback(session.cache, base)
+    assert sizes == [1, 3]
+    verify_tree(fast, session, [7, 8], [-1, -1])
+    verify_tree(fast, session, [7, 8, 9], [-1, -1, -1])
+    assert sizes == [1, 3, 3]
+
+
+def test_models_it_cannot_run_stay_in_mlx(tiny_model_dir, tmp_path):
+    assert Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0)._host is None
+    # weights not on numpy's gemv: nothing to read them with
+    assert HostLlama.attach(load_target(str(tiny_model_dir), dtype="float32").model) is None
+    sliding = make_tiny_model_dir(
+        tmp_path / "sliding",
+        config_overrides={
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 8,
+        },
+    )
+    assert Target(load_target(str(sliding), dtype="float32"), gemv_rows=3)._host is None
