@@ -1,8 +1,10 @@
 """Plain decoding three ways, in one process, on the same prompt: mlx-lm's generate_step,
 one verify call per token (what a verify-only round does), and the verifier's burst decode
-(`engine.decode`, what `VerifyRequest.plain_steps` runs), the last with and without the
-numpy gemv products (`--gemv-rows`). `mlx_lm_wrapped` runs mlx-lm's loop on the verifier's
-model (capture wrappers, gemv products). Reports ms per token after prefill.
+(`engine.decode`, what `VerifyRequest.plain_steps` runs), the last with whole forwards on
+numpy (the default for a Llama-family target, specd.models.host_llama), with only the weight
+products on numpy (specd.models.gemv), and all in MLX (`--gemv-rows 0`). `mlx_lm_wrapped` runs
+mlx-lm's loop on the verifier's model (capture wrappers, gemv products). Reports ms per token
+after prefill.
 
     python -m specd.platform exec -- python benchmarks/decode_loop.py [--tokens 64] [--repeats 3]
 """
@@ -57,7 +59,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     plain_model = load_target(args.model, "float32").model  # without the capture wrappers
-    target = Target(load_target(args.model, "float32"))  # numpy gemv for few-row forwards
+    target = Target(load_target(args.model, "float32"))  # few-token forwards on numpy
+    gemv_products = Target(load_target(args.model, "float32"), gemv_rows=3)
+    gemv_products._host = None  # the session-10 verifier: MLX layers, numpy products
     mlx_products = Target(load_target(args.model, "float32"), gemv_rows=0)
     capture = (2, 15, 27)[: target.identity.num_layers]
     prompt = [100 + (i * 37) % 5000 for i in range(args.prompt_tokens)]
@@ -66,6 +70,7 @@ def main() -> None:
         "mlx_lm_wrapped": lambda: mlx_lm_ms(target.model, prompt, args.tokens),
         "verify_per_token": lambda: per_token_ms(target, prompt, args.tokens, ()),
         "burst": lambda: burst_ms(target, prompt, args.tokens, (), args.burst),
+        "burst_gemv_products": lambda: burst_ms(gemv_products, prompt, args.tokens, (), args.burst),
         "burst_mlx_products": lambda: burst_ms(mlx_products, prompt, args.tokens, (), args.burst),
         "burst_capture": lambda: burst_ms(target, prompt, args.tokens, capture, args.burst),
     }

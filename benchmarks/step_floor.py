@@ -3,6 +3,7 @@
 floor = bytes of weights read per step / measured memory bandwidth (a large numpy copy).
 
     python benchmarks/step_floor.py [--model MODEL] [--dtype auto] [--context 300]
+        [--k 0 1 3 7 15] [--gemv-rows N [N ...]]
 """
 
 from __future__ import annotations
@@ -31,16 +32,20 @@ def bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
     return 2 * src.nbytes / best / 1e9
 
 
-def step_ms(target: Target, session, n: int, repeats: int = 15) -> float:
-    base = session.cache[0].offset
-    times = []
+def step_times(targets: list, sessions: list, sizes: list[int], repeats: int = 15) -> dict:
+    """Median ms per (setting, tokens); settings alternate step by step, so a slow spell of
+    the host lands on all of them."""
+    times: dict = {}
     for _ in range(repeats):
-        start = time.perf_counter()
-        logits, _ = target.forward(mx.array([7] * n), session.cache)
-        mx.eval(logits)
-        times.append(time.perf_counter() - start)
-        _rollback(session.cache, base)
-    return 1000 * sorted(times)[len(times) // 2]
+        for n in sizes:
+            for i, (target, session) in enumerate(zip(targets, sessions, strict=True)):
+                base = session.cache[0].offset
+                start = time.perf_counter()
+                logits, _ = target.forward(mx.array([7] * n), session.cache)
+                mx.eval(logits)
+                times.setdefault((i, n), []).append(time.perf_counter() - start)
+                _rollback(session.cache, base)
+    return {key: 1000 * sorted(v)[len(v) // 2] for key, v in times.items()}
 
 
 def main() -> None:
@@ -50,26 +55,36 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300, help="tokens already in the cache")
     parser.add_argument("--k", type=int, nargs="+", default=[0, 1, 3, 7, 15])
     parser.add_argument(
-        "--gemv-rows", type=int, help="numpy gemv for forwards of <= N tokens (0: all MLX)"
+        "--gemv-rows",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="forwards of <= N tokens on numpy (0: all MLX); several: compared step by step",
     )
     args = parser.parse_args()
-    target = Target(load_target(args.model, args.dtype), args.gemv_rows)
-    weights = sum(v.nbytes for _, v in tree_flatten(target.model.parameters()))
-    session = prefill(target, list(range(100, 100 + args.context))).session
+    targets = [Target(load_target(args.model, args.dtype), rows) for rows in args.gemv_rows]
+    weights = sum(v.nbytes for _, v in tree_flatten(targets[0].model.parameters()))
+    prompt = list(range(100, 100 + args.context))
+    sessions = [prefill(target, prompt).session for target in targets]
     gbs = bandwidth_gbs()
     floor_ms = weights / (gbs * 1e9) * 1000
-    rows = [{"tokens": k + 1, "ms": step_ms(target, session, k + 1)} for k in args.k]
-    for row in rows:
-        row["floor_ratio"] = row["ms"] / floor_ms
+    sizes = [k + 1 for k in args.k]
+    medians = step_times(targets, sessions, sizes)
+    settings = []
+    for i, target in enumerate(targets):
+        rows = [
+            {"tokens": n, "ms": medians[i, n], "floor_ratio": medians[i, n] / floor_ms}
+            for n in sizes
+        ]
+        settings.append({"gemv_rows": target.gemv_rows, "steps": rows})
     result = {
-        "model": target.identity.name,
-        "dtype": target.loaded.dtype,
+        "model": targets[0].identity.name,
+        "dtype": targets[0].loaded.dtype,
         "weight_bytes": weights,
         "bandwidth_gbs": gbs,
         "floor_ms": floor_ms,
         "context": args.context,
-        "gemv_rows": target.gemv_rows,
-        "steps": rows,
+        "settings": settings,
     }
     print(json.dumps(result, indent=1))
 

@@ -19,9 +19,10 @@ from specd.security import ClientSecurity, ServerSecurity
 
 DEFAULT_PORTS = {"coordinator": 50050, "verifier": 50051, "drafter": 50052}
 GEMV_HELP = (
-    "forwards of at most N tokens (decode steps, short verifies) do their weight products as "
-    "numpy matrix-vector products, faster than MLX's CPU matmul for a few rows; float32 on "
-    "the CPU only; 0: all in MLX (default: 3 on the CPU with float32, else 0)"
+    "forwards of at most N tokens (decode steps, verifies) run on numpy, float32 on the CPU "
+    "only: whole layers for Llama-family targets, the weight products alone for others; "
+    "0: all in MLX (default on the CPU with float32: 16 for Llama-family targets, 3 for "
+    "others; else 0)"
 )
 KIND_ONLY_FLAGS = {  # drafter flags that mean something to some kinds only: refused elsewhere
     "ngram_min_n": ("ngram",),

@@ -27,9 +27,9 @@ VARIANTS = {
 
 
 def _pair(path):
-    """The same weights twice: all in MLX, and forwards of up to 3 tokens on numpy."""
+    """The same weights twice: all in MLX, and forwards of up to 16 tokens on numpy."""
     plain = Target(load_target(str(path), dtype="float32"), gemv_rows=0)
-    fast = Target(load_target(str(path), dtype="float32"), gemv_rows=3)
+    fast = Target(load_target(str(path), dtype="float32"))
     return plain, fast
 
 
@@ -49,13 +49,13 @@ def _check_close(got, want):
 
 
 @pytest.mark.parametrize("context", [0, 11, ROPE_BLOCK - 2, 2 * ROPE_BLOCK - 1])
-@pytest.mark.parametrize("tokens", [1, 2, 3])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 16])
 def test_forwards_match_mlx_and_leave_the_same_cache(pair, context, tokens):
     """Logits, captured rows, and the keys and values appended (which the next forward,
     an MLX one, reads), across RoPE tables and the cache's 256-row growth steps."""
     plain, fast = pair
     assert fast._host is not None and plain._host is None
-    prompt, new = _prompt(context), [7, 8, 9][:tokens]
+    prompt, new = _prompt(context), list(range(7, 7 + tokens))
     caches = []
     for target in (plain, fast):
         cache = prefill(target, prompt).session.cache if prompt else target.new_cache()
@@ -102,16 +102,16 @@ def test_small_forwards_and_trees_run_on_numpy(tiny_model_dir, monkeypatch):
         HostLlama, "forward", lambda self, ids, *a: sizes.append(len(ids)) or real(self, ids, *a)
     )
     session = prefill(fast, PROMPT).session
-    assert sizes == [1]  # prefill: 10 tokens in MLX, then the last one, as mlx-lm does
+    assert sizes == [10, 1]  # prefill: all but the last token, then the last, as mlx-lm does
     sizes.clear()
     base = session.cache[0].offset
-    for n in (1, 3, 4):
+    for n in (1, 3, 16, 17):
         fast.forward(mx.array([7] * n), session.cache)
         _rollback(session.cache, base)
-    assert sizes == [1, 3]
+    assert sizes == [1, 3, 16]
     verify_tree(fast, session, [7, 8], [-1, -1])
     verify_tree(fast, session, [7, 8, 9], [-1, -1, -1])
-    assert sizes == [1, 3, 3]
+    assert sizes == [1, 3, 16, 3, 4]
 
 
 def test_models_it_cannot_run_stay_in_mlx(tiny_model_dir, tmp_path):
@@ -125,4 +125,5 @@ def test_models_it_cannot_run_stay_in_mlx(tiny_model_dir, tmp_path):
             "sliding_window": 8,
         },
     )
-    assert Target(load_target(str(sliding), dtype="float32"), gemv_rows=3)._host is None
+    products_only = Target(load_target(str(sliding), dtype="float32"))
+    assert products_only._host is None and products_only.gemv_rows == 3

@@ -14,6 +14,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from specd.models.capture import install_capture, install_tree_positions
 from specd.models.gemv import check_max_rows, default_max_rows, use_gemv
+from specd.models.host_llama import DEFAULT_MAX_ROWS as HOST_MAX_ROWS
 from specd.models.host_llama import HostLlama
 from specd.models.load import LoadedTarget, device_kind
 from verifier_svc.accept import accept_greedy
@@ -37,16 +38,19 @@ class Target:
     def __init__(self, loaded: LoadedTarget, gemv_rows: int | None = None):
         """gemv_rows: forwards of at most this many tokens run on numpy: whole layers for
         Llama-family models (specd.models.host_llama), else the weight products alone
-        (specd.models.gemv); None: the default for the device and dtype."""
+        (specd.models.gemv); None: the default for the device, dtype and architecture."""
         self.loaded = loaded
         self.model = loaded.model
         device = device_kind()
         if gemv_rows is None:
             gemv_rows = default_max_rows(device, loaded.dtype)
+            if gemv_rows and HostLlama.supports(self.model):
+                gemv_rows = HOST_MAX_ROWS
         check_max_rows(gemv_rows, device, loaded.dtype)
         self.gemv_rows = gemv_rows
         use_gemv(self.model, gemv_rows)
         self._host = HostLlama.attach(self.model) if gemv_rows else None
+        self.numpy_part = "whole layers" if self._host else "weight products"
         self.identity = loaded.identity
         self.eos_ids = frozenset(loaded.identity.eos_token_ids)
         self._sink = install_capture(self.model)

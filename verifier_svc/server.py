@@ -27,12 +27,13 @@ async def serve(config: VerifierConfig) -> None:
     await servicer.load()
     ident = servicer.target.identity
     log.info(
-        "verifier ready: %s (%s, %d layers, dtype %s, gemv products up to %d rows)",
+        "verifier ready: %s (%s, %d layers, dtype %s, forwards of up to %d tokens on numpy: %s)",
         ident.name,
         ident.fingerprint[:12],
         ident.num_layers,
         servicer.target.loaded.dtype,
         servicer.target.gemv_rows,
+        servicer.target.numpy_part,
     )
     await server.ready()
     sweeper = asyncio.create_task(servicer.sessions.expire_forever())

@@ -22,6 +22,8 @@ from mlx_lm.models.rope_utils import Llama3RoPE
 from specd.models.gemv import GemvWeights
 
 ROPE_BLOCK = 256  # positions per table of RoPE angles, made on first use
+# numpy beat MLX at every size measured up to 16 tokens (benchmarks/step_floor.py)
+DEFAULT_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -69,13 +71,29 @@ class HostLlama:
         self._rope_blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.max_rows = head.max_rows
 
-    @classmethod
-    def attach(cls, model: nn.Module) -> HostLlama | None:
+    @staticmethod
+    def supports(model: nn.Module) -> bool:
+        """The architecture this module runs: mlx-lm's `llama`, full attention, a RoPE that
+        turns feature pairs by position alone, float32 weights."""
         args = getattr(model, "args", None)
         if getattr(model, "model_type", None) != "llama" or args is None:
-            return None
+            return False
         if any(t != "full_attention" for t in (args.layer_types or [])):
+            return False
+        blocks = [getattr(layer, "inner", layer) for layer in model.layers]
+        return bool(blocks) and all(
+            _rope_of(b.self_attn) is not None
+            and b.input_layernorm.weight.dtype == mx.float32
+            and isinstance(b.self_attn.q_proj, nn.Linear)
+            for b in blocks
+        )
+
+    @classmethod
+    def attach(cls, model: nn.Module) -> HostLlama | None:
+        """None unless `supports(model)` and its products were switched to gemv."""
+        if not cls.supports(model):
             return None
+        args = model.args
         layers = []
         rope = None
         for wrapped in model.layers:
