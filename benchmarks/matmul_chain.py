@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from specd.models.gemv import GemvWeights, weight_blocks
+from specd.models.gemv import GemvWeights
 from specd.models.load import load_target
 
 
@@ -35,9 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     weights = [w for _, w in tree_flatten(load_target(args.model, "float32").model.parameters())
                if w.ndim == 2]  # fmt: skip
-    views = [
-        GemvWeights(np.asarray(w), None, weight_blocks(np.asarray(w)), 1 << 30) for w in weights
-    ]
+    views = [GemvWeights(np.asarray(w), None, 1 << 30) for w in weights]
     result = {"products": len(weights), "ms": {}, "gemv_ms": {}}
     for rows in args.rows:
         inputs = {w.shape[1]: mx.ones((rows, w.shape[1])) for w in weights}

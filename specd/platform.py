@@ -56,6 +56,22 @@ def set_blas_threads(count: int) -> bool:
     return True
 
 
+def limit_numpy_blas_threads(count: int) -> int:
+    """Size the thread pool of the BLAS numpy was built with (not MLX's); returns how many
+    pools were resized (0 where numpy's BLAS has none, e.g. Accelerate)."""
+    import numpy as np
+    from threadpoolctl import ThreadpoolController
+
+    numpy_dir = Path(np.__file__).resolve().parent
+    bundled = {numpy_dir, numpy_dir.parent / "numpy.libs", numpy_dir / ".dylibs"}
+    resized = 0
+    for lib in ThreadpoolController().lib_controllers:
+        if lib.user_api == "blas" and Path(lib.filepath).resolve().parent in bundled:
+            lib.set_num_threads(count)
+            resized += 1
+    return resized
+
+
 def needs_reexec() -> bool:
     return (
         sys.platform == "linux"

@@ -10,6 +10,8 @@ from specd.models import gemv
 from specd.models.gemv import GemvEmbedding, GemvLinear, check_max_rows, use_gemv
 from specd.models.host_llama import DEFAULT_MAX_ROWS as HOST_MAX_ROWS
 from specd.models.load import load_target
+from specd.models.row_products import row_products
+from specd.platform import limit_numpy_blas_threads
 from verifier_svc.engine import Target, prefill
 
 PROMPT = [3, 40, 41, 42, 43, 40, 41, 42, 50, 60, 70]
@@ -66,13 +68,14 @@ def test_larger_forwards_stay_in_mlx_bit_for_bit(pair):
 def test_numpy_really_does_the_few_row_products(pair, monkeypatch):
     _, fast = pair
     calls = []
-    real = np.matmul
-    monkeypatch.setattr(np, "matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = gemv.row_products
+    monkeypatch.setattr(gemv, "row_products", lambda w, x: calls.append(len(x)) or real(w, x))
     session = prefill(fast, PROMPT).session
-    calls.clear()
-    _logits(fast, [7, 8], session.cache)
     switched = len(_products(fast.model))
-    assert len(calls) == 2 * switched  # one gemv per row and product
+    for tokens in ([7], [7, 8]):
+        calls.clear()
+        _logits(fast, tokens, session.cache)
+        assert calls == [len(tokens)] * switched  # every row of a product in one call
     calls.clear()
     _logits(fast, [7, 8, 9, 10], session.cache)
     assert calls == []
@@ -85,15 +88,22 @@ def test_a_bias_is_added():
     assert np.allclose(np.array(layer(mx.ones((1, 2, 8)))), np.array(want), atol=1e-6)
 
 
-def test_multi_row_products_by_cache_sized_blocks(monkeypatch):
-    monkeypatch.setattr(gemv, "BLOCK_BYTES", 16 * 8 * 4)  # 16 weight rows per block
-    layer = nn.Linear(8, 50, bias=True)
-    x = mx.random.normal((1, 3, 8))
-    want = np.array(layer(x))
-    assert use_gemv(layer, 3) == 1
-    assert [start for start, _ in layer._gemv.blocks] == [0, 16, 32, 48]
-    assert np.allclose(np.array(layer(x)), want, atol=1e-5)
-    assert np.allclose(np.array(layer(x[:, :1])), want[:, :1], atol=1e-5)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_row_products_equal_blas(rows):
+    rng = np.random.default_rng(rows)
+    weight = rng.standard_normal((37, 70), dtype=np.float32)
+    x = rng.standard_normal((rows, 70), dtype=np.float32)
+    got = row_products(weight, x)
+    assert got.shape == (rows, 37)
+    assert np.allclose(got, x @ weight.T, rtol=1e-5, atol=1e-4)
+
+
+def test_row_products_keep_nan_and_inf():
+    weight = np.ones((3, 8), dtype=np.float32)
+    x = np.ones((2, 8), dtype=np.float32)
+    x[0, 3], x[1, 5] = np.nan, np.inf
+    got = row_products(weight, x)
+    assert np.isnan(got[0]).all() and np.isposinf(got[1]).all()
 
 
 def test_weights_numpy_would_copy_are_left_to_mlx():
@@ -114,3 +124,14 @@ def test_settings_that_cannot_apply_are_refused(tiny_model_dir):
     assert Target(load_target(str(tiny_model_dir), dtype="float16")).gemv_rows == 0
     # a Llama-family target runs whole forwards on numpy (specd.models.host_llama)
     assert Target(load_target(str(tiny_model_dir), dtype="float32")).gemv_rows == HOST_MAX_ROWS
+
+
+def test_numpy_blas_runs_one_thread_beside_the_kernels(tiny_model_dir):
+    """numba's threads and a spinning BLAS pool on two cores halve the products' speed."""
+    from threadpoolctl import threadpool_info
+
+    if limit_numpy_blas_threads(2) == 0:
+        pytest.skip("numpy's BLAS has no thread pool here")
+    Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=3)
+    numpy_pools = [p for p in threadpool_info() if "numpy" in p["filepath"]]
+    assert numpy_pools and all(p["num_threads"] == 1 for p in numpy_pools)

@@ -17,6 +17,7 @@ from specd.models.gemv import check_max_rows, default_max_rows, use_gemv
 from specd.models.host_llama import DEFAULT_MAX_ROWS as HOST_MAX_ROWS
 from specd.models.host_llama import HostLlama
 from specd.models.load import LoadedTarget, device_kind
+from specd.platform import limit_numpy_blas_threads
 from verifier_svc.accept import accept_greedy
 from verifier_svc.sampling import SamplingConfig, accept_sampled, sample, target_distribution
 from verifier_svc.tree import (
@@ -48,7 +49,8 @@ class Target:
                 gemv_rows = HOST_MAX_ROWS
         check_max_rows(gemv_rows, device, loaded.dtype)
         self.gemv_rows = gemv_rows
-        use_gemv(self.model, gemv_rows)
+        if use_gemv(self.model, gemv_rows):
+            limit_numpy_blas_threads(1)  # see specd.models.row_products
         self._host = HostLlama.attach(self.model) if gemv_rows else None
         self.numpy_part = "whole layers" if self._host else "weight products"
         self.identity = loaded.identity

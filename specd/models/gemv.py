@@ -1,13 +1,13 @@
-"""Weight products of decode-sized forwards as numpy matrix-vector products (CPU, float32).
+"""Weight products of decode-sized forwards on numpy (CPU, float32).
 
 MLX on CPU sends every Linear to one `cblas_sgemm`, and a general sgemm packs the whole
-weight matrix before multiplying: for one to three input rows that packing costs more than
-the product. numpy's bundled OpenBLAS does each row as a `gemv` that reads the weights once
+weight matrix before multiplying: for a few input rows that packing costs more than the
+product. One row goes to numpy's bundled OpenBLAS as a `gemv`, which reads the weights once
 (SmolLM2-135M, all 211 products of a step: ~25 ms against MLX's ~55 ms on a 2-core x86 box;
-docs/benchmarks.md, "Cost of a verify step"). So forwards of at most `max_rows` tokens hand
-their Linear products to numpy, on zero-copy views of the same weight buffers, and the rest
-of the graph stays in MLX. Each such product makes MLX evaluate its input first, which is why
-it pays only for a few rows.
+docs/benchmarks.md, "Cost of a verify step"); several rows to specd.models.row_products. The
+products use zero-copy views of the same weight buffers. Here the rest of the graph stays in
+MLX, and each product makes MLX evaluate its input first, which is why this pays only for a
+few rows; specd.models.host_llama runs whole Llama-family forwards on these products instead.
 """
 
 from __future__ import annotations
@@ -18,13 +18,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-DEFAULT_MAX_ROWS = 3  # measured: 1-3 rows faster than MLX's sgemm here, 4 even, 5 slower
-# A second row re-reads the weights; blocks of this size are still in cache when it does
-# (SmolLM2's 108 MiB output head, 2 / 3 rows: 18.8 / 28.9 ms whole, 16.5 / 21.9 ms by blocks).
-BLOCK_BYTES = 4 << 20
-# From this many rows a block's sgemm beats a gemv per row (SmolLM2's products, 5 / 8 rows:
-# ~146 / 149 ms against 184 / 177 ms per forward)
-GEMM_ROWS = 4
+from specd.models.row_products import row_products
+
+DEFAULT_MAX_ROWS = 3  # products alone, MLX around them: 1-3 rows faster than MLX's sgemm here
 
 
 def default_max_rows(device: str, dtype: str) -> int:
@@ -46,7 +42,6 @@ class GemvWeights:
 
     weight: np.ndarray
     bias: np.ndarray | None
-    blocks: tuple[tuple[int, np.ndarray], ...]  # (first row, rows) of about BLOCK_BYTES each
     max_rows: int
 
     def wanted(self, x: mx.array) -> bool:
@@ -59,24 +54,10 @@ class GemvWeights:
 
     def of_rows(self, rows: np.ndarray) -> np.ndarray:
         """rows [n, in] float32 -> [n, out]."""
-        out = np.empty((rows.shape[0], self.weight.shape[0]), dtype=np.float32)
-        if len(rows) == 1:
-            np.matmul(self.weight, rows[0], out=out[0])
-        elif len(rows) < GEMM_ROWS:
-            for start, block in self.blocks:
-                for i, row in enumerate(rows):
-                    np.matmul(block, row, out=out[i, start : start + len(block)])
-        else:
-            for start, block in self.blocks:
-                np.matmul(rows, block.T, out=out[:, start : start + len(block)])
+        out = row_products(self.weight, rows)
         if self.bias is not None:
             out += self.bias
         return out
-
-
-def weight_blocks(weight: np.ndarray) -> tuple[tuple[int, np.ndarray], ...]:
-    step = max(1, BLOCK_BYTES // (weight.shape[1] * weight.itemsize))
-    return tuple((start, weight[start : start + step]) for start in range(0, len(weight), step))
 
 
 class GemvLinear(nn.Linear):
@@ -119,7 +100,7 @@ def use_gemv(model: nn.Module, max_rows: int) -> int:
         bias_view = None if bias is None else _weight_view(bias)
         if weight is None or (bias is not None and bias_view is None):
             continue
-        module._gemv = GemvWeights(weight, bias_view, weight_blocks(weight), max_rows)
+        module._gemv = GemvWeights(weight, bias_view, max_rows)
         module.__class__ = swap
         switched += 1
     return switched
