@@ -98,6 +98,31 @@ def test_row_products_equal_blas(rows):
     assert np.allclose(got, x @ weight.T, rtol=1e-5, atol=1e-4)
 
 
+def test_the_kernels_are_built_where_a_compiler_is(monkeypatch):
+    """pip builds specd/_row_kernels.c with the package; without it numpy does the products."""
+    import shutil
+
+    from specd.models import row_products as module
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here: numpy does the products")
+    assert module.compiled()
+    weight = np.ones((3, 8), dtype=np.float32)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        module._row_kernels.products(
+            weight, np.ones((4, 7), np.float32), np.ones((4, 3), np.float32)
+        )
+    with pytest.raises(ValueError, match="multiple of 4"):
+        module._row_kernels.products(
+            weight, np.ones((2, 8), np.float32), np.ones((2, 3), np.float32)
+        )
+    with pytest.raises(ValueError, match="float32"):
+        module._row_kernels.products(weight, np.ones((4, 8)), np.ones((4, 3), np.float32))
+    x = np.random.default_rng(0).standard_normal((3, 8), dtype=np.float32)
+    monkeypatch.setattr(module, "_row_kernels", None)
+    assert np.allclose(module.row_products(weight, x), x @ weight.T, atol=1e-5)
+
+
 def test_row_products_keep_nan_and_inf():
     weight = np.ones((3, 8), dtype=np.float32)
     x = np.ones((2, 8), dtype=np.float32)
@@ -127,7 +152,7 @@ def test_settings_that_cannot_apply_are_refused(tiny_model_dir):
 
 
 def test_numpy_blas_runs_one_thread_beside_the_kernels(tiny_model_dir):
-    """numba's threads and a spinning BLAS pool on two cores halve the products' speed."""
+    """The kernels' OpenMP threads and a spinning BLAS pool on two cores halve their speed."""
     from threadpoolctl import threadpool_info
 
     if limit_numpy_blas_threads(2) == 0:

@@ -17,7 +17,6 @@ from specd.models.gemv import check_max_rows, default_max_rows, use_gemv
 from specd.models.host_llama import DEFAULT_MAX_ROWS as HOST_MAX_ROWS
 from specd.models.host_llama import HostLlama
 from specd.models.load import LoadedTarget, device_kind
-from specd.models.row_products import compile_kernels
 from specd.platform import limit_numpy_blas_threads
 from verifier_svc.accept import accept_greedy
 from verifier_svc.sampling import SamplingConfig, accept_sampled, sample, target_distribution
@@ -52,7 +51,6 @@ class Target:
         self.gemv_rows = gemv_rows
         if use_gemv(self.model, gemv_rows):
             limit_numpy_blas_threads(1)  # see specd.models.row_products
-            compile_kernels()
         self._host = HostLlama.attach(self.model) if gemv_rows else None
         self.numpy_part = "whole layers" if self._host else "weight products"
         self.identity = loaded.identity
