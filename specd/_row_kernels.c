@@ -117,6 +117,8 @@ static PyObject *products(PyObject *self, PyObject *args) {
     } else if (n != 1 && n % GROUP != 0) {
         PyErr_SetString(PyExc_ValueError, "products: rows must be 1 or a multiple of 4");
         result = NULL;
+    } else if (width == 0) {
+        memset(out.buf, 0, (size_t)out.len);  /* empty sums */
     } else {
         Py_BEGIN_ALLOW_THREADS
         products_in_spans(weight.buf, rows.buf, out.buf, outputs, width, n);

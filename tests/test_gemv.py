@@ -5,6 +5,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from tiny import make_tiny_model_dir
 
 from specd.models import gemv
 from specd.models.gemv import GemvEmbedding, GemvLinear, check_max_rows, use_gemv
@@ -18,12 +19,25 @@ PROMPT = [3, 40, 41, 42, 43, 40, 41, 42, 50, 60, 70]
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_model_dir):
-    """The same weights twice: all products in MLX, and up to 3 rows through numpy."""
-    return (
-        Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0),
-        Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=3),
+def products_only_dir(tmp_path_factory):
+    """A target whose layers stay in MLX (sliding-window attention is not host_llama's), so
+    only its weight products go to numpy: the path of every non-Llama architecture."""
+    return make_tiny_model_dir(
+        tmp_path_factory.mktemp("sliding") / "model",
+        config_overrides={
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 8,
+        },
     )
+
+
+@pytest.fixture(scope="module")
+def pair(products_only_dir):
+    """The same weights twice: all products in MLX, and up to 3 rows through numpy."""
+    plain = Target(load_target(str(products_only_dir), dtype="float32"), gemv_rows=0)
+    fast = Target(load_target(str(products_only_dir), dtype="float32"), gemv_rows=3)
+    assert fast._host is None
+    return plain, fast
 
 
 def _logits(target, tokens, cache=None):
@@ -118,6 +132,9 @@ def test_the_kernels_are_built_where_a_compiler_is(monkeypatch):
         )
     with pytest.raises(ValueError, match="float32"):
         module._row_kernels.products(weight, np.ones((4, 8)), np.ones((4, 3), np.float32))
+    out = np.ones((4, 3), np.float32)
+    module._row_kernels.products(np.ones((3, 0), np.float32), np.ones((4, 0), np.float32), out)
+    assert (out == 0).all()  # empty sums, not a division by a zero width
     x = np.random.default_rng(0).standard_normal((3, 8), dtype=np.float32)
     monkeypatch.setattr(module, "_row_kernels", None)
     assert np.allclose(module.row_products(weight, x), x @ weight.T, atol=1e-5)

@@ -127,3 +127,28 @@ def test_models_it_cannot_run_stay_in_mlx(tiny_model_dir, tmp_path):
     )
     products_only = Target(load_target(str(sliding), dtype="float32"))
     assert products_only._host is None and products_only.gemv_rows == 3
+
+
+def test_a_default_it_could_not_use_falls_back_to_products(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(HostLlama, "attach", classmethod(lambda cls, model: None))
+    target = Target(load_target(str(tiny_model_dir), dtype="float32"))
+    assert target._host is None and target.gemv_rows == 3
+    assert target.model.layers[0].inner.self_attn.q_proj._gemv.max_rows == 3
+
+
+def test_a_failure_while_appending_leaves_every_layer_as_it_was(tiny_model_dir, monkeypatch):
+    """Rollback trims all layers by the first one's length: they must agree after a failure."""
+    _, fast = _pair(tiny_model_dir)
+    session = prefill(fast, PROMPT).session
+    base = session.cache[0].offset
+    real = type(session.cache[1]).update_and_fetch
+
+    def fail_on_second_layer(cache, keys, values):
+        if cache is session.cache[1]:
+            raise MemoryError("injected")
+        return real(cache, keys, values)
+
+    monkeypatch.setattr(type(session.cache[1]), "update_and_fetch", fail_on_second_layer)
+    with pytest.raises(MemoryError):
+        fast.forward(mx.array([7, 8]), session.cache)
+    assert [c.offset for c in session.cache] == [base] * len(session.cache)

@@ -13,10 +13,11 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from specd.models.capture import install_capture, install_tree_positions
-from specd.models.gemv import check_max_rows, default_max_rows, use_gemv
+from specd.models.gemv import check_max_rows, default_max_rows, set_max_rows, use_gemv
 from specd.models.host_llama import DEFAULT_MAX_ROWS as HOST_MAX_ROWS
 from specd.models.host_llama import HostLlama
 from specd.models.load import LoadedTarget, device_kind
+from specd.models.row_products import compiled as row_kernels_compiled
 from specd.platform import limit_numpy_blas_threads
 from verifier_svc.accept import accept_greedy
 from verifier_svc.sampling import SamplingConfig, accept_sampled, sample, target_distribution
@@ -43,16 +44,20 @@ class Target:
         self.loaded = loaded
         self.model = loaded.model
         device = device_kind()
+        products_rows = default_max_rows(device, loaded.dtype)
         if gemv_rows is None:
-            gemv_rows = default_max_rows(device, loaded.dtype)
+            gemv_rows = products_rows
             if gemv_rows and HostLlama.supports(self.model):
                 gemv_rows = HOST_MAX_ROWS
         check_max_rows(gemv_rows, device, loaded.dtype)
-        self.gemv_rows = gemv_rows
-        if use_gemv(self.model, gemv_rows):
+        if use_gemv(self.model, gemv_rows) and row_kernels_compiled():
             limit_numpy_blas_threads(1)  # see specd.models.row_products
         self._host = HostLlama.attach(self.model) if gemv_rows else None
-        self.numpy_part = "whole layers" if self._host else "weight products"
+        if self._host is None and gemv_rows == HOST_MAX_ROWS > products_rows:
+            gemv_rows = set_max_rows(self.model, products_rows)  # the default it could not use
+        self.gemv_rows = gemv_rows
+        products = "compiled products" if row_kernels_compiled() else "numpy's products"
+        self.numpy_part = f"{'whole layers' if self._host else 'weight products'}, {products}"
         self.identity = loaded.identity
         self.eos_ids = frozenset(loaded.identity.eos_token_ids)
         self._sink = install_capture(self.model)

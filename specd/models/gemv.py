@@ -12,7 +12,7 @@ few rows; specd.models.host_llama runs whole Llama-family forwards on these prod
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -104,3 +104,11 @@ def use_gemv(model: nn.Module, max_rows: int) -> int:
         module.__class__ = swap
         switched += 1
     return switched
+
+
+def set_max_rows(model: nn.Module, max_rows: int) -> int:
+    """Change how many rows switched modules send to numpy; returns max_rows."""
+    for _, module in model.named_modules():
+        if isinstance(module, (GemvLinear, GemvEmbedding)):
+            module._gemv = replace(module._gemv, max_rows=max_rows)
+    return max_rows

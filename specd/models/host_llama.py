@@ -172,7 +172,7 @@ class HostLlama:
             h = h + layer.o.of_rows(attended)
             x = self._rms(h, layer.post_norm)
             gate = layer.gate.of_rows(x)
-            gate *= 1.0 / (1.0 + np.exp(-gate))  # SiLU
+            gate *= 0.5 * (1.0 + np.tanh(0.5 * gate))  # SiLU; the tanh form cannot overflow
             gate *= layer.up.of_rows(x)
             h = h + layer.down.of_rows(gate)
             if i in capture:
@@ -180,9 +180,16 @@ class HostLlama:
             new_kv.append((k, v))
         logits = self.head.of_rows(self._rms(h, self.final_norm))
         # numpy views of the caches are gone: MLX may update their buffers in place
-        for layer_cache, (k, v) in zip(cache, new_kv, strict=True):
-            layer_cache.update_and_fetch(mx.array(k[None]), mx.array(np.ascontiguousarray(v)[None]))
-        mx.eval([a for c in cache for a in (c.keys, c.values)])
+        try:
+            for layer_cache, (k, v) in zip(cache, new_kv, strict=True):
+                layer_cache.update_and_fetch(
+                    mx.array(k[None]), mx.array(np.ascontiguousarray(v)[None])
+                )
+            mx.eval([a for c in cache for a in (c.keys, c.values)])
+        except BaseException:
+            for layer_cache in cache:  # all layers as they were, so rollback trims them alike
+                layer_cache.offset = min(layer_cache.offset, offset)
+            raise
         return logits, captured
 
     def _rms(self, h: np.ndarray, weight: np.ndarray) -> np.ndarray:
