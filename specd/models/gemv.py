@@ -2,12 +2,12 @@
 
 MLX on CPU sends every Linear to one `cblas_sgemm`, and a general sgemm packs the whole
 weight matrix before multiplying: for a few input rows that packing costs more than the
-product. One row goes to numpy's bundled OpenBLAS as a `gemv`, which reads the weights once
-(SmolLM2-135M, all 211 products of a step: ~25 ms against MLX's ~55 ms on a 2-core x86 box;
-docs/benchmarks.md, "Cost of a verify step"); several rows to specd.models.row_products. The
-products use zero-copy views of the same weight buffers. Here the rest of the graph stays in
-MLX, and each product makes MLX evaluate its input first, which is why this pays only for a
-few rows; specd.models.host_llama runs whole Llama-family forwards on these products instead.
+product. specd.models.row_products reads each weight once for one row or several (SmolLM2-135M,
+all 211 products of a step, one row: ~40 ms against MLX's ~76 ms on a 2-core x86 box;
+docs/benchmarks.md, session 11), on zero-copy views of the same weight buffers. Here the
+rest of the graph stays in MLX, and each product makes MLX evaluate its input first, which is
+why this pays only for a few rows; specd.models.host_llama runs whole Llama-family forwards
+on these products instead.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class GemvEmbedding(nn.Embedding):
 _SWAPS = {nn.Linear: GemvLinear, nn.Embedding: GemvEmbedding}
 
 
-def _weight_view(array: mx.array) -> np.ndarray | None:
+def float32_view(array: mx.array) -> np.ndarray | None:
     if array.dtype != mx.float32:
         return None  # numpy has no bfloat16, and half products are slow there
     view = np.asarray(array)
@@ -95,9 +95,9 @@ def use_gemv(model: nn.Module, max_rows: int) -> int:
         swap = _SWAPS.get(type(module))
         if swap is None:
             continue
-        weight = _weight_view(module.weight)
+        weight = float32_view(module.weight)
         bias = module.get("bias")
-        bias_view = None if bias is None else _weight_view(bias)
+        bias_view = None if bias is None else float32_view(bias)
         if weight is None or (bias is not None and bias_view is None):
             continue
         module._gemv = GemvWeights(weight, bias_view, max_rows)

@@ -5,8 +5,9 @@ SmolLM2-135M still spent ~37 of its ~89 ms waiting on MLX: every product makes M
 its input, ~4 small graphs per layer at ~35-170 us each. The rest of a layer (two RMSNorms,
 RoPE, attention over the cache, SwiGLU) is a few microseconds of numpy work per token, so
 forwards of a few tokens run every layer here and touch MLX only to append their keys and
-values to the model's own KV caches, in one evaluation at the end. Bigger forwards, tree
-forwards and other architectures stay in MLX. docs/benchmarks.md, "Session 11".
+values to the model's own KV caches, in one evaluation at the end; draft trees come with
+their ancestor mask and depth positions. Bigger forwards and other architectures stay in MLX.
+docs/benchmarks.md, "Session 11".
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import Llama3RoPE
 
-from specd.models.gemv import GemvWeights
+from specd.models.gemv import GemvWeights, float32_view
 
 ROPE_BLOCK = 256  # positions per table of RoPE angles, made on first use
 # numpy beat MLX at every size measured up to 16 tokens (benchmarks/step_floor.py)
@@ -53,6 +54,11 @@ def _gemv_of(module) -> GemvWeights | None:
     return getattr(module, "_gemv", None)
 
 
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers, unwrapped from specd.models.capture's CapturingLayer."""
+    return [getattr(layer, "inner", layer) for layer in model.layers]
+
+
 class HostLlama:
     """numpy forwards of at most `max_rows` tokens for an mlx-lm `llama` model whose products
     were switched to gemv; build with `HostLlama.attach`, which says None when it cannot."""
@@ -64,6 +70,7 @@ class HostLlama:
         self.head: GemvWeights = head
         self.eps = eps
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.group = heads // kv_heads  # query heads per kv head
         self.scale = head_dim**-0.5
         self.rope = rope
         self.rope_dims = rope.dims
@@ -80,7 +87,7 @@ class HostLlama:
             return False
         if any(t != "full_attention" for t in (args.layer_types or [])):
             return False
-        blocks = [getattr(layer, "inner", layer) for layer in model.layers]
+        blocks = _blocks(model)
         return bool(blocks) and all(
             _rope_of(b.self_attn) is not None
             and b.input_layernorm.weight.dtype == mx.float32
@@ -93,11 +100,9 @@ class HostLlama:
         """None unless `supports(model)` and its products were switched to gemv."""
         if not cls.supports(model):
             return None
-        args = model.args
+        args, blocks = model.args, _blocks(model)
         layers = []
-        rope = None
-        for wrapped in model.layers:
-            block = getattr(wrapped, "inner", wrapped)  # under specd.models.capture
+        for block in blocks:
             attn, mlp = block.self_attn, block.mlp
             parts = [
                 _gemv_of(m)
@@ -111,26 +116,24 @@ class HostLlama:
                     mlp.down_proj,
                 )
             ]
-            rope = _rope_of(attn)
             norms = [
-                _float32_view(block.input_layernorm.weight),
-                _float32_view(block.post_attention_layernorm.weight),
+                float32_view(block.input_layernorm.weight),
+                float32_view(block.post_attention_layernorm.weight),
             ]
-            if any(p is None for p in parts) or rope is None or any(n is None for n in norms):
+            if any(p is None for p in parts) or any(n is None for n in norms):
                 return None
             q, k, v, o, gate, up, down = parts
             layers.append(_Layer(norms[0], norms[1], q, k, v, o, gate, up, down))
         inner = model.model
         embed = _gemv_of(inner.embed_tokens)
         head = embed if args.tie_word_embeddings else _gemv_of(getattr(model, "lm_head", None))
-        final_norm = _float32_view(inner.norm.weight)
-        if embed is None or head is None or final_norm is None or not layers:
+        final_norm = float32_view(inner.norm.weight)
+        if embed is None or head is None or final_norm is None:
             return None
         heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
         head_dim = args.head_dim or args.hidden_size // heads
-        first = model.layers[0]
-        first = getattr(first, "inner", first)
-        norm_eps = first.input_layernorm.eps
+        norm_eps = blocks[0].input_layernorm.eps
+        rope = _rope_of(blocks[0].self_attn)
         return cls(
             layers, embed.weight, final_norm, head, norm_eps, heads, kv_heads, head_dim, rope
         )
@@ -159,7 +162,8 @@ class HostLlama:
         cos, sin = self._rope_tables(positions)
         if sees is None:
             sees = np.tri(n, dtype=bool)
-        causal = np.where(sees, np.float32(0), np.float32(-np.inf))
+        # [group*T, T]: each kv head's queries are its query heads' tokens, head after head
+        causal = np.tile(np.where(sees, np.float32(0), np.float32(-np.inf)), (self.group, 1))
         h = self.embed[token_ids]  # fancy indexing copies: [T, H]
         captured: dict[int, np.ndarray] = {}
         new_kv = []
@@ -233,11 +237,11 @@ class HostLlama:
 
     def _attend(self, q, k, v, layer_cache: KVCache, offset: int, causal) -> np.ndarray:
         """Attention of the new queries over the cached rows and the new rows -> [T, heads*D]."""
-        n, group = q.shape[1], self.heads // self.kv_heads
+        n = q.shape[1]
         # query head j reads kv head j // group: group the queries under their kv head
-        queries = q.reshape(self.kv_heads, group * n, self.head_dim) * self.scale
+        queries = q.reshape(self.kv_heads, self.group * n, self.head_dim) * self.scale
         new_scores = queries @ k.transpose(0, 2, 1)  # [kv, group*T, T]
-        new_scores += np.tile(causal, (group, 1))
+        new_scores += causal
         if offset:
             past_k = np.asarray(layer_cache.keys)[0, :, :offset]
             past_v = np.asarray(layer_cache.values)[0, :, :offset]
@@ -253,7 +257,3 @@ class HostLlama:
         # [kv, group*T, D] -> [heads, T, D] -> [T, heads*D]
         out = out.reshape(self.heads, n, self.head_dim).transpose(1, 0, 2)
         return out.reshape(n, self.heads * self.head_dim)
-
-
-def _float32_view(array: mx.array) -> np.ndarray | None:
-    return np.asarray(array) if array.dtype == mx.float32 else None

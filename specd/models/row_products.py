@@ -33,8 +33,11 @@ def row_products(weight: np.ndarray, rows: np.ndarray) -> np.ndarray:
     if _row_kernels is None:
         return np.matmul(weight, rows[0])[None] if n == 1 else rows @ weight.T
     padded = n if n == 1 else -(-n // GROUP) * GROUP
-    grouped = np.zeros((padded, width), dtype=np.float32)
-    grouped[:n] = rows
+    if padded == n:
+        grouped = np.ascontiguousarray(rows, dtype=np.float32)
+    else:
+        grouped = np.zeros((padded, width), dtype=np.float32)
+        grouped[:n] = rows
     out = np.empty((padded, weight.shape[0]), dtype=np.float32)
     _row_kernels.products(weight, grouped, out)
     return out[:n]
