@@ -185,6 +185,13 @@ def summarize(rows: list[dict]) -> dict:
             if rows and "inproc_s" in rows[0] and spec
             else None
         ),
+        # the same for the target's forwards alone: below 1.0, they run slower in the service
+        "compute_split_vs_inprocess": (
+            sum(r["inproc_verify_compute_s"] for r in rows)
+            / sum(r["verify_compute_s"] for r in rows)
+            if rows and "inproc_verify_compute_s" in rows[0]
+            else None
+        ),
     }
 
 
@@ -405,6 +412,9 @@ def run_bench(args) -> int:
                 if d in in_process:
                     row["inproc_s"], inproc = in_process[d](prompt_ids)
                     row["inproc_round_ms"] = 1000 * inproc.total_s / max(inproc.rounds, 1)
+                    row["inproc_prefill_s"] = inproc.prefill_s
+                    row["inproc_verify_compute_s"] = inproc.verify_compute_s
+                    row["inproc_draft_s"] = inproc.draft_s
                 rows[d].append(row)
                 same = {None: "", True: "same"}.get(
                     row["identical"], f"DIFF at {row.get('first_difference')}"
@@ -522,6 +532,9 @@ def format_table(result: dict) -> str:
     ratio = result["overall"].get("split_vs_inprocess")
     if ratio:
         lines.append(f"split vs in-process: {ratio:.3f} (1.0 = the three processes cost nothing)")
+        compute = result["overall"].get("compute_split_vs_inprocess")
+        if compute is not None:
+            lines.append(f"  the target's forwards alone: {compute:.3f}")
     split = result["overall"]["round_split_ms"]
     lines.append(
         f"per round: draft {split['draft']:.1f} ms (compute {split['draft_compute']:.1f}), "

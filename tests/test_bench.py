@@ -68,11 +68,15 @@ def test_bench_compares_drafters_and_writes_json_markdown_chart(tiny_model_dir, 
             "tau",
             "identical",
             "inproc_s",
+            "inproc_verify_compute_s",
         } <= set(q)
+        assert q["inproc_verify_compute_s"] > 0
     assert set(result["by_category"]) == {"a", "b"}
     overall = result["overall"]
     assert overall["identical"] == overall["count"] == 2
     assert overall["speedup"] > 0 and overall["split_vs_inprocess"] > 0
+    assert overall["compute_split_vs_inprocess"] > 0
+    assert "the target's forwards alone:" in run.stdout
     assert "OVERALL" in run.stdout
 
 

@@ -11,7 +11,7 @@ from specd.models import gemv
 from specd.models.gemv import GemvEmbedding, GemvLinear, check_max_rows, use_gemv
 from specd.models.host_llama import DEFAULT_MAX_ROWS as HOST_MAX_ROWS
 from specd.models.load import load_target
-from specd.models.row_products import row_products
+from specd.models.row_products import compiled, row_products
 from specd.platform import limit_numpy_blas_threads
 from verifier_svc.engine import Target, prefill
 
@@ -177,3 +177,61 @@ def test_numpy_blas_runs_one_thread_beside_the_kernels(tiny_model_dir):
     Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=3)
     numpy_pools = [p for p in threadpool_info() if "numpy" in p["filepath"]]
     assert numpy_pools and all(p["num_threads"] == 1 for p in numpy_pools)
+
+
+@pytest.mark.skipif(not compiled(), reason="needs the compiled products")
+@pytest.mark.parametrize("gemv_rows", [0, HOST_MAX_ROWS])
+def test_the_verifier_calls_the_kernels_from_one_thread(tiny_model_dir, monkeypatch, gemv_rows):
+    """OpenMP keeps a pool per calling thread; two pools on two cores stop spinning between
+    products, so a verifier on the compiled products runs every forward on its MLX thread,
+    and one without them may run short rounds on the event loop."""
+    import asyncio
+    import threading
+
+    from specd.models import row_products as products_module
+    from specd.service import MlxThread
+    from specd.v1 import verifier_pb2
+    from verifier_svc.config import VerifierConfig
+    from verifier_svc.servicer import VerifierServicer
+
+    threads: set[str] = set()
+    kernels = products_module._row_kernels
+
+    class Spy:
+        def products(self, *args):
+            threads.add(threading.current_thread().name)
+            return kernels.products(*args)
+
+    monkeypatch.setattr(products_module, "_row_kernels", Spy())
+    forwards: set[str] = set()
+    real_forward = Target.forward
+
+    def forward(self, *args, **kwargs):
+        forwards.add(threading.current_thread().name)
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(Target, "forward", forward)
+
+    async def session():
+        mlx = MlxThread()
+        config = VerifierConfig(model=str(tiny_model_dir), dtype="float32", gemv_rows=gemv_rows)
+        servicer = VerifierServicer(config, mlx)
+        await servicer.load()
+        opened = await servicer.OpenSession.__wrapped__(
+            servicer, verifier_pb2.OpenSessionRequest(prompt_ids=PROMPT[:5]), None
+        )
+        position = opened.position
+        for steps, drafts in ((0, [40, 41]), (0, []), (3, []), (0, [7])):
+            request = verifier_pb2.VerifyRequest(
+                session_id=opened.session_id, position=position, draft_ids=drafts,
+                plain_steps=steps,
+            )  # fmt: skip
+            verified = await servicer.Verify.__wrapped__(servicer, request, None)
+            position = verified.position
+        mlx.shutdown()
+
+    asyncio.run(session())
+    if gemv_rows:
+        assert threads == forwards == {"mlx"}
+    else:  # all in MLX: short rounds ran on the event loop's thread, the rest on the worker
+        assert not threads and forwards == {"mlx", threading.current_thread().name}

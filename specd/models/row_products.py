@@ -13,7 +13,15 @@ their speed on two cores, so the verifier keeps numpy's BLAS on one thread while
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+
+# OpenMP's threads spin ~6 ms after each product by default (300000 turns), holding a core
+# that the drafter and the coordinator need between two forwards; 20000 turns (~0.4 ms) still
+# bridge the gaps between one forward's products (docs/benchmarks.md, session 12). Read once,
+# when the extension loads libgomp; a user's own setting wins.
+os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
 try:
     from specd import _row_kernels
