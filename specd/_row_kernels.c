@@ -2,11 +2,23 @@
  *
  * specd.models.row_products explains why; this is the compiled part. Built by pip with the
  * package (setup.py) when a C compiler is present; without it specd falls back to numpy.
- * OpenMP threads share the weight rows; the loops are handed out in pieces (dynamic
- * schedule) so a thread the OS lends to another process does not hold up the product.
+ * The weight rows are shared between the calling thread and a pool of worker threads (one
+ * per further CPU), handed out in pieces so a thread the OS lends to another process does
+ * not hold up the product. The pool is the process's, whichever thread calls: OpenMP, used
+ * first, kept one per calling thread, and two on two cores made every forward slower. Its
+ * workers spin briefly between products and then sleep, so they do not hold a core that
+ * the other services need between two forwards.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <time.h>
+#include <unistd.h>
+#ifdef __linux__
+#include <sched.h>
+#endif
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 /* AVX2 + FMA where the CPU has them, plain x86-64 otherwise, chosen when the module loads */
@@ -24,8 +36,6 @@ static Py_ssize_t piece(Py_ssize_t iterations) {
     return p > 0 ? p : 1;
 }
 
-/* The vector loops live in their own functions: target_clones does not reach the bodies
- * that OpenMP outlines from a parallel loop. */
 VECTOR_CLONES
 static void one_row_span(const float *weight, const float *row, float *out, Py_ssize_t width,
                          Py_ssize_t first, Py_ssize_t last) {
@@ -66,21 +76,148 @@ static void four_rows_span(const float *weight, const float *rows, float *out,
 
 /* Weight rows are split into spans: for one input row PIECES spans, for groups of four
  * spans of TILE_BYTES, each read from memory once and kept in L2 while every group of
- * input rows (in L1) passes over it. */
+ * input rows (in L1) passes over it. Threads claim `chunk` spans at a time. */
+typedef struct {
+    const float *weight, *rows;
+    float *out;
+    Py_ssize_t outputs, width, n, span, spans, chunk;
+} Job;
+
+static void run_spans(const Job *job, atomic_long *next) {
+    for (;;) {
+        Py_ssize_t t = atomic_fetch_add_explicit(next, job->chunk, memory_order_relaxed);
+        if (t >= job->spans) return;
+        Py_ssize_t stop = t + job->chunk < job->spans ? t + job->chunk : job->spans;
+        for (; t < stop; t++) {
+            Py_ssize_t first = t * job->span;
+            Py_ssize_t last = first + job->span < job->outputs ? first + job->span : job->outputs;
+            if (job->n == 1)
+                one_row_span(job->weight, job->rows, job->out, job->width, first, last);
+            else
+                four_rows_span(job->weight, job->rows, job->out, job->outputs, job->width,
+                               job->n, first, last);
+        }
+    }
+}
+
+#define MAX_WORKERS 15
+#define SPIN_NS 300000L  /* a worker's wait for the next product before it sleeps */
+
+static struct {
+    pthread_mutex_t caller;  /* one job at a time; a second caller works alone */
+    pthread_mutex_t lock;    /* publishing a job and waking sleepers */
+    pthread_cond_t wake;
+    Job job;                 /* written only while no worker is inside a job */
+    atomic_uint generation;  /* bumped per job */
+    atomic_long next;        /* the next span to claim */
+    atomic_int busy;         /* workers not yet done with the current job */
+    int workers;             /* -1: not started */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          .workers = -1};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+static unsigned wait_for_job(unsigned seen) {
+    long deadline = now_ns() + SPIN_NS;
+    for (unsigned spins = 1;; spins++) {
+        unsigned g = atomic_load_explicit(&pool.generation, memory_order_acquire);
+        if (g != seen) return g;
+        cpu_relax();
+        if (spins % 256 == 0 && now_ns() > deadline) break;
+    }
+    pthread_mutex_lock(&pool.lock);
+    unsigned g;
+    while ((g = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen)
+        pthread_cond_wait(&pool.wake, &pool.lock);
+    pthread_mutex_unlock(&pool.lock);
+    return g;
+}
+
+static void *worker_main(void *arg) {
+    unsigned seen = (unsigned)(uintptr_t)arg;
+    for (;;) {
+        seen = wait_for_job(seen);
+        run_spans(&pool.job, &pool.next);
+        atomic_fetch_sub_explicit(&pool.busy, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+static int cpus_available(void) {
+#ifdef __linux__
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+#endif
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+/* A forked child has none of the parent's workers: it starts its own on first use. */
+static void forget_workers(void) {
+    pthread_mutex_init(&pool.caller, NULL);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    atomic_store(&pool.busy, 0);
+    pool.workers = -1;
+}
+
+/* Called with pool.caller held. */
+static void start_workers(void) {
+    int wanted = cpus_available() - 1;
+    if (wanted > MAX_WORKERS) wanted = MAX_WORKERS;
+    unsigned current = atomic_load(&pool.generation);
+    pool.workers = 0;
+    for (int i = 0; i < wanted; i++) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&thread, &attr, worker_main, (void *)(uintptr_t)current) == 0)
+            pool.workers++;
+        pthread_attr_destroy(&attr);
+    }
+}
+
 static void products_in_spans(const float *weight, const float *rows, float *out,
                               Py_ssize_t outputs, Py_ssize_t width, Py_ssize_t n) {
     Py_ssize_t span = n == 1 ? piece(outputs) : TILE_BYTES / (width * (Py_ssize_t)sizeof(float));
     if (span < 1) span = 1;
     Py_ssize_t spans = (outputs + span - 1) / span;
-    int chunk = n == 1 ? 1 : (int)piece(spans);
-#pragma omp parallel for schedule(dynamic, chunk)
-    for (Py_ssize_t t = 0; t < spans; t++) {
-        Py_ssize_t first = t * span, last = first + span < outputs ? first + span : outputs;
-        if (n == 1)
-            one_row_span(weight, rows, out, width, first, last);
-        else
-            four_rows_span(weight, rows, out, outputs, width, n, first, last);
+    Job job = {weight, rows, out, outputs, width, n, span, spans, n == 1 ? 1 : piece(spans)};
+    if (pthread_mutex_trylock(&pool.caller) != 0) {  /* the pool is busy: work alone */
+        atomic_long next = 0;
+        run_spans(&job, &next);
+        return;
     }
+    if (pool.workers < 0) start_workers();
+    if (pool.workers == 0 || spans == 1) {
+        atomic_long next = 0;
+        run_spans(&job, &next);
+        pthread_mutex_unlock(&pool.caller);
+        return;
+    }
+    pool.job = job;
+    atomic_store_explicit(&pool.next, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.busy, pool.workers, memory_order_relaxed);
+    pthread_mutex_lock(&pool.lock);
+    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    run_spans(&job, &pool.next);
+    while (atomic_load_explicit(&pool.busy, memory_order_acquire) > 0) cpu_relax();
+    pthread_mutex_unlock(&pool.caller);
 }
 
 static int float_matrix(PyObject *obj, Py_buffer *view, int writable, const char *name) {
@@ -139,4 +276,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_row_kernels", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__row_kernels(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__row_kernels(void) {
+    pthread_atfork(NULL, NULL, forget_workers);
+    return PyModule_Create(&module);
+}

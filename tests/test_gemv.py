@@ -1,5 +1,7 @@
 """Decode-sized weight products through numpy (specd.models.gemv) against MLX's own."""
 
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -179,59 +181,80 @@ def test_numpy_blas_runs_one_thread_beside_the_kernels(tiny_model_dir):
     assert numpy_pools and all(p["num_threads"] == 1 for p in numpy_pools)
 
 
+def _task_count() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
 @pytest.mark.skipif(not compiled(), reason="needs the compiled products")
-@pytest.mark.parametrize("gemv_rows", [0, HOST_MAX_ROWS])
-def test_the_verifier_calls_the_kernels_from_one_thread(tiny_model_dir, monkeypatch, gemv_rows):
-    """OpenMP keeps a pool per calling thread; two pools on two cores stop spinning between
-    products, so a verifier on the compiled products runs every forward on its MLX thread,
-    and one without them may run short rounds on the event loop."""
-    import asyncio
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="counts threads in /proc")
+def test_the_kernels_keep_one_pool_whichever_thread_calls():
+    """OpenMP kept a pool per calling thread, and with two on two cores every forward of the
+    verifier (short rounds on the event loop, the rest on its MLX thread) ran ~8 % slower."""
     import threading
 
-    from specd.models import row_products as products_module
-    from specd.service import MlxThread
-    from specd.v1 import verifier_pb2
-    from verifier_svc.config import VerifierConfig
-    from verifier_svc.servicer import VerifierServicer
+    rng = np.random.default_rng(5)
+    weight = rng.standard_normal((300, 96), dtype=np.float32)
+    rows = rng.standard_normal((4, 96), dtype=np.float32)
+    row_products(weight, rows)  # the pool starts here, if not already
+    before = _task_count()
+    called, done = threading.Barrier(4), threading.Event()
 
-    threads: set[str] = set()
-    kernels = products_module._row_kernels
+    def call_and_stay():  # alive while counted: a per-thread pool lives as long as its thread
+        row_products(weight, rows)
+        called.wait()
+        done.wait(30)
 
-    class Spy:
-        def products(self, *args):
-            threads.add(threading.current_thread().name)
-            return kernels.products(*args)
+    callers = [threading.Thread(target=call_and_stay) for _ in range(3)]
+    for caller in callers:
+        caller.start()
+    called.wait(30)
+    try:
+        assert _task_count() == before + len(callers)
+    finally:
+        done.set()
+        for caller in callers:
+            caller.join()
 
-    monkeypatch.setattr(products_module, "_row_kernels", Spy())
-    forwards: set[str] = set()
-    real_forward = Target.forward
 
-    def forward(self, *args, **kwargs):
-        forwards.add(threading.current_thread().name)
-        return real_forward(self, *args, **kwargs)
+@pytest.mark.skipif(not compiled(), reason="needs the compiled products")
+def test_the_kernels_are_right_from_threads_calling_at_once():
+    """A caller that finds the pool busy works alone; every product stays right."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    monkeypatch.setattr(Target, "forward", forward)
+    rng = np.random.default_rng(6)
+    weight = rng.standard_normal((1000, 128), dtype=np.float32)
+    inputs = [rng.standard_normal((n, 128), dtype=np.float32) for n in (1, 4, 8, 3) * 8]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda x: row_products(weight, x), inputs))
+    for x, out in zip(inputs, got, strict=True):
+        np.testing.assert_allclose(out, x @ weight.T, rtol=1e-4, atol=1e-4)
 
-    async def session():
-        mlx = MlxThread()
-        config = VerifierConfig(model=str(tiny_model_dir), dtype="float32", gemv_rows=gemv_rows)
-        servicer = VerifierServicer(config, mlx)
-        await servicer.load()
-        opened = await servicer.OpenSession.__wrapped__(
-            servicer, verifier_pb2.OpenSessionRequest(prompt_ids=PROMPT[:5]), None
-        )
-        position = opened.position
-        for steps, drafts in ((0, [40, 41]), (0, []), (3, []), (0, [7])):
-            request = verifier_pb2.VerifyRequest(
-                session_id=opened.session_id, position=position, draft_ids=drafts,
-                plain_steps=steps,
-            )  # fmt: skip
-            verified = await servicer.Verify.__wrapped__(servicer, request, None)
-            position = verified.position
-        mlx.shutdown()
 
-    asyncio.run(session())
-    if gemv_rows:
-        assert threads == forwards == {"mlx"}
-    else:  # all in MLX: short rounds ran on the event loop's thread, the rest on the worker
-        assert not threads and forwards == {"mlx", threading.current_thread().name}
+def _product_in_child(queue) -> None:
+    rng = np.random.default_rng(7)
+    weight = rng.standard_normal((5000, 64), dtype=np.float32)  # spans enough to share
+    error = 0.0
+    for n in (1, 8):
+        rows = rng.standard_normal((n, 64), dtype=np.float32)
+        error = max(error, float(np.abs(row_products(weight, rows) - rows @ weight.T).max()))
+    queue.put(error)
+
+
+@pytest.mark.skipif(not compiled(), reason="needs the compiled products")
+def test_a_forked_child_starts_its_own_workers():
+    """A child forked after the pool started has none of its threads; without starting its
+    own it would wait for them forever."""
+    import multiprocessing
+
+    row_products(np.ones((64, 8), np.float32), np.ones((1, 8), np.float32))
+    fork = multiprocessing.get_context("fork")
+    queue = fork.Queue()
+    child = fork.Process(target=_product_in_child, args=(queue,))
+    child.start()
+    child.join(60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child hung in the products")
+    assert child.exitcode == 0 and queue.get(timeout=5) < 1e-3

@@ -50,9 +50,7 @@ class Target:
             if gemv_rows and HostLlama.supports(self.model):
                 gemv_rows = HOST_MAX_ROWS
         check_max_rows(gemv_rows, device, loaded.dtype)
-        # forwards call OpenMP, which keeps a thread pool per calling thread (see Verify)
-        self.compiled_products = bool(use_gemv(self.model, gemv_rows)) and row_kernels_compiled()
-        if self.compiled_products:
+        if use_gemv(self.model, gemv_rows) and row_kernels_compiled():
             limit_numpy_blas_threads(1)  # see specd.models.row_products
         self._host = HostLlama.attach(self.model) if gemv_rows else None
         if self._host is None and gemv_rows == HOST_MAX_ROWS > products_rows:

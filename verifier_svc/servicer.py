@@ -192,12 +192,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if steps > 1 and drafts:
             raise InvalidArgument("plain_steps > 1 takes no drafts: send them in their own call")
         # a few forwards may run on the event loop; a longer burst goes to the worker, so
-        # health checks and other sessions' calls are not held up for seconds. Forwards on
-        # the compiled products always go to the worker: OpenMP keeps a pool of threads per
-        # calling thread, and two pools on two cores stop spinning between products, which
-        # made every forward ~8 % slower than the hop costs (docs/benchmarks.md, session 12)
-        inline = steps <= INLINE_MAX_STEPS and not target.compiled_products
-        run = self.mlx.run_round if inline else self.mlx.run
+        # health checks and other sessions' calls are not held up for seconds
+        run = self.mlx.run_round if steps <= INLINE_MAX_STEPS else self.mlx.run
         result = await run(
             self._verify_in_order, target, session, request.position, drafts, probs, parents,
             steps,

@@ -7,21 +7,14 @@ walk the weight rows once and multiply each, while it is in cache, with four inp
 time (docs/benchmarks.md, session 11). Where they were not built (no C compiler), numpy's
 gemv and sgemm do the products.
 
-Their threads are OpenMP's: a second BLAS thread pool busy or spinning beside them halves
-their speed on two cores, so the verifier keeps numpy's BLAS on one thread while it uses them.
+Their threads are the extension's own, one pool per process whichever thread calls: a second
+BLAS thread pool busy or spinning beside them halves their speed on two cores, so the verifier
+keeps numpy's BLAS on one thread while it uses them.
 """
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
-
-# OpenMP's threads spin ~6 ms after each product by default (300000 turns), holding a core
-# that the drafter and the coordinator need between two forwards; 20000 turns (~0.4 ms) still
-# bridge the gaps between one forward's products (docs/benchmarks.md, session 12). Read once,
-# when the extension loads libgomp; a user's own setting wins.
-os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
 try:
     from specd import _row_kernels
