@@ -31,6 +31,13 @@
 #define TILE_BYTES (256 << 10)   /* weight rows walked once per group: well inside L2 */
 #define PIECES 16                /* pieces each parallel loop is cut into */
 
+#define AHEAD 4                  /* weight rows fetched ahead of their use */
+
+/* The hardware prefetcher alone left the four-row loop ~15 % short of memory speed. */
+static inline void prefetch_row(const float *row, Py_ssize_t width) {
+    for (Py_ssize_t k = 0; k < width; k += 64 / sizeof(float)) __builtin_prefetch(row + k);
+}
+
 static Py_ssize_t piece(Py_ssize_t iterations) {
     Py_ssize_t p = iterations / PIECES;
     return p > 0 ? p : 1;
@@ -41,6 +48,7 @@ static void one_row_span(const float *weight, const float *row, float *out, Py_s
                          Py_ssize_t first, Py_ssize_t last) {
     for (Py_ssize_t o = first; o < last; o++) {
         const float *w = weight + o * width;
+        if (o + AHEAD < last) prefetch_row(w + AHEAD * width, width);
         float a = 0.0f;
 #pragma omp simd reduction(+ : a)
         for (Py_ssize_t k = 0; k < width; k++) a += w[k] * row[k];
@@ -57,6 +65,7 @@ static void four_rows_span(const float *weight, const float *rows, float *out,
                     *x3 = x2 + width;
         for (Py_ssize_t o = first; o < last; o++) {
             const float *w = weight + o * width;
+            if (o + AHEAD < last) prefetch_row(w + AHEAD * width, width);
             float a = 0.0f, b = 0.0f, c = 0.0f, d = 0.0f;
 #pragma omp simd reduction(+ : a, b, c, d)
             for (Py_ssize_t k = 0; k < width; k++) {
