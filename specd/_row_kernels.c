@@ -56,6 +56,25 @@ static void one_row_span(const float *weight, const float *row, float *out, Py_s
     }
 }
 
+/* Two input rows (a verify of one draft): half the four-row loop's arithmetic. */
+VECTOR_CLONES
+static void two_rows_span(const float *weight, const float *rows, float *out, Py_ssize_t outputs,
+                          Py_ssize_t width, Py_ssize_t first, Py_ssize_t last) {
+    const float *x0 = rows, *x1 = rows + width;
+    for (Py_ssize_t o = first; o < last; o++) {
+        const float *w = weight + o * width;
+        if (o + AHEAD < last) prefetch_row(w + AHEAD * width, width);
+        float a = 0.0f, b = 0.0f;
+#pragma omp simd reduction(+ : a, b)
+        for (Py_ssize_t k = 0; k < width; k++) {
+            a += w[k] * x0[k];
+            b += w[k] * x1[k];
+        }
+        out[o] = a;
+        out[outputs + o] = b;
+    }
+}
+
 VECTOR_CLONES
 static void four_rows_span(const float *weight, const float *rows, float *out,
                            Py_ssize_t outputs, Py_ssize_t width, Py_ssize_t n,
@@ -83,7 +102,7 @@ static void four_rows_span(const float *weight, const float *rows, float *out,
     }
 }
 
-/* Weight rows are split into spans: for one input row PIECES spans, for groups of four
+/* Weight rows are split into spans: for one or two input rows PIECES spans, for groups of four
  * spans of TILE_BYTES, each read from memory once and kept in L2 while every group of
  * input rows (in L1) passes over it. Threads claim `chunk` spans at a time. */
 typedef struct {
@@ -102,6 +121,9 @@ static void run_spans(const Job *job, atomic_long *next) {
             Py_ssize_t last = first + job->span < job->outputs ? first + job->span : job->outputs;
             if (job->n == 1)
                 one_row_span(job->weight, job->rows, job->out, job->width, first, last);
+            else if (job->n == 2)
+                two_rows_span(job->weight, job->rows, job->out, job->outputs, job->width, first,
+                              last);
             else
                 four_rows_span(job->weight, job->rows, job->out, job->outputs, job->width,
                                job->n, first, last);
@@ -201,10 +223,10 @@ static void start_workers(void) {
 
 static void products_in_spans(const float *weight, const float *rows, float *out,
                               Py_ssize_t outputs, Py_ssize_t width, Py_ssize_t n) {
-    Py_ssize_t span = n == 1 ? piece(outputs) : TILE_BYTES / (width * (Py_ssize_t)sizeof(float));
+    Py_ssize_t span = n <= 2 ? piece(outputs) : TILE_BYTES / (width * (Py_ssize_t)sizeof(float));
     if (span < 1) span = 1;
     Py_ssize_t spans = (outputs + span - 1) / span;
-    Job job = {weight, rows, out, outputs, width, n, span, spans, n == 1 ? 1 : piece(spans)};
+    Job job = {weight, rows, out, outputs, width, n, span, spans, n <= 2 ? 1 : piece(spans)};
     if (pthread_mutex_trylock(&pool.caller) != 0) {  /* the pool is busy: work alone */
         atomic_long next = 0;
         run_spans(&job, &next);
@@ -240,7 +262,7 @@ static int float_matrix(PyObject *obj, Py_buffer *view, int writable, const char
     return 0;
 }
 
-/* products(weight [O, K], rows [n, K], out [n, O]); n == 1 or a multiple of GROUP */
+/* products(weight [O, K], rows [n, K], out [n, O]); n is 1, 2 or a multiple of GROUP */
 static PyObject *products(PyObject *self, PyObject *args) {
     PyObject *weight_obj, *rows_obj, *out_obj;
     if (!PyArg_ParseTuple(args, "OOO", &weight_obj, &rows_obj, &out_obj)) return NULL;
@@ -260,8 +282,8 @@ static PyObject *products(PyObject *self, PyObject *args) {
     if (rows.shape[1] != width || out.shape[0] != n || out.shape[1] != outputs) {
         PyErr_SetString(PyExc_ValueError, "products: shapes do not match");
         result = NULL;
-    } else if (n != 1 && n % GROUP != 0) {
-        PyErr_SetString(PyExc_ValueError, "products: rows must be 1 or a multiple of 4");
+    } else if (n > 2 && n % GROUP != 0) {
+        PyErr_SetString(PyExc_ValueError, "products: rows must be 1, 2 or a multiple of 4");
         result = NULL;
     } else if (width == 0) {
         memset(out.buf, 0, (size_t)out.len);  /* empty sums */
@@ -279,7 +301,7 @@ static PyObject *products(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"products", products, METH_VARARGS,
-     "products(weight, rows, out): out = rows @ weight.T, float32, 1 or 4k rows"},
+     "products(weight, rows, out): out = rows @ weight.T, float32, 1, 2 or 4k rows"},
     {NULL, NULL, 0, NULL},
 };
 

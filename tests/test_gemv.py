@@ -130,7 +130,7 @@ def test_the_kernels_are_built_where_a_compiler_is(monkeypatch):
         )
     with pytest.raises(ValueError, match="multiple of 4"):
         module._row_kernels.products(
-            weight, np.ones((2, 8), np.float32), np.ones((2, 3), np.float32)
+            weight, np.ones((3, 8), np.float32), np.ones((3, 3), np.float32)
         )
     with pytest.raises(ValueError, match="float32"):
         module._row_kernels.products(weight, np.ones((4, 8)), np.ones((4, 3), np.float32))

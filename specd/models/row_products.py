@@ -33,7 +33,7 @@ def row_products(weight: np.ndarray, rows: np.ndarray) -> np.ndarray:
     n, width = rows.shape
     if _row_kernels is None:
         return np.matmul(weight, rows[0])[None] if n == 1 else rows @ weight.T
-    padded = n if n == 1 else -(-n // GROUP) * GROUP
+    padded = n if n <= 2 else -(-n // GROUP) * GROUP
     if padded == n:
         grouped = np.ascontiguousarray(rows, dtype=np.float32)
     else:
