@@ -222,7 +222,8 @@ def _serve(args) -> int:
         if args.metrics_port is not None:
             from specd.metrics import serve_metrics
 
-            serve_metrics(args.host, args.metrics_port)
+            bound = serve_metrics(args.host, args.metrics_port)
+            logging.getLogger("specd").info("metrics at http://%s:%d/metrics", args.host, bound)
         config, serve = _service_config(args)
         if config is not None:
             asyncio.run(serve(config))

@@ -35,8 +35,10 @@ VERIFIER_REOPENS = Counter(
 )
 
 
-def serve_metrics(host: str, port: int) -> None:
-    start_http_server(port, addr=host)
+def serve_metrics(host: str, port: int) -> int:
+    """Serve /metrics from a background thread; returns the port (0 asks the OS for one)."""
+    server, _ = start_http_server(port, addr=host)
+    return server.server_port
 
 
 def observe_request(stats, outcome: str) -> None:

@@ -1,6 +1,7 @@
 """Prometheus scrape after some traffic, and JSON log lines."""
 
 import json
+import re
 import urllib.request
 
 from specd.client import CoordinatorClient, make_request
@@ -19,13 +20,13 @@ def value(text: str, prefix: str) -> float:
 
 
 def test_metrics_after_requests_and_json_logs(tiny_model_dir, tmp_path):
-    ports = {name: free_port() for name in ("verifier", "drafter", "coordinator")}
+    ports = {name: free_port() for name in ("verifier", "coordinator")}
     with Stack(
         target=str(tiny_model_dir),
         drafter="ngram",
         log_dir=tmp_path,
         verifier_args=["--metrics-port", str(ports["verifier"]), "--log-format", "json"],
-        drafter_args=["--metrics-port", str(ports["drafter"])],
+        drafter_args=["--metrics-port", "0"],  # the OS picks; the log says which
         coordinator_args=["--metrics-port", str(ports["coordinator"])],
     ) as stack:
         client = CoordinatorClient(stack.coordinator)
@@ -33,7 +34,10 @@ def test_metrics_after_requests_and_json_logs(tiny_model_dir, tmp_path):
             client.generate(make_request(prompt=prompt, max_tokens=30))
         coordinator = scrape(ports["coordinator"])
         verifier = scrape(ports["verifier"])
-        drafter = scrape(ports["drafter"])
+        drafter_log = stack.services["drafter"].log_path.read_text()
+        chosen = re.search(r"metrics at http://127\.0\.0\.1:(\d+)/metrics", drafter_log)
+        assert chosen, drafter_log
+        drafter = scrape(int(chosen.group(1)))
         log_lines = stack.services["verifier"].log_path.read_text().splitlines()
     assert value(coordinator, "specd_requests_total{") == 2
     assert value(coordinator, "specd_generated_tokens_total") > 0
