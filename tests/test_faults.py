@@ -1,5 +1,6 @@
 """Real processes, real kills: a lost drafter or verifier costs speed, never tokens."""
 
+import signal
 import time
 
 import grpc
@@ -212,12 +213,20 @@ def test_model_drafter_restart_mid_generation_keeps_output(kind, tmp_path):
 
         def restart():
             drafter.kill()
-            s.services["drafter"] = spawn(
-                "drafter",
-                ["--kind", kind, "--target", str(tiny_model_dir), *drafter_args],
-                port=port,
-                log_dir=tmp_path / "second",
-            )
+            # the verifier waits, stopped, until the new drafter serves: otherwise the request
+            # can end before a drafter process has started (the tiny target is that fast)
+            verifier = s.services["verifier"].process
+            verifier.send_signal(signal.SIGSTOP)
+            try:
+                s.services["drafter"] = spawn(
+                    "drafter",
+                    ["--kind", kind, "--target", str(tiny_model_dir), *drafter_args],
+                    port=port,
+                    log_dir=tmp_path / "second",
+                )
+                s.services["drafter"].wait_healthy(120)
+            finally:
+                verifier.send_signal(signal.SIGCONT)
 
         ids, stats = [], None
         request = make_request(prompt=prompt, max_tokens=tokens, num_draft_tokens=3)
