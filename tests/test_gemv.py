@@ -171,7 +171,7 @@ def test_settings_that_cannot_apply_are_refused(tiny_model_dir):
 
 
 def test_numpy_blas_runs_one_thread_beside_the_kernels(tiny_model_dir):
-    """The kernels' OpenMP threads and a spinning BLAS pool on two cores halve their speed."""
+    """The kernels' threads and a spinning BLAS pool on two cores halve their speed."""
     from threadpoolctl import threadpool_info
 
     if limit_numpy_blas_threads(2) == 0:
