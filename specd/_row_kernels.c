@@ -227,15 +227,14 @@ static void products_in_spans(const float *weight, const float *rows, float *out
     if (span < 1) span = 1;
     Py_ssize_t spans = (outputs + span - 1) / span;
     Job job = {weight, rows, out, outputs, width, n, span, spans, n <= 2 ? 1 : piece(spans)};
-    if (pthread_mutex_trylock(&pool.caller) != 0) {  /* the pool is busy: work alone */
-        atomic_long next = 0;
-        run_spans(&job, &next);
+    atomic_long alone = 0;  /* the span counter when this thread does every span itself */
+    if (pthread_mutex_trylock(&pool.caller) != 0) {  /* the pool is busy */
+        run_spans(&job, &alone);
         return;
     }
     if (pool.workers < 0) start_workers();
     if (pool.workers == 0 || spans == 1) {
-        atomic_long next = 0;
-        run_spans(&job, &next);
+        run_spans(&job, &alone);
         pthread_mutex_unlock(&pool.caller);
         return;
     }

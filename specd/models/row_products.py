@@ -3,8 +3,8 @@
 For a few rows a BLAS sgemm first packs the whole weight matrix (numpy's and MLX's alike),
 and a gemv per row reads it once per row; on a memory-bound CPU both cost about the rows
 times one gemv. The compiled kernels (specd/_row_kernels.c, built by pip with the package)
-walk the weight rows once and multiply each, while it is in cache, with four input rows at a
-time (docs/benchmarks.md, session 11). Where they were not built (no C compiler), numpy's
+walk the weight rows once and multiply each, while it is in cache, with one, two or four input
+rows at a time (docs/benchmarks.md, sessions 11 and 12). Where they were not built (no C compiler), numpy's
 gemv and sgemm do the products.
 
 Their threads are the extension's own, one pool per process whichever thread calls: a second
