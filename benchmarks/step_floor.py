@@ -3,7 +3,10 @@
 floor = bytes of weights read per step / measured memory bandwidth (a large numpy copy).
 
     python benchmarks/step_floor.py [--model MODEL] [--dtype auto] [--context 300]
-        [--k 0 1 3 7 15] [--gemv-rows N [N ...]]
+        [--k 0 1 3 7 15] [--gemv-rows N [N ...]] [--weights half float32]
+
+Each setting (gemv rows x weight storage) has its own floor: half-stored weights are half the
+bytes. The float32 floor is printed too, the one a float32 copy of the model would have.
 """
 
 from __future__ import annotations
@@ -61,28 +64,48 @@ def main() -> None:
         default=[None],
         help="forwards of <= N tokens on numpy (0: all MLX); several: compared step by step",
     )
+    parser.add_argument(
+        "--weights",
+        nargs="+",
+        choices=["half", "float32"],
+        default=["half"],
+        help="weight storage with numpy forwards: half where float16 holds them exactly "
+        "(the verifier's default) or float32 (its --float32-weights); several: compared",
+    )
     args = parser.parse_args()
-    targets = [Target(load_target(args.model, args.dtype), rows) for rows in args.gemv_rows]
-    weights = sum(v.nbytes for _, v in tree_flatten(targets[0].model.parameters()))
+    targets = [
+        Target(load_target(args.model, args.dtype), rows, storage == "half")
+        for rows in args.gemv_rows
+        for storage in (args.weights if rows != 0 else ["float32"])
+    ]
     prompt = list(range(100, 100 + args.context))
     sessions = [prefill(target, prompt).session for target in targets]
     gbs = bandwidth_gbs()
-    floor_ms = weights / (gbs * 1e9) * 1000
+    float32_bytes = sum(v.size * 4 for _, v in tree_flatten(targets[0].model.parameters()))
     sizes = [k + 1 for k in args.k]
     medians = step_times(targets, sessions, sizes)
     settings = []
     for i, target in enumerate(targets):
+        weights = sum(v.nbytes for _, v in tree_flatten(target.model.parameters()))
+        floor_ms = weights / (gbs * 1e9) * 1000
         rows = [
             {"tokens": n, "ms": medians[i, n], "floor_ratio": medians[i, n] / floor_ms}
             for n in sizes
         ]
-        settings.append({"gemv_rows": target.gemv_rows, "steps": rows})
+        settings.append(
+            {
+                "gemv_rows": target.gemv_rows,
+                "half_weights": target.half_weights,
+                "weight_bytes": weights,
+                "floor_ms": floor_ms,
+                "steps": rows,
+            }
+        )
     result = {
         "model": targets[0].identity.name,
         "dtype": targets[0].loaded.dtype,
-        "weight_bytes": weights,
         "bandwidth_gbs": gbs,
-        "floor_ms": floor_ms,
+        "float32_floor_ms": float32_bytes / (gbs * 1e9) * 1000,
         "context": args.context,
         "settings": settings,
     }

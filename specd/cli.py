@@ -24,6 +24,11 @@ GEMV_HELP = (
     "0: all in MLX (default on the CPU with float32: 16 for Llama-family targets, 3 for "
     "others; else 0)"
 )
+FLOAT32_WEIGHTS_HELP = (
+    "keep every weight float32 in memory; by default, with the numpy forwards above, weights "
+    "that float16 holds exactly (all of a model dequantized from a 4-bit or half checkpoint, "
+    "as the embedded one is) are kept as float16: half the bytes per decode step, same outputs"
+)
 KIND_ONLY_FLAGS = {  # drafter flags that mean something to some kinds only: refused elsewhere
     "ngram_min_n": ("ngram",),
     "ngram_max_n": ("ngram",),
@@ -111,6 +116,7 @@ def _add_serve(sub) -> None:
         help="compute dtype; auto = float32 on CPU, as stored on GPUs",
     )
     v.add_argument("--gemv-rows", type=int_between(0), metavar="N", help=GEMV_HELP)
+    v.add_argument("--float32-weights", action="store_true", help=FLOAT32_WEIGHTS_HELP)
     v.add_argument("--max-sessions", type=int_between(1), default=64)
     v.add_argument("--max-context", type=int_between(0), default=0, help="0: the model's own limit")
     v.add_argument("--max-draft-tokens", type=int_between(1), default=64)
@@ -262,6 +268,7 @@ def _service_config(args):
             model=args.model,
             dtype=args.dtype,
             gemv_rows=args.gemv_rows,
+            half_weights=not args.float32_weights,
             host=args.host,
             port=args.port,
             max_sessions=args.max_sessions,

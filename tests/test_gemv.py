@@ -15,7 +15,7 @@ from specd.models.host_llama import DEFAULT_MAX_ROWS as HOST_MAX_ROWS
 from specd.models.load import load_target
 from specd.models.row_products import compiled, row_products
 from specd.platform import limit_numpy_blas_threads
-from verifier_svc.engine import Target, prefill
+from verifier_svc.engine import Target, decode, prefill
 
 PROMPT = [3, 40, 41, 42, 43, 40, 41, 42, 50, 60, 70]
 
@@ -258,3 +258,89 @@ def test_a_forked_child_starts_its_own_workers():
         child.kill()
         pytest.fail("the forked child hung in the products")
     assert child.exitcode == 0 and queue.get(timeout=5) < 1e-3
+
+
+@pytest.fixture(scope="module")
+def half_exact_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("half") / "model", half_exact=True)
+
+
+@pytest.mark.parametrize("vectors", [True, False])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("width", [576, 37, 16, 1])
+def test_half_weight_products_sum_in_float32(rows, width, vectors):
+    from specd.models import row_products as module
+
+    rng = np.random.default_rng(rows * 1000 + width)
+    weight = rng.standard_normal((45, width)).astype(np.float16)
+    x = rng.standard_normal((rows, width), dtype=np.float32)
+    was = module._row_kernels.vector_half(vectors)
+    try:
+        got = row_products(weight, x)
+    finally:
+        module._row_kernels.vector_half(was)
+    want = x.astype(np.float64) @ weight.astype(np.float64).T
+    assert got.dtype == np.float32 and got.shape == (rows, 45)
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("vectors", [True, False])
+def test_every_half_value_converts_exactly(vectors):
+    """All 65536 float16 bit patterns (subnormals, infinities, NaNs) read as numpy reads them:
+    one-hot rows pick each weight out of a product."""
+    from specd.models import row_products as module
+
+    weight = np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(-1, 16)
+    was = module._row_kernels.vector_half(vectors)
+    try:
+        for j in range(16):
+            one_hot = np.zeros((1, 16), np.float32)
+            one_hot[0, j] = 1.0
+            got = row_products(weight, one_hot)[0]
+            want = weight[:, j].astype(np.float32)
+            finite = np.isfinite(want)
+            # 0 * inf is NaN in every other column, so only the finite weights compare alone
+            assert np.array_equal(got[finite], want[finite])
+    finally:
+        module._row_kernels.vector_half(was)
+    picked = row_products(weight[:, :1].copy(), np.ones((1, 1), np.float32))[0]
+    want = weight[:, 0].astype(np.float32)
+    assert np.array_equal(picked, want, equal_nan=True)
+
+
+def test_weights_float16_holds_exactly_are_stored_half(half_exact_dir, tiny_model_dir):
+    half = Target(load_target(str(half_exact_dir), dtype="float32"))
+    full = Target(load_target(str(half_exact_dir), dtype="float32"), half_weights=False)
+    inexact = Target(load_target(str(tiny_model_dir), dtype="float32"))
+    products = len(_products(half.model))
+    assert half.half_weights == products > 0 and "stored float16" in half.numpy_part
+    assert full.half_weights == 0 and inexact.half_weights == 0
+    assert all(m.weight.dtype == mx.float16 for m in _products(half.model))
+    # MLX's own forwards (beyond the numpy rows, e.g. prefill) are the float32 ones, bit for bit
+    tokens = list(range(3, 3 + HOST_MAX_ROWS + 4))
+    got = half.forward(mx.array(tokens), half.new_cache(), (0, 1))
+    want = full.forward(mx.array(tokens), full.new_cache(), (0, 1))
+    assert np.array_equal(np.array(got[0]), np.array(want[0]))
+    assert np.array_equal(np.array(got[1]), np.array(want[1]))
+    # the numpy forwards sum in another order only
+    for tokens in ([7], [7, 8], [7, 8, 9, 10, 11]):
+        got_logits, got_rows = _logits(half, tokens)
+        want_logits, want_rows = _logits(full, tokens)
+        assert np.allclose(got_logits, want_logits, rtol=1e-5, atol=1e-4)
+        assert np.allclose(got_rows, want_rows, rtol=1e-5, atol=1e-4)
+        assert (got_logits.argmax(-1) == want_logits.argmax(-1)).all()
+
+
+def test_half_weights_decode_as_float32_weights_do(half_exact_dir):
+    """Greedy output with half-stored weights equals all-MLX float32 decoding."""
+    half = Target(load_target(str(half_exact_dir), dtype="float32"))
+    plain = Target(load_target(str(half_exact_dir), dtype="float32"), gemv_rows=0)
+    assert half.half_weights and not plain.half_weights
+    outputs = []
+    for target in (plain, half):
+        result = prefill(target, PROMPT)
+        session, out = result.session, [result.first_token]
+        for steps in [1, 3, 8, 2, 16, 16]:
+            out += decode(target, session, steps).committed
+        outputs.append(out)
+    assert len(outputs[0]) > 40 and outputs[0] == outputs[1]

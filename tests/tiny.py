@@ -39,8 +39,10 @@ def make_tiny_model_dir(
     max_positions: int = 1024,
     eos_token: str = "<|im_end|>",
     config_overrides: dict | None = None,
+    half_exact: bool = False,
 ) -> Path:
-    """A loadable mlx-lm directory: random Llama weights, byte-level tokenizer, chat template."""
+    """A loadable mlx-lm directory: random Llama weights, byte-level tokenizer, chat template.
+    half_exact: float32 weights float16 holds exactly, as a dequantized checkpoint's are."""
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _byte_level_tokenizer(extra_specials)
     vocab_size = tokenizer.get_vocab_size()
@@ -63,6 +65,8 @@ def make_tiny_model_dir(
     model = llama.Model(llama.ModelArgs.from_dict(config))
     # larger-than-default weights make the random model's argmax decisive, not near-ties
     params = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+    if half_exact:
+        params = {k: v.astype(mx.float16).astype(mx.float32) for k, v in params.items()}
     mx.save_safetensors(str(path / "model.safetensors"), params)
     (path / "config.json").write_text(json.dumps(config))
     tokenizer.save(str(path / "tokenizer.json"))

@@ -11,6 +11,7 @@ class VerifierConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     dtype: str = "auto"  # auto = float32 on CPU (fastest correct there), as stored on GPUs
     gemv_rows: int | None = None  # None: Target's default for the device, dtype, architecture
+    half_weights: bool = True  # weights float16 holds exactly kept half for the numpy forwards
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 50051
     max_sessions: int = 64  # each holds a KV cache; beyond this OpenSession is refused

@@ -13,7 +13,13 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from specd.models.capture import install_capture, install_tree_positions
-from specd.models.gemv import check_max_rows, default_max_rows, set_max_rows, use_gemv
+from specd.models.gemv import (
+    check_max_rows,
+    default_max_rows,
+    half_weight_count,
+    set_max_rows,
+    use_gemv,
+)
 from specd.models.host_llama import DEFAULT_MAX_ROWS as HOST_MAX_ROWS
 from specd.models.host_llama import HostLlama
 from specd.models.load import LoadedTarget, device_kind
@@ -37,10 +43,14 @@ PREFILL_CHUNK = 2048  # mlx-lm's prefill step: same chunks, same numerics as pla
 class Target:
     """An mlx-lm model whose forward can also return chosen decoder-layer outputs."""
 
-    def __init__(self, loaded: LoadedTarget, gemv_rows: int | None = None):
+    def __init__(
+        self, loaded: LoadedTarget, gemv_rows: int | None = None, half_weights: bool = True
+    ):
         """gemv_rows: forwards of at most this many tokens run on numpy: whole layers for
         Llama-family models (specd.models.host_llama), else the weight products alone
-        (specd.models.gemv); None: the default for the device, dtype and architecture."""
+        (specd.models.gemv); None: the default for the device, dtype and architecture.
+        half_weights: with those products, keep weights that float16 holds exactly as float16
+        (half the bytes each step reads; the same outputs)."""
         self.loaded = loaded
         self.model = loaded.model
         device = device_kind()
@@ -50,14 +60,18 @@ class Target:
             if gemv_rows and HostLlama.supports(self.model):
                 gemv_rows = HOST_MAX_ROWS
         check_max_rows(gemv_rows, device, loaded.dtype)
-        if use_gemv(self.model, gemv_rows) and row_kernels_compiled():
+        if use_gemv(self.model, gemv_rows, half_weights) and row_kernels_compiled():
             limit_numpy_blas_threads(1)  # see specd.models.row_products
         self._host = HostLlama.attach(self.model) if gemv_rows else None
         if self._host is None and gemv_rows == HOST_MAX_ROWS > products_rows:
             gemv_rows = set_max_rows(self.model, products_rows)  # the default it could not use
         self.gemv_rows = gemv_rows
         products = "compiled products" if row_kernels_compiled() else "numpy's products"
-        self.numpy_part = f"{'whole layers' if self._host else 'weight products'}, {products}"
+        self.half_weights = half_weight_count(self.model)
+        stored = f", {self.half_weights} weights stored float16" if self.half_weights else ""
+        self.numpy_part = (
+            f"{'whole layers' if self._host else 'weight products'}, {products}{stored}"
+        )
         self.identity = loaded.identity
         self.eos_ids = frozenset(loaded.identity.eos_token_ids)
         self._sink = install_capture(self.model)

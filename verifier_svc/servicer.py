@@ -93,7 +93,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def _load_and_warm(self) -> Target:
         loaded = load_target(self.config.model, self.config.dtype, self.config.cache_dir)
-        target = Target(loaded, self.config.gemv_rows)
+        target = Target(loaded, self.config.gemv_rows, self.config.half_weights)
         verify(target, prefill(target, [0, 1, 2]).session, [3, 4])  # compile kernels now
         return target
 

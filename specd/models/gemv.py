@@ -8,6 +8,12 @@ docs/benchmarks.md, session 11), on zero-copy views of the same weight buffers. 
 rest of the graph stays in MLX, and each product makes MLX evaluate its input first, which is
 why this pays only for a few rows; specd.models.host_llama runs whole Llama-family forwards
 on these products instead.
+
+Weights stored as float16 when that loses nothing: a model dequantized from a 4-bit or half
+checkpoint (the embedded SmolLM2 among them) has only float16 values, so its float32 copy
+doubles the bytes every decode step reads. The compiled products convert them as they read
+and sum in float32 (same weights, same products up to summation order); MLX's own forwards
+promote them to float32 at each product.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from specd.models.row_products import row_products
+from specd.models.row_products import compiled, row_products
 
 DEFAULT_MAX_ROWS = 3  # products alone, MLX around them: 1-3 rows faster than MLX's sgemm here
 
@@ -53,25 +59,38 @@ class GemvWeights:
         return mx.array(out).reshape(*x.shape[:-1], self.weight.shape[0])
 
     def of_rows(self, rows: np.ndarray) -> np.ndarray:
-        """rows [n, in] float32 -> [n, out]."""
+        """rows [n, in] float32 -> [n, out] float32 (the weight float32 or float16)."""
         out = row_products(self.weight, rows)
         if self.bias is not None:
             out += self.bias
         return out
 
 
+def _float32_weight(module: nn.Module) -> mx.array:
+    """The weight as MLX's float32 products read it: a half-stored one converted first, then
+    transposed, so MLX makes the same BLAS call, bit for bit, as with a float32 copy."""
+    weight = module["weight"]
+    return weight.astype(mx.float32) if weight.dtype == mx.float16 else weight
+
+
 class GemvLinear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
         if self._gemv.wanted(x):
             return self._gemv.products(x)
-        return super().__call__(x)
+        if "bias" in self:
+            return mx.addmm(self["bias"], x, _float32_weight(self).T)
+        return x @ _float32_weight(self).T
 
 
 class GemvEmbedding(nn.Embedding):
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = self.weight[x]
+        return rows.astype(mx.float32) if rows.dtype == mx.float16 else rows
+
     def as_linear(self, x: mx.array) -> mx.array:  # tied output heads
         if self._gemv.wanted(x):
             return self._gemv.products(x)
-        return super().as_linear(x)
+        return x @ _float32_weight(self).T
 
 
 _SWAPS = {nn.Linear: GemvLinear, nn.Embedding: GemvEmbedding}
@@ -84,26 +103,59 @@ def float32_view(array: mx.array) -> np.ndarray | None:
     return view if view.flags.c_contiguous else None  # else numpy copies it every call
 
 
-def use_gemv(model: nn.Module, max_rows: int) -> int:
+def _weight_view(array: mx.array) -> np.ndarray | None:
+    """A float32 view, or a float16 one of weights stored half (the compiled products read
+    both)."""
+    if array.dtype == mx.float16 and compiled():
+        view = np.asarray(array)
+        return view if view.flags.c_contiguous else None
+    return float32_view(array)
+
+
+def exactly_half(weight: mx.array) -> mx.array | None:
+    """float32 `weight` as float16 if every value survives the trip, else None."""
+    if weight.dtype != mx.float32:
+        return None
+    half = weight.astype(mx.float16)
+    return half if mx.array_equal(half.astype(mx.float32), weight).item() else None
+
+
+def use_gemv(model: nn.Module, max_rows: int, half_weights: bool = False) -> int:
     """Route products of at most `max_rows` rows in `model`'s float32 Linears (and tied
-    embedding heads) to numpy; the weights must not be replaced afterwards. Returns how many
-    modules were switched."""
+    embedding heads) to numpy; the weights must not be replaced afterwards. With
+    `half_weights` (and the compiled products), weights that float16 holds exactly are stored
+    so, in place of the float32 copy. Returns how many modules were switched."""
     if max_rows <= 0:
         return 0
     switched = 0
     for _, module in model.named_modules():
         swap = _SWAPS.get(type(module))
-        if swap is None:
+        if swap is None or module.weight.dtype != mx.float32:
             continue
-        weight = float32_view(module.weight)
         bias = module.get("bias")
         bias_view = None if bias is None else float32_view(bias)
-        if weight is None or (bias is not None and bias_view is None):
+        if bias is not None and bias_view is None:
+            continue
+        half = exactly_half(module.weight) if half_weights and compiled() else None
+        if half is not None:
+            mx.eval(half)
+            module.weight = half  # the float32 copy is freed here
+        weight = _weight_view(module.weight)
+        if weight is None:
             continue
         module._gemv = GemvWeights(weight, bias_view, max_rows)
         module.__class__ = swap
         switched += 1
     return switched
+
+
+def half_weight_count(model: nn.Module) -> int:
+    """How many switched modules keep their weight as float16."""
+    return sum(
+        1
+        for _, module in model.named_modules()
+        if isinstance(module, (GemvLinear, GemvEmbedding)) and module.weight.dtype == mx.float16
+    )
 
 
 def set_max_rows(model: nn.Module, max_rows: int) -> int:

@@ -164,7 +164,7 @@ class HostLlama:
             sees = np.tri(n, dtype=bool)
         # [group*T, T]: each kv head's queries are its query heads' tokens, head after head
         causal = np.tile(np.where(sees, np.float32(0), np.float32(-np.inf)), (self.group, 1))
-        h = self.embed[token_ids]  # fancy indexing copies: [T, H]
+        h = self.embed[token_ids].astype(np.float32, copy=False)  # [T, H]; a half table's rows
         captured: dict[int, np.ndarray] = {}
         new_kv = []
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache, strict=True)):

@@ -4,8 +4,9 @@ For a few rows a BLAS sgemm first packs the whole weight matrix (numpy's and MLX
 and a gemv per row reads it once per row; on a memory-bound CPU both cost about the rows
 times one gemv. The compiled kernels (specd/_row_kernels.c, built by pip with the package)
 walk the weight rows once and multiply each, while it is in cache, with one, two or four input
-rows at a time (docs/benchmarks.md, sessions 11 and 12). Where they were not built (no C compiler), numpy's
-gemv and sgemm do the products.
+rows at a time (docs/benchmarks.md, sessions 11 and 12). They also read float16 weights,
+converting as they go and summing in float32, for half the bytes (specd.models.gemv says
+when). Where they were not built (no C compiler), numpy's gemv and sgemm do the products.
 
 Their threads are the extension's own, one pool per process whichever thread calls: a second
 BLAS thread pool busy or spinning beside them halves their speed on two cores, so the verifier
@@ -29,7 +30,8 @@ def compiled() -> bool:
 
 
 def row_products(weight: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """rows [n, in] @ weight[out, in].T -> [n, out], float32, weight C-contiguous."""
+    """rows [n, in] @ weight[out, in].T -> [n, out] float32; weight C-contiguous, float32 (or
+    float16 with the compiled kernels)."""
     n, width = rows.shape
     if _row_kernels is None:
         return np.matmul(weight, rows[0])[None] if n == 1 else rows @ weight.T
