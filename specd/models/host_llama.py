@@ -21,6 +21,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import Llama3RoPE
 
 from specd.models.gemv import GemvWeights, float32_view
+from specd.models.row_products import layer_kernels
 
 ROPE_BLOCK = 256  # positions per table of RoPE angles, made on first use
 # numpy beat MLX at every size measured up to 16 tokens (benchmarks/step_floor.py)
@@ -160,29 +161,31 @@ class HostLlama:
         if positions is None:
             positions = np.arange(offset, offset + n)
         cos, sin = self._rope_tables(positions)
-        if sees is None:
-            sees = np.tri(n, dtype=bool)
-        # [group*T, T]: each kv head's queries are its query heads' tokens, head after head
-        causal = np.tile(np.where(sees, np.float32(0), np.float32(-np.inf)), (self.group, 1))
+        sees = np.tri(n, dtype=bool) if sees is None else np.ascontiguousarray(sees, dtype=bool)
+        kernels = layer_kernels() if self.head_dim % 8 == 0 else None
+        if kernels is not None:
+            rms, heads, attend = self._rms_compiled, self._heads_compiled, self._attend_compiled
+            swiglu = kernels.swiglu
+        else:
+            rms, heads, attend, swiglu = self._rms, self._heads, self._attend, _swiglu
         h = self.embed[token_ids].astype(np.float32, copy=False)  # [T, H]; a half table's rows
         captured: dict[int, np.ndarray] = {}
         new_kv = []
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache, strict=True)):
-            x = self._rms(h, layer.input_norm)
-            q = self._heads(layer.q.of_rows(x), self.heads, cos, sin)
-            k = self._heads(layer.k.of_rows(x), self.kv_heads, cos, sin)
+            x = rms(h, layer.input_norm)
+            q = heads(layer.q.of_rows(x), self.heads, cos, sin)
+            k = heads(layer.k.of_rows(x), self.kv_heads, cos, sin)
             v = layer.v.of_rows(x).reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
-            attended = self._attend(q, k, v, layer_cache, offset, causal)
+            attended = attend(q, k, v, layer_cache, offset, sees)
             h = h + layer.o.of_rows(attended)
-            x = self._rms(h, layer.post_norm)
+            x = rms(h, layer.post_norm)
             gate = layer.gate.of_rows(x)
-            gate *= 0.5 * (1.0 + np.tanh(0.5 * gate))  # SiLU; the tanh form cannot overflow
-            gate *= layer.up.of_rows(x)
+            swiglu(gate, layer.up.of_rows(x))
             h = h + layer.down.of_rows(gate)
             if i in capture:
                 captured[i] = h
             new_kv.append((k, v))
-        logits = self.head.of_rows(self._rms(h, self.final_norm))
+        logits = self.head.of_rows(rms(h, self.final_norm))
         # numpy views of the caches are gone: MLX may update their buffers in place
         try:
             for layer_cache, (k, v) in zip(cache, new_kv, strict=True):
@@ -195,6 +198,11 @@ class HostLlama:
                 layer_cache.offset = min(layer_cache.offset, offset)
             raise
         return logits, captured
+
+    def _rms_compiled(self, h: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        out = np.empty_like(h)
+        layer_kernels().rms_norm(h, weight, self.eps, out)
+        return out
 
     def _rms(self, h: np.ndarray, weight: np.ndarray) -> np.ndarray:
         mean_square = np.mean(np.square(h), axis=-1, keepdims=True)
@@ -220,6 +228,11 @@ class HostLlama:
             self._rope_blocks[index] = (turned[:, first_of_pair], turned[:, second_of_pair])
         return self._rope_blocks[index]
 
+    def _heads_compiled(self, rows: np.ndarray, heads: int, cos, sin) -> np.ndarray:
+        out = np.empty((heads, len(rows), self.head_dim), np.float32)
+        layer_kernels().rope(rows, cos, sin, self.rope_traditional, out)
+        return out
+
     def _heads(self, rows: np.ndarray, heads: int, cos, sin) -> np.ndarray:
         """[T, heads*D] -> [heads, T, D] with RoPE applied."""
         x = rows.reshape(len(rows), heads, self.head_dim).transpose(1, 0, 2)
@@ -235,9 +248,24 @@ class HostLlama:
             out[..., half : self.rope_dims] = a * sin + b * cos
         return out
 
-    def _attend(self, q, k, v, layer_cache: KVCache, offset: int, causal) -> np.ndarray:
+    def _attend_compiled(self, q, k, v, layer_cache: KVCache, offset: int, sees) -> np.ndarray:
+        """As `_attend`, in one call of the compiled kernels."""
+        n = q.shape[1]
+        if offset:
+            keys, values = np.asarray(layer_cache.keys)[0], np.asarray(layer_cache.values)[0]
+        else:
+            keys = values = np.empty((self.kv_heads, 0, self.head_dim), np.float32)
+        out = np.empty((n, self.heads * self.head_dim), np.float32)
+        layer_kernels().attention(
+            q * self.scale, k, np.ascontiguousarray(v), keys, values, offset, sees, out
+        )
+        return out
+
+    def _attend(self, q, k, v, layer_cache: KVCache, offset: int, sees) -> np.ndarray:
         """Attention of the new queries over the cached rows and the new rows -> [T, heads*D]."""
         n = q.shape[1]
+        # [group*T, T]: each kv head's queries are its query heads' tokens, head after head
+        causal = np.tile(np.where(sees, np.float32(0), np.float32(-np.inf)), (self.group, 1))
         # query head j reads kv head j // group: group the queries under their kv head
         queries = q.reshape(self.kv_heads, self.group * n, self.head_dim) * self.scale
         new_scores = queries @ k.transpose(0, 2, 1)  # [kv, group*T, T]
@@ -257,3 +285,9 @@ class HostLlama:
         # [kv, group*T, D] -> [heads, T, D] -> [T, heads*D]
         out = out.reshape(self.heads, n, self.head_dim).transpose(1, 0, 2)
         return out.reshape(n, self.heads * self.head_dim)
+
+
+def _swiglu(gate: np.ndarray, up: np.ndarray) -> None:
+    """gate = silu(gate) * up in place; the tanh form of the sigmoid cannot overflow."""
+    gate *= 0.5 * (1.0 + np.tanh(0.5 * gate))
+    gate *= up

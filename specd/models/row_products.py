@@ -29,6 +29,12 @@ def compiled() -> bool:
     return _row_kernels is not None
 
 
+def layer_kernels():
+    """The compiled module, whose attention, rms_norm, rope and swiglu serve
+    specd.models.host_llama; None where it was not built."""
+    return _row_kernels
+
+
 def row_products(weight: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """rows [n, in] @ weight[out, in].T -> [n, out] float32; weight C-contiguous, float32 (or
     float16 with the compiled kernels)."""
