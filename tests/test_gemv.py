@@ -344,3 +344,104 @@ def test_half_weights_decode_as_float32_weights_do(half_exact_dir):
             out += decode(target, session, steps).committed
         outputs.append(out)
     assert len(outputs[0]) > 40 and outputs[0] == outputs[1]
+
+
+def _kernels():
+    from specd.models.row_products import layer_kernels
+
+    kernels = layer_kernels()
+    assert kernels is not None, "the compiled kernels were not built"
+    return kernels
+
+
+def _attention_reference(q, nk, nv, k, v, past, sees):
+    heads, tokens, dim = q.shape
+    group = heads // nk.shape[0]
+    out = np.empty((tokens, heads * dim))
+    for h in range(heads):
+        g = h // group
+        for t in range(tokens):
+            scores = np.concatenate([k[g, :past] @ q[h, t], nk[g] @ q[h, t]]).astype(np.float64)
+            scores[past:][~sees[t]] = -np.inf
+            p = np.exp(scores - scores.max())
+            p /= p.sum()
+            out[t, h * dim : (h + 1) * dim] = p[:past] @ v[g, :past] + p[past:] @ nv[g]
+    return out
+
+
+@pytest.mark.parametrize("past", [0, 1, 7, 300])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_compiled_attention_equals_softmax_attention(past, tokens):
+    rng = np.random.default_rng(past * 10 + tokens)
+    heads, groups, dim, capacity = 6, 2, 16, 320
+    q = rng.standard_normal((heads, tokens, dim), dtype=np.float32)
+    nk, nv = (rng.standard_normal((groups, tokens, dim), dtype=np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((groups, capacity, dim), dtype=np.float32) for _ in range(2))
+    sees = np.tri(tokens, dtype=bool)
+    sees[-1, 0] = tokens < 3  # a tree's mask: not always all earlier tokens
+    out = np.empty((tokens, heads * dim), np.float32)
+    _kernels().attention(q, nk, nv, k, v, past, sees, out)
+    want = _attention_reference(q, nk, nv, k, v, past, sees)
+    assert np.allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_layer_parts_refuse_bad_shapes():
+    kernels = _kernels()
+    f32 = np.float32
+    q, kv = np.ones((4, 1, 12), f32), np.ones((2, 1, 12), f32)
+    cache = np.ones((2, 5, 12), f32)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        kernels.attention(q, kv, kv, cache, cache, 3, np.ones((1, 1), bool), np.ones((1, 48), f32))
+    q, kv, cache = np.ones((4, 1, 8), f32), np.ones((2, 1, 8), f32), np.ones((2, 5, 8), f32)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        kernels.attention(q, kv, kv, cache, cache, 6, np.ones((1, 1), bool), np.ones((1, 32), f32))
+    with pytest.raises(ValueError, match="bool"):
+        kernels.attention(q, kv, kv, cache, cache, 3, np.ones((1, 1), f32), np.ones((1, 32), f32))
+    with pytest.raises(ValueError, match="shapes do not match"):
+        kernels.rms_norm(np.ones((2, 8), f32), np.ones(7, f32), 1e-5, np.ones((2, 8), f32))
+    with pytest.raises(ValueError, match="float32"):
+        kernels.rms_norm(np.ones((2, 8)), np.ones(8, f32), 1e-5, np.ones((2, 8), f32))
+    with pytest.raises(ValueError, match="shapes do not match"):
+        kernels.swiglu(np.ones((2, 8), f32), np.ones((2, 7), f32))
+    with pytest.raises(ValueError, match="shapes do not match"):
+        kernels.rope(
+            np.ones((2, 16), f32),
+            np.ones((2, 5), f32),
+            np.ones((2, 5), f32),
+            False,
+            np.ones((2, 2, 8), f32),
+        )
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+def test_compiled_rope_turns_feature_pairs(traditional):
+    rng = np.random.default_rng(int(traditional))
+    tokens, heads, dim, dims = 3, 2, 8, 6  # the last two features are not turned
+    x = rng.standard_normal((tokens, heads * dim), dtype=np.float32)
+    angles = rng.uniform(0, 6, (tokens, dims // 2)).astype(np.float32)
+    cos, sin = np.cos(angles), np.sin(angles)
+    out = np.empty((heads, tokens, dim), np.float32)
+    _kernels().rope(x, cos, sin, traditional, out)
+    want = x.reshape(tokens, heads, dim).transpose(1, 0, 2).copy()
+    first = np.arange(0, dims, 2) if traditional else np.arange(dims // 2)
+    second = first + (1 if traditional else dims // 2)
+    a, b = want[..., first].copy(), want[..., second].copy()
+    want[..., first], want[..., second] = a * cos - b * sin, a * sin + b * cos
+    assert np.allclose(out, want, atol=1e-6)
+
+
+def test_compiled_norm_and_swiglu():
+    kernels = _kernels()
+    rng = np.random.default_rng(5)
+    h = rng.standard_normal((3, 40), dtype=np.float32)
+    weight = rng.standard_normal(40, dtype=np.float32)
+    out = np.empty_like(h)
+    kernels.rms_norm(h, weight, 1e-5, out)
+    want = h / np.sqrt(np.mean(h.astype(np.float64) ** 2, -1, keepdims=True) + 1e-5) * weight
+    assert np.allclose(out, want, rtol=1e-5, atol=1e-6)
+    gate = np.array([[-200.0, -90.0, -20.0, -1.0, 0.0, 0.5, 3.0, 30.0, 100.0]], np.float32)
+    up = np.full_like(gate, 2.0)
+    want = gate.astype(np.float64) / (1 + np.exp(-gate.astype(np.float64))) * 2.0
+    kernels.swiglu(gate, up)
+    assert np.isfinite(gate).all()
+    assert np.allclose(gate, want, rtol=1e-6, atol=1e-30)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from tiny import make_tiny_model_dir
 
+from specd.models import host_llama
 from specd.models.host_llama import ROPE_BLOCK, HostLlama
 from specd.models.load import load_target
 from verifier_svc.engine import Target, _rollback, decode, prefill, verify_tree
@@ -24,6 +25,17 @@ VARIANTS = {
         }
     },
 }
+
+
+@pytest.fixture(autouse=True, params=["compiled", "numpy"])
+def layer_parts(request, monkeypatch):
+    """Every test twice: the layers' attention, norms, RoPE and SwiGLU in the compiled
+    kernels, and in numpy (as where no C compiler built them)."""
+    if request.param == "numpy":
+        monkeypatch.setattr(host_llama, "layer_kernels", lambda: None)
+    elif host_llama.layer_kernels() is None:
+        pytest.fail("the compiled kernels were not built")
+    return request.param
 
 
 def _pair(path):
