@@ -30,7 +30,7 @@ from drafter_svc.server import make_proposer
 from specd.datasets import load_questions
 from specd.models.load import load_target
 from specd.prompts import encode_chat
-from verifier_svc.engine import Target
+from verifier_svc.engine import Target, half_weights_pay
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome, and explain it.",
@@ -83,7 +83,9 @@ def main() -> None:
         prompts = [q.turns[0] for q in load_questions(args.questions)[:: args.every]]
     loaded = load_target(None, "float32")
     proposer = make_proposer(DrafterConfig(**drafter_options(args.kind, weights=args.weights)))
-    verifier = LocalVerifier(Target(load_target(None, "float32")))
+    verifier = LocalVerifier(
+        Target(load_target(None, "float32", half_weights=half_weights_pay("float32", None)))
+    )
     drafter = LocalDrafter(proposer)
     eos = set(loaded.identity.eos_token_ids)
     hits, positions, rounds, accepted, identical = 0.0, 0, 0, 0, True

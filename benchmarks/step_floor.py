@@ -74,7 +74,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     targets = [
-        Target(load_target(args.model, args.dtype), rows, storage == "half")
+        Target(load_target(args.model, args.dtype, half_weights=storage == "half"), rows)
         for rows in args.gemv_rows
         for storage in (args.weights if rows != 0 else ["float32"])
     ]

@@ -20,7 +20,7 @@ from drafter_svc.ngram import NgramConfig, NgramProposer
 from specd.datasets import load_questions
 from specd.models.load import load_target
 from specd.prompts import encode_chat
-from verifier_svc.engine import Target
+from verifier_svc.engine import Target, half_weights_pay
 
 
 async def generate(verifier, drafter, prompt, plan):
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
 
-    target = Target(load_target(None, "auto"))
+    target = Target(load_target(None, "auto", half_weights=half_weights_pay("auto", None)))
     prompts = []
     for spec in args.questions:
         questions = load_questions(spec)

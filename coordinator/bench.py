@@ -62,6 +62,11 @@ def add_bench_args(p) -> None:
         metavar="N",
         help="the verifier's --gemv-rows (default: its own); plain mlx-lm is never changed",
     )
+    p.add_argument(
+        "--float32-weights",
+        action="store_true",
+        help="the verifier's --float32-weights (and the in-process loop's)",
+    )
     p.add_argument("--limit", type=int_between(1), help="first N questions only")
     p.add_argument("--categories", help="comma-separated categories to keep")
     p.add_argument(
@@ -260,10 +265,13 @@ def in_process_runner(args, name: str):
     from drafter_svc.server import make_proposer
     from specd.models.load import load_target
     from specd.v1 import common_pb2
-    from verifier_svc.engine import Target
+    from verifier_svc.engine import Target, half_weights_pay
 
-    # its own copy of the model: the baseline's stays free of the capture wrappers
-    verifier = LocalVerifier(Target(load_target(args.target, args.dtype), args.gemv_rows))
+    # its own copy of the model: the baseline's stays free of the capture wrappers; its weights
+    # kept as the verifier service keeps them
+    half = not args.float32_weights and half_weights_pay(args.dtype, args.gemv_rows)
+    loaded = load_target(args.target, args.dtype, half_weights=half)
+    verifier = LocalVerifier(Target(loaded, args.gemv_rows))
     drafter = None
     if bench_kind(name) is not None:
         options = drafter_options(bench_kind(name), **_variant_options(args, name))
@@ -382,6 +390,7 @@ def run_bench(args) -> int:
                     drafter=bench_kind(d),
                     dtype=args.dtype,
                     gemv_rows=args.gemv_rows,
+                    float32_weights=args.float32_weights,
                     drafter_args=_drafter_args(args, d),
                     coordinator_args=([] if args.adaptive else ["--no-adaptive"])
                     + (["--overlap-drafting"] if args.overlap else [])

@@ -69,7 +69,10 @@ def run_demo(args) -> int:
     plain_decode(target.model, prompt_ids, 4, eos)  # warm up, as the verifier did
     base = plain_decode(target.model, prompt_ids, args.max_tokens, eos)
     s = spec.stats
-    weights = sum(v.nbytes for _, v in tree_flatten(target.model.parameters()))
+    # what the verifier holds (float16 where that is exact); older verifiers do not say
+    weights = info.verifier.weight_bytes or sum(
+        v.nbytes for _, v in tree_flatten(target.model.parameters())
+    )
     model = info.verifier.model
     kv_heads = target.model.args.num_key_value_heads
     head_dim = model.hidden_size // target.model.args.num_attention_heads

@@ -442,6 +442,7 @@ def _up(args) -> int:
         drafter=drafter,
         dtype=args.dtype,
         gemv_rows=args.gemv_rows,
+        float32_weights=args.float32_weights,
         host=args.host,
         ports={
             "verifier": args.verifier_port,
@@ -563,6 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--drafter", default="ngram", choices=["ngram", "eagle3", "dflash", "none"])
     up.add_argument("--dtype", default="auto")
     up.add_argument("--gemv-rows", type=int_between(0), metavar="N", help=GEMV_HELP)
+    up.add_argument("--float32-weights", action="store_true", help=FLOAT32_WEIGHTS_HELP)
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument(
         "--port", type=port, default=DEFAULT_PORTS["coordinator"], help="coordinator port"

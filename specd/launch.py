@@ -130,6 +130,7 @@ class Stack:
     drafter: str | None = "ngram"  # None: no drafter, the coordinator runs verify-only rounds
     dtype: str = "auto"
     gemv_rows: int | None = None  # None: the verifier's default
+    float32_weights: bool = False  # the verifier's --float32-weights
     host: str = "127.0.0.1"
     ports: dict[str, int] = field(default_factory=dict)
     verifier_args: list[str] = field(default_factory=list)
@@ -148,6 +149,8 @@ class Stack:
             verifier_flags = ["--model", self.target] if self.target else []
             if self.gemv_rows is not None:
                 verifier_flags += ["--gemv-rows", str(self.gemv_rows)]
+            if self.float32_weights:
+                verifier_flags.append("--float32-weights")
             self._spawn("verifier", [*verifier_flags, "--dtype", self.dtype, *self.verifier_args])
             if self.drafter:
                 model_drafter = self.drafter != "ngram" and self.target

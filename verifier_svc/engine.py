@@ -10,19 +10,20 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from specd.models.capture import install_capture, install_tree_positions
 from specd.models.gemv import (
     check_max_rows,
     default_max_rows,
-    half_weight_count,
     set_max_rows,
     use_gemv,
 )
+from specd.models.half import stored_half
 from specd.models.host_llama import DEFAULT_MAX_ROWS as HOST_MAX_ROWS
 from specd.models.host_llama import HostLlama
-from specd.models.load import LoadedTarget, device_kind
+from specd.models.load import LoadedTarget, device_kind, resolve_dtype
 from specd.models.row_products import compiled as row_kernels_compiled
 from specd.platform import limit_numpy_blas_threads
 from verifier_svc.accept import accept_greedy
@@ -40,17 +41,26 @@ GREEDY = SamplingConfig()
 PREFILL_CHUNK = 2048  # mlx-lm's prefill step: same chunks, same numerics as plain decoding
 
 
+def half_weights_pay(dtype: str, gemv_rows: int | None) -> bool:
+    """Whether to load a target keeping its exactly-half weights as float16: where the
+    compiled products will read them (float32 on the CPU, numpy forwards on). Elsewhere MLX
+    would convert them at every product."""
+    return (
+        row_kernels_compiled()
+        and device_kind() == "cpu"
+        and resolve_dtype(dtype) == "float32"
+        and gemv_rows != 0
+    )
+
+
 class Target:
     """An mlx-lm model whose forward can also return chosen decoder-layer outputs."""
 
-    def __init__(
-        self, loaded: LoadedTarget, gemv_rows: int | None = None, half_weights: bool = True
-    ):
+    def __init__(self, loaded: LoadedTarget, gemv_rows: int | None = None):
         """gemv_rows: forwards of at most this many tokens run on numpy: whole layers for
         Llama-family models (specd.models.host_llama), else the weight products alone
         (specd.models.gemv); None: the default for the device, dtype and architecture.
-        half_weights: with those products, keep weights that float16 holds exactly as float16
-        (half the bytes each step reads; the same outputs)."""
+        Weights the target was loaded keeping as float16 (`half_weights_pay`) are read so."""
         self.loaded = loaded
         self.model = loaded.model
         device = device_kind()
@@ -60,14 +70,15 @@ class Target:
             if gemv_rows and HostLlama.supports(self.model):
                 gemv_rows = HOST_MAX_ROWS
         check_max_rows(gemv_rows, device, loaded.dtype)
-        if use_gemv(self.model, gemv_rows, half_weights) and row_kernels_compiled():
+        if use_gemv(self.model, gemv_rows) and row_kernels_compiled():
             limit_numpy_blas_threads(1)  # see specd.models.row_products
         self._host = HostLlama.attach(self.model) if gemv_rows else None
         if self._host is None and gemv_rows == HOST_MAX_ROWS > products_rows:
             gemv_rows = set_max_rows(self.model, products_rows)  # the default it could not use
         self.gemv_rows = gemv_rows
         products = "compiled products" if row_kernels_compiled() else "numpy's products"
-        self.half_weights = half_weight_count(self.model)
+        self.half_weights = stored_half(self.model)
+        self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         stored = f", {self.half_weights} weights stored float16" if self.half_weights else ""
         self.numpy_part = (
             f"{'whole layers' if self._host else 'weight products'}, {products}{stored}"

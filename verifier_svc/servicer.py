@@ -28,6 +28,7 @@ from verifier_svc.engine import (
     Target,
     TreeUnsupported,
     decode,
+    half_weights_pay,
     prefill,
     verify,
     verify_tree,
@@ -92,8 +93,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.target = await self.mlx.run(self._load_and_warm)
 
     def _load_and_warm(self) -> Target:
-        loaded = load_target(self.config.model, self.config.dtype, self.config.cache_dir)
-        target = Target(loaded, self.config.gemv_rows, self.config.half_weights)
+        half = self.config.half_weights and half_weights_pay(
+            self.config.dtype, self.config.gemv_rows
+        )
+        loaded = load_target(self.config.model, self.config.dtype, self.config.cache_dir, half)
+        target = Target(loaded, self.config.gemv_rows)
         verify(target, prefill(target, [0, 1, 2]).session, [3, 4])  # compile kernels now
         return target
 
@@ -126,6 +130,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             max_draft_tokens=self.config.max_draft_tokens,
             process=process_stats(len(self.sessions)),
             version=__version__,
+            weight_bytes=target.weight_bytes,
         )
 
     @rpc

@@ -9,11 +9,8 @@ rest of the graph stays in MLX, and each product makes MLX evaluate its input fi
 why this pays only for a few rows; specd.models.host_llama runs whole Llama-family forwards
 on these products instead.
 
-Weights stored as float16 when that loses nothing: a model dequantized from a 4-bit or half
-checkpoint (the embedded SmolLM2 among them) has only float16 values, so its float32 copy
-doubles the bytes every decode step reads. The compiled products convert them as they read
-and sum in float32 (same weights, same products up to summation order); MLX's own forwards
-promote them to float32 at each product.
+Weights kept as float16 (specd.models.half) are read as such: the compiled products convert
+them as they read and sum in float32.
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from specd.models.half import HalfEmbedding, HalfLinear
 from specd.models.row_products import compiled, row_products
 
 DEFAULT_MAX_ROWS = 3  # products alone, MLX around them: 1-3 rows faster than MLX's sgemm here
@@ -66,34 +64,26 @@ class GemvWeights:
         return out
 
 
-def _float32_weight(module: nn.Module) -> mx.array:
-    """The weight as MLX's float32 products read it: a half-stored one converted first, then
-    transposed, so MLX makes the same BLAS call, bit for bit, as with a float32 copy."""
-    weight = module["weight"]
-    return weight.astype(mx.float32) if weight.dtype == mx.float16 else weight
-
-
-class GemvLinear(nn.Linear):
+class GemvLinear(HalfLinear):
     def __call__(self, x: mx.array) -> mx.array:
         if self._gemv.wanted(x):
             return self._gemv.products(x)
-        if "bias" in self:
-            return mx.addmm(self["bias"], x, _float32_weight(self).T)
-        return x @ _float32_weight(self).T
+        return super().__call__(x)
 
 
-class GemvEmbedding(nn.Embedding):
-    def __call__(self, x: mx.array) -> mx.array:
-        rows = self.weight[x]
-        return rows.astype(mx.float32) if rows.dtype == mx.float16 else rows
-
+class GemvEmbedding(HalfEmbedding):
     def as_linear(self, x: mx.array) -> mx.array:  # tied output heads
         if self._gemv.wanted(x):
             return self._gemv.products(x)
-        return x @ _float32_weight(self).T
+        return super().as_linear(x)
 
 
-_SWAPS = {nn.Linear: GemvLinear, nn.Embedding: GemvEmbedding}
+_SWAPS = {
+    nn.Linear: GemvLinear,
+    HalfLinear: GemvLinear,
+    nn.Embedding: GemvEmbedding,
+    HalfEmbedding: GemvEmbedding,
+}
 
 
 def float32_view(array: mx.array) -> np.ndarray | None:
@@ -104,7 +94,7 @@ def float32_view(array: mx.array) -> np.ndarray | None:
 
 
 def _weight_view(array: mx.array) -> np.ndarray | None:
-    """A float32 view, or a float16 one of weights stored half (the compiled products read
+    """A float32 view, or a float16 one of a weight kept half (the compiled products read
     both)."""
     if array.dtype == mx.float16 and compiled():
         view = np.asarray(array)
@@ -112,50 +102,28 @@ def _weight_view(array: mx.array) -> np.ndarray | None:
     return float32_view(array)
 
 
-def exactly_half(weight: mx.array) -> mx.array | None:
-    """float32 `weight` as float16 if every value survives the trip, else None."""
-    if weight.dtype != mx.float32:
-        return None
-    half = weight.astype(mx.float16)
-    return half if mx.array_equal(half.astype(mx.float32), weight).item() else None
-
-
-def use_gemv(model: nn.Module, max_rows: int, half_weights: bool = False) -> int:
+def use_gemv(model: nn.Module, max_rows: int) -> int:
     """Route products of at most `max_rows` rows in `model`'s float32 Linears (and tied
-    embedding heads) to numpy; the weights must not be replaced afterwards. With
-    `half_weights` (and the compiled products), weights that float16 holds exactly are stored
-    so, in place of the float32 copy. Returns how many modules were switched."""
+    embedding heads, and those keeping float16 weights: specd.models.half) to numpy; the
+    weights must not be replaced afterwards. Returns how many modules were switched."""
     if max_rows <= 0:
         return 0
     switched = 0
     for _, module in model.named_modules():
         swap = _SWAPS.get(type(module))
-        if swap is None or module.weight.dtype != mx.float32:
+        if swap is None:
             continue
+        if module.weight.dtype != mx.float32 and type(module) not in (HalfLinear, HalfEmbedding):
+            continue  # a model computing in half precision: MLX's
+        weight = _weight_view(module.weight)
         bias = module.get("bias")
         bias_view = None if bias is None else float32_view(bias)
-        if bias is not None and bias_view is None:
-            continue
-        half = exactly_half(module.weight) if half_weights and compiled() else None
-        if half is not None:
-            mx.eval(half)
-            module.weight = half  # the float32 copy is freed here
-        weight = _weight_view(module.weight)
-        if weight is None:
+        if weight is None or (bias is not None and bias_view is None):
             continue
         module._gemv = GemvWeights(weight, bias_view, max_rows)
         module.__class__ = swap
         switched += 1
     return switched
-
-
-def half_weight_count(model: nn.Module) -> int:
-    """How many switched modules keep their weight as float16."""
-    return sum(
-        1
-        for _, module in model.named_modules()
-        if isinstance(module, (GemvLinear, GemvEmbedding)) and module.weight.dtype == mx.float16
-    )
 
 
 def set_max_rows(model: nn.Module, max_rows: int) -> int:

@@ -11,6 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from specd.models.half import store_half, stored_half_module
+
 DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
 _FLOAT = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # Files a coordinator needs to tokenize and detokenize without the weights.
@@ -76,11 +78,14 @@ def _float_module(module: nn.Module, dtype: mx.Dtype) -> nn.Module:
     return new
 
 
-def convert_dtype(model: nn.Module, dtype: str) -> None:
+def convert_dtype(model: nn.Module, dtype: str, half_weights: bool = False) -> None:
     """Dequantize and cast in place, one module at a time so that the quantized and the
-    float copy of the whole model never sit in memory together; `native` keeps the weights."""
+    float copy of the whole model never sit in memory together; `native` keeps the weights.
+    half_weights (float32 only): Linear and Embedding weights that float16 holds exactly are
+    kept so (specd.models.half), each as it is made, so no full float32 copy is ever held."""
     if dtype != "native":
         target = _FLOAT[dtype]
+        half = half_weights and target == mx.float32
         # largest first: its dequantize temporaries then meet an almost empty memory
         sizes = {
             name: m.weight.size
@@ -92,9 +97,20 @@ def convert_dtype(model: nn.Module, dtype: str) -> None:
         for name in quantized:  # by name, so no list keeps replaced modules alive
             new = _float_module(modules.pop(name), target)
             mx.eval(new.parameters())
+            if half:
+                store_half(new)
             model.update_modules(tree_unflatten([(name, new)]))
-        # cast only what differs: astype to the same dtype would still copy
-        model.set_dtype(target, predicate=lambda x: mx.issubdtype(x, mx.floating) and x != target)
+        kept = {id(m.weight) for _, m in model.named_modules() if stored_half_module(m)}
+
+        def cast(x: mx.array) -> mx.array:
+            # only what differs (astype to the same dtype would still copy), not kept halves
+            floating = mx.issubdtype(x.dtype, mx.floating)
+            return x.astype(target) if floating and x.dtype != target and id(x) not in kept else x
+
+        model.apply(cast)
+        if half:  # weights that were stored unquantized
+            for _, module in model.named_modules():
+                store_half(module)
     mx.eval(model.parameters())
 
 
@@ -112,8 +128,14 @@ def _text_config(config: dict) -> dict:
     return config.get("text_config", config)
 
 
-def load_target(spec: str | None, dtype: str = "auto", cache_dir: Path | None = None):
-    """Load model + tokenizer from a model spec (see `resolve_model`)."""
+def load_target(
+    spec: str | None,
+    dtype: str = "auto",
+    cache_dir: Path | None = None,
+    half_weights: bool = False,
+):
+    """Load model + tokenizer from a model spec (see `resolve_model`); half_weights: see
+    `convert_dtype`."""
     from mlx_lm import load
 
     from specd.models.resolve import resolve_model
@@ -121,7 +143,7 @@ def load_target(spec: str | None, dtype: str = "auto", cache_dir: Path | None = 
     path = resolve_model(spec, cache_dir)
     model, tokenizer = load(str(path), lazy=True)  # weights arrive as convert_dtype needs them
     dtype = resolve_dtype(dtype)
-    convert_dtype(model, dtype)
+    convert_dtype(model, dtype, half_weights)
     config = _text_config(json.loads((path / "config.json").read_text()))
     identity = Identity(
         name=spec or path.name,

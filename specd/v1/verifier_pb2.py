@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specd.v1 import common_pb2 as specd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specd/v1/verifier.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"\xd4\x01\n\x0cVerifierInfo\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.specd.v1.ModelIdentity\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x14\n\x0cmax_sessions\x18\x04 \x01(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\x18\n\x10max_draft_tokens\x18\x06 \x01(\x05\x12\'\n\x07process\x18\x07 \x01(\x0b\x32\x16.specd.v1.ProcessStats\x12\x0f\n\x07version\x18\x08 \x01(\t\"r\n\x0eTokenizerFiles\x12\x32\n\x05\x66iles\x18\x01 \x03(\x0b\x32#.specd.v1.TokenizerFiles.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"\x80\x01\n\x12OpenSessionRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x16\n\x0e\x63\x61pture_layers\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x12\n\nrows_dtype\x18\x04 \x01(\t\"\x9c\x01\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12%\n\x0bhidden_rows\x18\x04 \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x10\n\x08position\x18\x05 \x01(\x05\x12\x11\n\tcompute_s\x18\x06 \x01(\x01\"\x9b\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x11\n\tdraft_ids\x18\x03 \x03(\x05\x12%\n\x0b\x64raft_probs\x18\x04 \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x15\n\rdraft_parents\x18\x05 \x03(\x05\x12\x13\n\x0bplain_steps\x18\x06 \x01(\x05\"\x9b\x01\n\x0eVerifyResponse\x12\x15\n\rcommitted_ids\x18\x01 \x03(\x05\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12%\n\x0bhidden_rows\x18\x04 \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x10\n\x08position\x18\x05 \x01(\x05\x12\x11\n\tcompute_s\x18\x06 \x01(\x01\x32\xa4\x03\n\x08Verifier\x12\x38\n\x07GetInfo\x12\x15.specd.v1.InfoRequest\x1a\x16.specd.v1.VerifierInfo\x12?\n\x0cGetTokenizer\x12\x15.specd.v1.InfoRequest\x1a\x18.specd.v1.TokenizerFiles\x12J\n\x0bOpenSession\x12\x1c.specd.v1.OpenSessionRequest\x1a\x1d.specd.v1.OpenSessionResponse\x12;\n\x06Verify\x12\x17.specd.v1.VerifyRequest\x1a\x18.specd.v1.VerifyResponse\x12\x45\n\x0cVerifyStream\x12\x17.specd.v1.VerifyRequest\x1a\x18.specd.v1.VerifyResponse(\x01\x30\x01\x12M\n\x0c\x43loseSession\x12\x1d.specd.v1.CloseSessionRequest\x1a\x1e.specd.v1.CloseSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specd/v1/verifier.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"\xea\x01\n\x0cVerifierInfo\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.specd.v1.ModelIdentity\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x14\n\x0cmax_sessions\x18\x04 \x01(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\x05\x12\x18\n\x10max_draft_tokens\x18\x06 \x01(\x05\x12\'\n\x07process\x18\x07 \x01(\x0b\x32\x16.specd.v1.ProcessStats\x12\x0f\n\x07version\x18\x08 \x01(\t\x12\x14\n\x0cweight_bytes\x18\t \x01(\x03\"r\n\x0eTokenizerFiles\x12\x32\n\x05\x66iles\x18\x01 \x03(\x0b\x32#.specd.v1.TokenizerFiles.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"\x80\x01\n\x12OpenSessionRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x16\n\x0e\x63\x61pture_layers\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x12\n\nrows_dtype\x18\x04 \x01(\t\"\x9c\x01\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12%\n\x0bhidden_rows\x18\x04 \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x10\n\x08position\x18\x05 \x01(\x05\x12\x11\n\tcompute_s\x18\x06 \x01(\x01\"\x9b\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x11\n\tdraft_ids\x18\x03 \x03(\x05\x12%\n\x0b\x64raft_probs\x18\x04 \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x15\n\rdraft_parents\x18\x05 \x03(\x05\x12\x13\n\x0bplain_steps\x18\x06 \x01(\x05\"\x9b\x01\n\x0eVerifyResponse\x12\x15\n\rcommitted_ids\x18\x01 \x03(\x05\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12%\n\x0bhidden_rows\x18\x04 \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x10\n\x08position\x18\x05 \x01(\x05\x12\x11\n\tcompute_s\x18\x06 \x01(\x01\x32\xa4\x03\n\x08Verifier\x12\x38\n\x07GetInfo\x12\x15.specd.v1.InfoRequest\x1a\x16.specd.v1.VerifierInfo\x12?\n\x0cGetTokenizer\x12\x15.specd.v1.InfoRequest\x1a\x18.specd.v1.TokenizerFiles\x12J\n\x0bOpenSession\x12\x1c.specd.v1.OpenSessionRequest\x1a\x1d.specd.v1.OpenSessionResponse\x12;\n\x06Verify\x12\x17.specd.v1.VerifyRequest\x1a\x18.specd.v1.VerifyResponse\x12\x45\n\x0cVerifyStream\x12\x17.specd.v1.VerifyRequest\x1a\x18.specd.v1.VerifyResponse(\x01\x30\x01\x12M\n\x0c\x43loseSession\x12\x1d.specd.v1.CloseSessionRequest\x1a\x1e.specd.v1.CloseSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIZERFILES_FILESENTRY']._loaded_options = None
   _globals['_TOKENIZERFILES_FILESENTRY']._serialized_options = b'8\001'
   _globals['_VERIFIERINFO']._serialized_start=61
-  _globals['_VERIFIERINFO']._serialized_end=273
-  _globals['_TOKENIZERFILES']._serialized_start=275
-  _globals['_TOKENIZERFILES']._serialized_end=389
-  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_start=345
-  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_end=389
-  _globals['_OPENSESSIONREQUEST']._serialized_start=392
-  _globals['_OPENSESSIONREQUEST']._serialized_end=520
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=523
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=679
-  _globals['_VERIFYREQUEST']._serialized_start=682
-  _globals['_VERIFYREQUEST']._serialized_end=837
-  _globals['_VERIFYRESPONSE']._serialized_start=840
-  _globals['_VERIFYRESPONSE']._serialized_end=995
-  _globals['_VERIFIER']._serialized_start=998
-  _globals['_VERIFIER']._serialized_end=1418
+  _globals['_VERIFIERINFO']._serialized_end=295
+  _globals['_TOKENIZERFILES']._serialized_start=297
+  _globals['_TOKENIZERFILES']._serialized_end=411
+  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_start=367
+  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_end=411
+  _globals['_OPENSESSIONREQUEST']._serialized_start=414
+  _globals['_OPENSESSIONREQUEST']._serialized_end=542
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=545
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=701
+  _globals['_VERIFYREQUEST']._serialized_start=704
+  _globals['_VERIFYREQUEST']._serialized_end=859
+  _globals['_VERIFYRESPONSE']._serialized_start=862
+  _globals['_VERIFYRESPONSE']._serialized_end=1017
+  _globals['_VERIFIER']._serialized_start=1020
+  _globals['_VERIFIER']._serialized_end=1440
 # @@protoc_insertion_point(module_scope)

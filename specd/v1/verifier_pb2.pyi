@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model", "dtype", "device", "max_sessions", "max_context", "max_draft_tokens", "process", "version")
+    __slots__ = ("model", "dtype", "device", "max_sessions", "max_context", "max_draft_tokens", "process", "version", "weight_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class VerifierInfo(_message.Message):
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROCESS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelIdentity
     dtype: str
     device: str
@@ -25,7 +26,8 @@ class VerifierInfo(_message.Message):
     max_draft_tokens: int
     process: _common_pb2.ProcessStats
     version: str
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelIdentity, _Mapping]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_sessions: _Optional[int] = ..., max_context: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., process: _Optional[_Union[_common_pb2.ProcessStats, _Mapping]] = ..., version: _Optional[str] = ...) -> None: ...
+    weight_bytes: int
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelIdentity, _Mapping]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_sessions: _Optional[int] = ..., max_context: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., process: _Optional[_Union[_common_pb2.ProcessStats, _Mapping]] = ..., version: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
 
 class TokenizerFiles(_message.Message):
     __slots__ = ("files",)

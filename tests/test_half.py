@@ -1,0 +1,123 @@
+"""float32 targets whose weights float16 holds exactly, kept as float16 (specd.models.half)."""
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm import load as mlx_load
+from tiny import make_tiny_model_dir
+
+from specd.models.half import HalfEmbedding, HalfLinear, stored_half
+from specd.models.load import load_target
+from verifier_svc.engine import Target, decode, half_weights_pay, prefill
+
+PROMPT = [3, 40, 41, 42, 43, 40, 41, 42, 50, 60, 70]
+
+
+@pytest.fixture(scope="module")
+def quantized_dir(tmp_path_factory):
+    """A 4-bit tiny target, as the embedded model is: every dequantized weight is a float16."""
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("q4") / "model")
+    model, _ = mlx_load(str(path))
+    model.set_dtype(mx.float16)  # half scales and biases, as GGUF's
+    nn.quantize(model, group_size=32, bits=4)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": 4}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _weight_bytes(model) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def test_a_dequantized_target_keeps_its_weights_half(quantized_dir):
+    half = load_target(str(quantized_dir), "float32", half_weights=True)
+    full = load_target(str(quantized_dir), "float32")
+    products = [
+        m for _, m in half.model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))
+    ]
+    assert products and all(type(m) in (HalfLinear, HalfEmbedding) for m in products)
+    assert stored_half(half.model) == len(products) and stored_half(full.model) == 0
+    assert all(m.weight.dtype == mx.float16 for m in products)
+    norms = [v for k, v in tree_flatten(half.model.parameters()) if "norm" in k]
+    assert norms and all(v.dtype == mx.float32 for v in norms)
+    assert _weight_bytes(half.model) < 0.6 * _weight_bytes(full.model)
+    # MLX's forward with them is the float32 one, bit for bit
+    ids = mx.array([PROMPT])
+    assert np.array_equal(np.array(half.model(ids)), np.array(full.model(ids)))
+
+
+def test_weights_float16_cannot_hold_stay_float32(tiny_model_dir):
+    loaded = load_target(str(tiny_model_dir), "float32", half_weights=True)
+    assert stored_half(loaded.model) == 0
+    assert all(v.dtype == mx.float32 for _, v in tree_flatten(loaded.model.parameters()))
+
+
+def test_half_weights_only_for_float32_targets(quantized_dir):
+    loaded = load_target(str(quantized_dir), "float16", half_weights=True)
+    assert stored_half(loaded.model) == 0  # a float16 model is not a float32 one kept half
+    assert half_weights_pay("float32", None) and half_weights_pay("auto", 16)
+    assert not half_weights_pay("float32", 0) and not half_weights_pay("float16", None)
+
+
+def test_a_half_weight_target_decodes_as_float32_mlx_does(quantized_dir):
+    half = Target(load_target(str(quantized_dir), "float32", half_weights=True))
+    plain = Target(load_target(str(quantized_dir), "float32"), gemv_rows=0)
+    assert half.half_weights and half._host is not None and "stored float16" in half.numpy_part
+    outputs = []
+    for target in (plain, half):
+        result = prefill(target, PROMPT)
+        session, out = result.session, [result.first_token]
+        for steps in [1, 3, 8, 2, 16, 16]:
+            out += decode(target, session, steps).committed
+        outputs.append(out)
+    assert len(outputs[0]) > 40 and outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("float32_weights", [False, True])
+def test_the_verifier_service_says_what_it_holds_and_decodes_the_same(
+    quantized_dir, tmp_path, float32_weights
+):
+    """Through real services: greedy output equals plain MLX decoding either way; the
+    verifier reports the weight bytes it holds (half of them with float16 weights)."""
+    import grpc
+
+    from coordinator.bench import plain_decode
+    from specd.client import CoordinatorClient, make_request
+    from specd.launch import Stack
+    from specd.v1 import common_pb2, verifier_pb2_grpc
+
+    plain = load_target(str(quantized_dir), "float32")
+    prompt = [5, 40, 41, 42, 43, 40, 41, 42]
+    want = plain_decode(plain.model, prompt, 48, set(plain.identity.eos_token_ids)).token_ids
+    with Stack(
+        target=str(quantized_dir),
+        drafter="ngram",
+        float32_weights=float32_weights,
+        startup_timeout_s=120,
+        log_dir=tmp_path,
+    ) as stack:
+        with grpc.insecure_channel(stack.services["verifier"].address) as channel:
+            info = verifier_pb2_grpc.VerifierStub(channel).GetInfo(common_pb2.InfoRequest())
+        client = CoordinatorClient(stack.coordinator)
+        got = client.generate(make_request(prompt_ids=prompt, max_tokens=48)).token_ids
+        client.close()
+    full = _weight_bytes(plain.model)
+    assert info.weight_bytes == (full if float32_weights else full - _half_saving(plain.model))
+    assert got == want
+    log = (tmp_path / "verifier.log").read_text()
+    assert ("stored float16" in log) != float32_weights
+
+
+def _half_saving(model) -> int:
+    """Bytes float16 saves on the Linear and Embedding weights of a float32 model."""
+    return sum(
+        m.weight.nbytes // 2
+        for _, m in model.named_modules()
+        if isinstance(m, (nn.Linear, nn.Embedding))
+    )
