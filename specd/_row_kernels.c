@@ -11,6 +11,8 @@
  * first, kept one per calling thread, and two on two cores made every forward slower. Its
  * workers spin briefly between products and then sleep, so they do not hold a core that
  * the other services need between two forwards.
+ * The rest of a few-token layer of specd.models.host_llama is here too (attention over the KV
+ * cache, RMSNorm, RoPE, SwiGLU), one call each, on the calling thread.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

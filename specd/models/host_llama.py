@@ -3,11 +3,12 @@
 With its weight products on numpy's gemv (specd.models.gemv), a one-token forward of
 SmolLM2-135M still spent ~37 of its ~89 ms waiting on MLX: every product makes MLX evaluate
 its input, ~4 small graphs per layer at ~35-170 us each. The rest of a layer (two RMSNorms,
-RoPE, attention over the cache, SwiGLU) is a few microseconds of numpy work per token, so
-forwards of a few tokens run every layer here and touch MLX only to append their keys and
-values to the model's own KV caches, in one evaluation at the end; draft trees come with
-their ancestor mask and depth positions. Bigger forwards and other architectures stay in MLX.
-docs/benchmarks.md, "Session 11".
+RoPE, attention over the cache, SwiGLU) is little arithmetic per token, so forwards of a few
+tokens run every layer here and touch MLX only to append their keys and values to the model's
+own KV caches, in one evaluation at the end; draft trees come with their ancestor mask and
+depth positions. Bigger forwards and other architectures stay in MLX. That rest runs in the
+compiled kernels where they were built (numpy's dozen calls per part cost more than the
+arithmetic), else in numpy. docs/benchmarks.md, "Session 11" and "Session 13".
 """
 
 from __future__ import annotations
