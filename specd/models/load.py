@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from specd.models.half import store_half, stored_half_module
+from specd.models.half import HalfEmbedding, HalfLinear, store_half, stored_half_module
 
 DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
 _FLOAT = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -59,7 +59,9 @@ def resolve_dtype(requested: str) -> str:
     return "float32" if device_kind() == "cpu" else "native"
 
 
-def _float_module(module: nn.Module, dtype: mx.Dtype) -> nn.Module:
+def _float_module(module: nn.Module, dtype: mx.Dtype, half: bool = False) -> nn.Module:
+    """The dequantized module in `dtype`; with `half` (float32 only), a weight dequantized as
+    float16 (half scales) stays so: those are exactly its float32 values (specd.models.half)."""
     weight = mx.dequantize(
         module.weight,
         module.scales,
@@ -67,11 +69,15 @@ def _float_module(module: nn.Module, dtype: mx.Dtype) -> nn.Module:
         module.group_size,
         module.bits,
         mode=getattr(module, "mode", "affine"),
-    ).astype(dtype)
+    )
+    keep_half = half and dtype == mx.float32 and weight.dtype == mx.float16
+    if not keep_half:
+        weight = weight.astype(dtype)
     if isinstance(module, nn.QuantizedEmbedding):
-        new = nn.Embedding(*weight.shape)
+        new = (HalfEmbedding if keep_half else nn.Embedding)(*weight.shape)
     else:
-        new = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
+        kind = HalfLinear if keep_half else nn.Linear
+        new = kind(weight.shape[1], weight.shape[0], bias="bias" in module)
         if "bias" in module:
             new.bias = module.bias.astype(dtype)
     new.weight = weight
@@ -95,10 +101,10 @@ def convert_dtype(model: nn.Module, dtype: str, half_weights: bool = False) -> N
         quantized = sorted(sizes, key=sizes.get, reverse=True)
         modules = dict(model.named_modules())
         for name in quantized:  # by name, so no list keeps replaced modules alive
-            new = _float_module(modules.pop(name), target)
+            new = _float_module(modules.pop(name), target, half)
             mx.eval(new.parameters())
             if half:
-                store_half(new)
+                store_half(new)  # float32 scales: kept half only where that is exact
             model.update_modules(tree_unflatten([(name, new)]))
         kept = {id(m.weight) for _, m in model.named_modules() if stored_half_module(m)}
 
@@ -112,6 +118,7 @@ def convert_dtype(model: nn.Module, dtype: str, half_weights: bool = False) -> N
             for _, module in model.named_modules():
                 store_half(module)
     mx.eval(model.parameters())
+    mx.clear_cache()  # the conversion's temporaries, else MLX keeps them for reuse
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
