@@ -37,7 +37,8 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
-#define HALF_AVX2 1  /* GCC does not vectorize half conversions itself: intrinsics, if the CPU has F16C */
+/* GCC does not vectorize half conversions itself: intrinsics, used if the CPU has F16C */
+#define HALF_AVX2 1
 #endif
 
 #define GROUP 4                  /* input rows per pass over a weight row */
@@ -445,61 +446,74 @@ static void products_in_spans(const void *weight, int half, const float *rows, f
     pthread_mutex_unlock(&pool.caller);
 }
 
-/* A 2-D C-contiguous matrix of float32, or of float16 where `half_ok` is not NULL (it is set
- * to whether it is). */
-static int float_matrix(PyObject *obj, Py_buffer *view, int writable, const char *name,
-                        int *half_ok) {
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj, view, flags) < 0) return -1;
-    int single = view->itemsize == 4 && strcmp(view->format, "f") == 0;
-    int half = half_ok && view->itemsize == 2 && strcmp(view->format, "e") == 0;
-    if (view->ndim != 2 || !(single || half)) {
-        PyErr_Format(PyExc_ValueError, "%s must be a 2-D C-contiguous float32%s array", name,
-                     half_ok ? " or float16" : "");
-        PyBuffer_Release(view);
-        return -1;
+/* The arrays of one call: each C-contiguous, of `ndim` dimensions, of one kind. */
+enum { FLOAT32, BOOLEAN, FLOAT32_OR_16 };
+typedef struct {
+    const char *name;
+    int ndim, writable, kind;
+} ArraySpec;
+
+static int has_kind(const Py_buffer *view, int kind) {
+    if (kind == BOOLEAN) return strcmp(view->format, "?") == 0;
+    if (view->itemsize == 4 && strcmp(view->format, "f") == 0) return 1;
+    return kind == FLOAT32_OR_16 && view->itemsize == 2 && strcmp(view->format, "e") == 0;
+}
+
+static void release_arrays(Py_buffer *views, int count) {
+    for (int i = 0; i < count; i++) PyBuffer_Release(&views[i]);
+}
+
+static int take_arrays(PyObject **objs, const ArraySpec *specs, int count, Py_buffer *views) {
+    for (int i = 0; i < count; i++) {
+        int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (specs[i].writable ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(objs[i], &views[i], flags) < 0) {
+            release_arrays(views, i);
+            return -1;
+        }
+        if (views[i].ndim != specs[i].ndim || !has_kind(&views[i], specs[i].kind)) {
+            static const char *kinds[] = {"float32", "bool", "float32 or float16"};
+            PyErr_Format(PyExc_ValueError, "%s must be a %d-D C-contiguous %s array",
+                         specs[i].name, specs[i].ndim, kinds[specs[i].kind]);
+            release_arrays(views, i + 1);
+            return -1;
+        }
     }
-    if (half_ok) *half_ok = half;
     return 0;
+}
+
+static PyObject *finish(Py_buffer *views, int count, int ok, const char *error) {
+    release_arrays(views, count);
+    if (!ok) {
+        if (error) PyErr_SetString(PyExc_ValueError, error);
+        return NULL;
+    }
+    Py_RETURN_NONE;
 }
 
 /* products(weight [O, K], rows [n, K], out [n, O]); n is 1, 2 or a multiple of GROUP; the
  * weight float32 or float16, rows and out float32 */
 static PyObject *products(PyObject *self, PyObject *args) {
-    PyObject *weight_obj, *rows_obj, *out_obj;
-    if (!PyArg_ParseTuple(args, "OOO", &weight_obj, &rows_obj, &out_obj)) return NULL;
-    Py_buffer weight, rows, out;
-    int half;
-    if (float_matrix(weight_obj, &weight, 0, "weight", &half) < 0) return NULL;
-    if (float_matrix(rows_obj, &rows, 0, "rows", NULL) < 0) {
-        PyBuffer_Release(&weight);
-        return NULL;
-    }
-    if (float_matrix(out_obj, &out, 1, "out", NULL) < 0) {
-        PyBuffer_Release(&weight);
-        PyBuffer_Release(&rows);
-        return NULL;
-    }
-    Py_ssize_t outputs = weight.shape[0], width = weight.shape[1], n = rows.shape[0];
-    PyObject *result = Py_None;
-    if (rows.shape[1] != width || out.shape[0] != n || out.shape[1] != outputs) {
-        PyErr_SetString(PyExc_ValueError, "products: shapes do not match");
-        result = NULL;
-    } else if (n > 2 && n % GROUP != 0) {
-        PyErr_SetString(PyExc_ValueError, "products: rows must be 1, 2 or a multiple of 4");
-        result = NULL;
-    } else if (width == 0) {
-        memset(out.buf, 0, (size_t)out.len);  /* empty sums */
+    (void)self;
+    PyObject *objs[3];
+    if (!PyArg_ParseTuple(args, "OOO", &objs[0], &objs[1], &objs[2])) return NULL;
+    static const ArraySpec specs[] = {
+        {"weight", 2, 0, FLOAT32_OR_16}, {"rows", 2, 0, FLOAT32}, {"out", 2, 1, FLOAT32}};
+    Py_buffer v[3];
+    if (take_arrays(objs, specs, 3, v) < 0) return NULL;
+    Py_ssize_t outputs = v[0].shape[0], width = v[0].shape[1], n = v[1].shape[0];
+    if (v[1].shape[1] != width || v[2].shape[0] != n || v[2].shape[1] != outputs)
+        return finish(v, 3, 0, "products: shapes do not match");
+    if (n > 2 && n % GROUP != 0)
+        return finish(v, 3, 0, "products: rows must be 1, 2 or a multiple of 4");
+    if (width == 0) {
+        memset(v[2].buf, 0, (size_t)v[2].len);  /* empty sums */
     } else {
+        int half = v[0].itemsize == 2;
         Py_BEGIN_ALLOW_THREADS
-        products_in_spans(weight.buf, half, rows.buf, out.buf, outputs, width, n);
+        products_in_spans(v[0].buf, half, v[1].buf, v[2].buf, outputs, width, n);
         Py_END_ALLOW_THREADS
     }
-    PyBuffer_Release(&weight);
-    PyBuffer_Release(&rows);
-    PyBuffer_Release(&out);
-    Py_XINCREF(result);
-    return result;
+    return finish(v, 3, 1, NULL);
 }
 
 /* ---- Attention of a few new tokens over the KV cache (specd.models.host_llama) ----
@@ -620,43 +634,6 @@ static void attend_one(const float *query, const float *keys, const float *value
     for (Py_ssize_t d = 0; d < dim; d++) out[d] *= inverse;
 }
 
-/* The arrays of one call: each C-contiguous, of `ndim` dimensions, float32 (or bool). */
-typedef struct {
-    const char *name;
-    int ndim, writable, boolean;
-} ArraySpec;
-
-static void release_arrays(Py_buffer *views, int count) {
-    for (int i = 0; i < count; i++) PyBuffer_Release(&views[i]);
-}
-
-static int take_arrays(PyObject **objs, const ArraySpec *specs, int count, Py_buffer *views) {
-    for (int i = 0; i < count; i++) {
-        int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (specs[i].writable ? PyBUF_WRITABLE : 0);
-        if (PyObject_GetBuffer(objs[i], &views[i], flags) < 0) {
-            release_arrays(views, i);
-            return -1;
-        }
-        const char *format = specs[i].boolean ? "?" : "f";
-        if (views[i].ndim != specs[i].ndim || strcmp(views[i].format, format) != 0) {
-            PyErr_Format(PyExc_ValueError, "%s must be a %d-D C-contiguous %s array",
-                         specs[i].name, specs[i].ndim, specs[i].boolean ? "bool" : "float32");
-            release_arrays(views, i + 1);
-            return -1;
-        }
-    }
-    return 0;
-}
-
-static PyObject *finish(Py_buffer *views, int count, int ok, const char *error) {
-    release_arrays(views, count);
-    if (!ok) {
-        if (error) PyErr_SetString(PyExc_ValueError, error);
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
 /* attention(queries [H, T, D], new_keys [G, T, D], new_values [G, T, D], keys [G, C, D],
  *           values [G, C, D], past, sees [T, T] bool, out [T, H * D])
  * Query head h reads kv head h / (H / G); the first `past` of the C cached rows are the
@@ -669,9 +646,10 @@ static PyObject *attention(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOOOnOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
                           &past, &objs[5], &objs[6]))
         return NULL;
-    static const ArraySpec specs[] = {{"queries", 3, 0, 0}, {"new_keys", 3, 0, 0},
-                                      {"new_values", 3, 0, 0}, {"keys", 3, 0, 0},
-                                      {"values", 3, 0, 0}, {"sees", 2, 0, 1}, {"out", 2, 1, 0}};
+    static const ArraySpec specs[] = {
+        {"queries", 3, 0, FLOAT32}, {"new_keys", 3, 0, FLOAT32}, {"new_values", 3, 0, FLOAT32},
+        {"keys", 3, 0, FLOAT32},    {"values", 3, 0, FLOAT32},   {"sees", 2, 0, BOOLEAN},
+        {"out", 2, 1, FLOAT32}};
     Py_buffer v[7];
     if (take_arrays(objs, specs, 7, v) < 0) return NULL;
     Py_ssize_t heads = v[0].shape[0], tokens = v[0].shape[1], dim = v[0].shape[2];
@@ -685,7 +663,8 @@ static PyObject *attention(PyObject *self, PyObject *args) {
     ok = ok && v[5].shape[0] == tokens && v[5].shape[1] == tokens && v[6].shape[0] == tokens &&
          v[6].shape[1] == heads * dim;
     if (!ok)
-        return finish(v, 7, 0, "attention: shapes do not match (or a head size not a multiple of 8)");
+        return finish(v, 7, 0,
+                      "attention: shapes do not match (or a head size not a multiple of 8)");
     float *scores = malloc(sizeof(float) * (size_t)(past + tokens + 1));
     if (scores == NULL) {
         release_arrays(v, 7);
@@ -729,7 +708,8 @@ static PyObject *rms_norm(PyObject *self, PyObject *args) {
     PyObject *objs[3];
     float eps;
     if (!PyArg_ParseTuple(args, "OOfO", &objs[0], &objs[1], &eps, &objs[2])) return NULL;
-    static const ArraySpec specs[] = {{"h", 2, 0, 0}, {"weight", 1, 0, 0}, {"out", 2, 1, 0}};
+    static const ArraySpec specs[] = {
+        {"h", 2, 0, FLOAT32}, {"weight", 1, 0, FLOAT32}, {"out", 2, 1, FLOAT32}};
     Py_buffer v[3];
     if (take_arrays(objs, specs, 3, v) < 0) return NULL;
     Py_ssize_t rows = v[0].shape[0], width = v[0].shape[1];
@@ -749,7 +729,8 @@ static PyObject *rope(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOpO", &objs[0], &objs[1], &objs[2], &traditional, &objs[3]))
         return NULL;
     static const ArraySpec specs[] = {
-        {"x", 2, 0, 0}, {"cos", 2, 0, 0}, {"sin", 2, 0, 0}, {"out", 3, 1, 0}};
+        {"x", 2, 0, FLOAT32}, {"cos", 2, 0, FLOAT32}, {"sin", 2, 0, FLOAT32},
+        {"out", 3, 1, FLOAT32}};
     Py_buffer v[4];
     if (take_arrays(objs, specs, 4, v) < 0) return NULL;
     Py_ssize_t tokens = v[0].shape[0], heads = v[3].shape[0], dim = v[3].shape[2];
@@ -791,7 +772,7 @@ static PyObject *swiglu(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *objs[2];
     if (!PyArg_ParseTuple(args, "OO", &objs[0], &objs[1])) return NULL;
-    static const ArraySpec specs[] = {{"gate", 2, 1, 0}, {"up", 2, 0, 0}};
+    static const ArraySpec specs[] = {{"gate", 2, 1, FLOAT32}, {"up", 2, 0, FLOAT32}};
     Py_buffer v[2];
     if (take_arrays(objs, specs, 2, v) < 0) return NULL;
     if (v[0].shape[0] != v[1].shape[0] || v[0].shape[1] != v[1].shape[1])

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
+from test_host_llama import decode_in_bursts
 from tiny import make_tiny_model_dir
 
 from specd.models.half import HalfEmbedding, HalfLinear, stored_half
 from specd.models.load import load_target
-from verifier_svc.engine import Target, decode, half_weights_pay, prefill
+from verifier_svc.engine import Target, half_weights_pay
 
 PROMPT = [3, 40, 41, 42, 43, 40, 41, 42, 50, 60, 70]
 
@@ -69,14 +70,8 @@ def test_a_half_weight_target_decodes_as_float32_mlx_does(quantized_dir):
     half = Target(load_target(str(quantized_dir), "float32", half_weights=True))
     plain = Target(load_target(str(quantized_dir), "float32"), gemv_rows=0)
     assert half.half_weights and half._host is not None and "stored float16" in half.numpy_part
-    outputs = []
-    for target in (plain, half):
-        result = prefill(target, PROMPT)
-        session, out = result.session, [result.first_token]
-        for steps in [1, 3, 8, 2, 16, 16]:
-            out += decode(target, session, steps).committed
-        outputs.append(out)
-    assert len(outputs[0]) > 40 and outputs[0] == outputs[1]
+    want = decode_in_bursts(plain, PROMPT)
+    assert len(want) > 40 and decode_in_bursts(half, PROMPT) == want
 
 
 @pytest.mark.parametrize("float32_weights", [False, True])
