@@ -16,14 +16,16 @@ from specd.launch import Stack, free_port  # noqa: E402
 
 @pytest.fixture(scope="module")
 def api(tiny_model_dir, tmp_path_factory):
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port, verifier_metrics_port = free_port(), free_port(), free_port()
     with Stack(
         target=str(tiny_model_dir),
         drafter="ngram",
+        verifier_args=["--metrics-port", str(verifier_metrics_port)],
         coordinator_args=["--http-port", str(port), "--metrics-port", str(metrics_port)],
         log_dir=tmp_path_factory.mktemp("logs"),
     ) as stack:
         stack.metrics_port = metrics_port
+        stack.verifier_metrics_port = verifier_metrics_port
         yield f"http://127.0.0.1:{port}/v1", stack
 
 
@@ -177,6 +179,14 @@ def _requests_cancelled(stack) -> float:
     return value(scrape(stack.metrics_port), 'specd_requests_total{outcome="cancelled"}')
 
 
+def _verifier_closes(stack) -> float:
+    from test_metrics import scrape, value
+
+    return value(
+        scrape(stack.verifier_metrics_port), 'specd_rpc_total{code="OK",method="CloseSession"}'
+    )
+
+
 def _open_sessions(stack) -> tuple[int, int]:
     from specd.client import CoordinatorClient
 
@@ -196,13 +206,17 @@ def _post_raw(url: str, body: dict) -> socket.socket:
     return sock
 
 
-def _wait_cancelled_and_closed(stack, cancelled: float) -> None:
+def _wait_cancelled_and_closed(stack, cancelled: float, closes: float) -> None:
+    """No sessions open is not enough: a stalled open may not have landed yet. Wait for the
+    verifier to have answered the close too."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if _requests_cancelled(stack) == cancelled and _open_sessions(stack) == (0, 0):
+        done = _requests_cancelled(stack) == cancelled and _verifier_closes(stack) >= closes
+        if done and _open_sessions(stack) == (0, 0):
             break
         time.sleep(0.05)
     assert _requests_cancelled(stack) == cancelled
+    assert _verifier_closes(stack) == closes
     assert _open_sessions(stack) == (0, 0)
 
 
@@ -214,7 +228,7 @@ def test_a_streaming_client_that_disconnects_ends_its_generation_and_frees_its_s
     """A leaked session counts against the verifier's --max-sessions until it idles out."""
     url, stack = api
     verifier = stack.services["verifier"].process
-    before = _requests_cancelled(stack)
+    before, closes = _requests_cancelled(stack), _verifier_closes(stack)
     with _post_raw(url, {**LONG, "stream": True}) as sock:
         seen = b""
         while b"data:" not in seen:  # the generation is under way
@@ -224,7 +238,7 @@ def test_a_streaming_client_that_disconnects_ends_its_generation_and_frees_its_s
         time.sleep(0.5)  # the coordinator sees the closed connection
     finally:
         verifier.send_signal(signal.SIGCONT)
-    _wait_cancelled_and_closed(stack, before + 1)
+    _wait_cancelled_and_closed(stack, before + 1, closes + 1)
 
 
 def test_a_client_that_leaves_while_its_session_opens_leaves_nothing_open(api):
@@ -232,7 +246,7 @@ def test_a_client_that_leaves_while_its_session_opens_leaves_nothing_open(api):
     nobody, even while its session is still opening; no session is left behind."""
     url, stack = api
     verifier = stack.services["verifier"].process
-    before = _requests_cancelled(stack)
+    before, closes = _requests_cancelled(stack), _verifier_closes(stack)
     verifier.send_signal(signal.SIGSTOP)  # the session's open waits on it
     try:
         with _post_raw(url, LONG):
@@ -240,4 +254,4 @@ def test_a_client_that_leaves_while_its_session_opens_leaves_nothing_open(api):
         time.sleep(0.5)  # and seen the client go
     finally:
         verifier.send_signal(signal.SIGCONT)
-    _wait_cancelled_and_closed(stack, before + 1)
+    _wait_cancelled_and_closed(stack, before + 1, closes + 1)
