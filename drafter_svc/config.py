@@ -40,6 +40,7 @@ def drafter_options(
     tree_top_k: int | None = None,
     block_size: int | None = None,
     draft_vocab: int | None = None,
+    mlx_forwards: bool | None = None,
 ) -> dict:
     """The kind-specific parts of a DrafterConfig from command-line style options (None: the
     default); ValueError names the bad option."""
@@ -59,7 +60,9 @@ def drafter_options(
             setattr(ngram, name, value)
     if not 1 <= ngram.min_n <= ngram.max_n:
         raise ValueError("need 1 <= --ngram-min-n <= --ngram-max-n")
-    eagle3 = Eagle3Options(weights=weights, num_draft_tokens=num_draft_tokens or 0)
+    eagle3 = Eagle3Options(
+        weights=weights, num_draft_tokens=num_draft_tokens or 0, host_forwards=not mlx_forwards
+    )
     shape = (tree_total_tokens, tree_depth, tree_top_k)
     if any(v is not None and v < 0 for v in shape):
         raise ValueError("--tree-total-tokens, --tree-depth and --tree-top-k must be >= 0")

@@ -38,6 +38,7 @@ KIND_ONLY_FLAGS = {  # drafter flags that mean something to some kinds only: ref
     "tree_top_k": ("eagle3",),
     "block_size": ("dflash",),
     "draft_vocab": ("dflash",),
+    "mlx_forwards": ("eagle3",),
 }
 
 
@@ -158,6 +159,13 @@ def _add_serve(sub) -> None:
         help="OpenBLAS threads for this drafter (0: the library's default, one per core). A "
         "drafter's products are small, and a second thread spins after each job on a core a "
         "verifier on the same machine needs (docs/benchmarks.md, session 10)",
+    )
+    d.add_argument(
+        "--mlx-forwards",
+        action="store_true",
+        default=None,
+        help="eagle3: run the head's chain forwards in MLX on a CPU too (default there: numpy "
+        "and the compiled kernels, several times faster; docs/benchmarks.md, session 14)",
     )
     d.add_argument("--tree-depth", type=int_between(1), help="eagle3: deepest tree path")
     d.add_argument(
@@ -292,7 +300,7 @@ def _service_config(args):
             options = drafter_options(
                 args.kind, args.num_draft_tokens, args.ngram_min_n, args.ngram_max_n,
                 args.weights, args.tree_total_tokens, args.tree_depth, args.tree_top_k,
-                args.block_size, args.draft_vocab,
+                args.block_size, args.draft_vocab, args.mlx_forwards,
             )  # fmt: skip
         except ValueError as exc:
             print(f"specd: {exc}", file=sys.stderr)

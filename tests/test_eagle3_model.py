@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from drafter_svc.eagle3.draft import Eagle3Drafter
+from drafter_svc.eagle3.host import HostHead
 from drafter_svc.eagle3.model import (
     CheckpointError,
     Eagle3Config,
@@ -47,6 +48,21 @@ def tiny_head(seed: int = 0, norm_before_residual: bool = False) -> Eagle3Head:
     head.d2t = mx.array(draft_ids - np.arange(VD), dtype=mx.int64)
     mx.eval(head.parameters())
     return head
+
+
+@pytest.fixture(params=["mlx", "host"])
+def make_drafter(request):
+    """Eagle3Drafter with the head's forwards in MLX, or on the host where they can run."""
+
+    def make(head, embedding):
+        if request.param == "mlx":
+            return Eagle3Drafter(head, embedding)
+        host = HostHead.attach(head, embedding)
+        if host is None:
+            pytest.skip("the compiled kernels were not built")
+        return Eagle3Drafter(head, embedding, host)
+
+    return make
 
 
 def sample_inputs(seed: int = 1, t: int = 12):
@@ -101,18 +117,19 @@ def test_bad_checkpoints_are_refused_with_reasons(tmp_path):
         load_head(tmp_path / "missing")
 
 
-def test_training_unroll_equals_drafting_with_the_same_tokens():
+def test_training_unroll_equals_drafting_with_the_same_tokens(make_drafter):
     """Pass j at position i of the training-time test must be the j-th step of a chain drafted
     from committed position i-j, with the same input tokens."""
     head = tiny_head()
     embedding, rows, tokens = sample_inputs(t=12)
     steps = 3
     trained = np.array(ttt_forward(head, embedding[mx.array(tokens[1:])], rows, steps))
-    drafter = Eagle3Drafter(head, embedding)
+    drafter = make_drafter(head, embedding)
     for root in (0, 3, 8):
         state = drafter.open(tokens[: root + 2], rows[: root + 1])
         assert drafter.ready(state)
-        hidden, keys, values = state.last_hidden, state.keys, state.values
+        hidden = mx.array(state.last_hidden)
+        keys, values = mx.array(state.keys[None]), mx.array(state.values[None])
         for j in range(steps):
             i = root + j
             got = np.array(head.logits(hidden))
@@ -124,10 +141,10 @@ def test_training_unroll_equals_drafting_with_the_same_tokens():
             hidden = out[0, -1]
 
 
-def test_incremental_extend_equals_one_open():
+def test_incremental_extend_equals_one_open(make_drafter):
     head = tiny_head()
     embedding, rows, tokens = sample_inputs(t=10)
-    drafter = Eagle3Drafter(head, embedding)
+    drafter = make_drafter(head, embedding)
     whole = drafter.open(tokens[:11], rows[:10])
     parts = drafter.open(tokens[:4], rows[:3])
     drafter.extend(parts, tokens[4:7], rows[3:6])
@@ -137,10 +154,10 @@ def test_incremental_extend_equals_one_open():
     assert np.allclose(np.array(parts.last_hidden), np.array(whole.last_hidden), atol=1e-5)
 
 
-def test_state_holds_committed_context_only():
+def test_state_holds_committed_context_only(make_drafter):
     head = tiny_head()
     embedding, rows, tokens = sample_inputs(t=10)
-    drafter = Eagle3Drafter(head, embedding)
+    drafter = make_drafter(head, embedding)
     state = drafter.open(tokens[:6], rows[:5])
     before = (state.entries, np.array(state.keys), list(state.tokens))
     drafter.chain(state, 5)
@@ -149,10 +166,10 @@ def test_state_holds_committed_context_only():
     assert np.array_equal(np.array(state.keys), before[1])
 
 
-def test_drafting_past_speculative_ids_continues_the_chain():
+def test_drafting_past_speculative_ids_continues_the_chain(make_drafter):
     head = tiny_head()
     embedding, rows, tokens = sample_inputs(t=10)
-    drafter = Eagle3Drafter(head, embedding)
+    drafter = make_drafter(head, embedding)
     state = drafter.open(tokens[:8], rows[:7])
     chain = drafter.chain(state, 5).ids
     # fed the chain's own first drafts, the head continues where the chain went on
@@ -162,10 +179,10 @@ def test_drafting_past_speculative_ids_continues_the_chain():
     assert state.entries == 7 and state.tokens == tokens[:8]  # nothing of it is kept
 
 
-def test_tree_with_one_child_per_node_is_the_chain():
+def test_tree_with_one_child_per_node_is_the_chain(make_drafter):
     head = tiny_head()
     embedding, rows, tokens = sample_inputs(t=10)
-    drafter = Eagle3Drafter(head, embedding)
+    drafter = make_drafter(head, embedding)
     state = drafter.open(tokens[:8], rows[:7])
     chain = drafter.chain(state, 4)
     tree = drafter.tree(state, TreeShape(total_tokens=4, depth=4, top_k=1))
@@ -173,12 +190,12 @@ def test_tree_with_one_child_per_node_is_the_chain():
     assert tree.parents == [-1, 0, 1, 2]
 
 
-def test_a_one_child_tree_is_drafted_as_the_chain_it_is():
+def test_a_one_child_tree_is_drafted_as_the_chain_it_is(make_drafter):
     from drafter_svc.eagle3.proposer import Eagle3Options, Eagle3Proposer
 
     head = tiny_head()
     embedding, rows, tokens = sample_inputs(t=10)
-    drafter = Eagle3Drafter(head, embedding)
+    drafter = make_drafter(head, embedding)
     proposer = Eagle3Proposer(drafter, Eagle3Options(), "test")
     state = drafter.open(tokens[:8], rows[:7])
     chain = drafter.chain(state, 3)
@@ -188,10 +205,10 @@ def test_a_one_child_tree_is_drafted_as_the_chain_it_is():
     assert single.ids == chain.ids[:1] and single.parents is None
 
 
-def test_tree_is_ancestor_closed_parents_first_within_budget():
+def test_tree_is_ancestor_closed_parents_first_within_budget(make_drafter):
     head = tiny_head()
     embedding, rows, tokens = sample_inputs(t=10)
-    drafter = Eagle3Drafter(head, embedding)
+    drafter = make_drafter(head, embedding)
     state = drafter.open(tokens[:8], rows[:7])
     tree = drafter.tree(state, TreeShape(total_tokens=12, depth=5, top_k=3))
     assert len(tree.ids) == 12
@@ -203,12 +220,12 @@ def test_tree_is_ancestor_closed_parents_first_within_budget():
     assert all(len(set(s)) == len(s) for s in siblings.values())  # no duplicate children
 
 
-def test_tree_nodes_match_a_plain_chain_along_each_path():
+def test_tree_nodes_match_a_plain_chain_along_each_path(make_drafter):
     """The drafter's tree attention: the best child of every node equals what a chain drafted
     along that node's path would propose next."""
     head = tiny_head()
     embedding, rows, tokens = sample_inputs(t=10)
-    drafter = Eagle3Drafter(head, embedding)
+    drafter = make_drafter(head, embedding)
     state = drafter.open(tokens[:8], rows[:7])
     tree = drafter.tree(state, TreeShape(total_tokens=40, depth=3, top_k=3))
     ids, parents = tree.ids, tree.parents
@@ -225,7 +242,8 @@ def test_tree_nodes_match_a_plain_chain_along_each_path():
         if not children:
             continue
         # replay the node's path as forced chain steps and compare the argmax
-        hidden, keys, values = state.last_hidden, state.keys, state.values
+        hidden = mx.array(state.last_hidden)
+        keys, values = mx.array(state.keys[None]), mx.array(state.values[None])
         position = state.entries
         for token in path(node):
             emb = embedding[mx.array([token])][None]
@@ -237,3 +255,34 @@ def test_tree_nodes_match_a_plain_chain_along_each_path():
         best = int(mx.argmax(head.logits(hidden)).item())
         best_target = int(best + np.array(head.d2t)[best])
         assert ids[children[0]] == best_target
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_host_forwards_match_mlx(norm_before_residual):
+    """The head on numpy and the compiled kernels: the same entries, hidden rows and drafts as
+    in MLX, for a long open (MLX's sgemm either way), extends of a few rows and chains."""
+    head = tiny_head(norm_before_residual=norm_before_residual)
+    embedding, rows, tokens = sample_inputs(t=40)
+    host = HostHead.attach(head, embedding)
+    if host is None:
+        pytest.skip("the compiled kernels were not built")
+    on_mlx, on_host = Eagle3Drafter(head, embedding), Eagle3Drafter(head, embedding, host)
+    # 20 rows open past MAX_ROWS (MLX either way); the extends run on the host
+    states = [d.open(tokens[:21], rows[:20]) for d in (on_mlx, on_host)]
+    for start, stop in ((21, 24), (24, 25), (25, 41)):
+        for drafter, state in zip((on_mlx, on_host), states, strict=True):
+            drafter.extend(state, tokens[start:stop], rows[start - 1 : stop - 1])
+        a, b = states
+        assert a.entries == b.entries == stop - 1
+        assert np.allclose(a.keys, b.keys, atol=1e-5) and np.allclose(a.values, b.values, atol=1e-5)
+        assert np.allclose(a.last_hidden, b.last_hidden, atol=1e-4)
+        assert on_mlx.chain(a, 6).ids == on_host.chain(b, 6).ids
+        past = on_mlx.chain(a, 2).ids
+        assert on_mlx.chain(a, 4, after=past).ids == on_host.chain(b, 4, after=past).ids
+
+
+def test_host_forwards_need_a_head_size_the_kernels_take():
+    cfg = tiny_head().config
+    cfg.num_attention_heads, cfg.num_key_value_heads = 8, 4  # head size 4
+    embedding, _, _ = sample_inputs()
+    assert HostHead.attach(Eagle3Head(cfg), embedding) is None

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from drafter_svc.eagle3.host import HostHead
 from drafter_svc.eagle3.model import Eagle3Head
 from drafter_svc.proposal import Proposal, TreeShape
 
@@ -21,41 +22,53 @@ KV_STEP = 256  # the cache grows by this many entries at a time, not one call at
 @dataclass
 class Eagle3State:
     tokens: list[int] = field(default_factory=list)
-    key_buffer: mx.array | None = None  # [1, n_kv, capacity, head_dim]
-    value_buffer: mx.array | None = None
+    # [n_kv, capacity, head_dim]; past `entries` the rows are a chain's scratch space
+    key_buffer: np.ndarray | None = None
+    value_buffer: np.ndarray | None = None
     pending_rows: mx.array | None = None  # target rows of positions without an entry yet
     entries: int = 0
-    last_hidden: mx.array | None = None  # output of the newest entry [H]
+    last_hidden: np.ndarray | None = None  # output of the newest entry [H]
 
     @property
-    def keys(self) -> mx.array | None:
-        return None if self.key_buffer is None else self.key_buffer[..., : self.entries, :]
+    def keys(self) -> np.ndarray:
+        return self.key_buffer[:, : self.entries]
 
     @property
-    def values(self) -> mx.array | None:
-        return None if self.value_buffer is None else self.value_buffer[..., : self.entries, :]
+    def values(self) -> np.ndarray:
+        return self.value_buffer[:, : self.entries]
 
-    def append(self, k: mx.array, v: mx.array) -> None:
-        n = k.shape[2]
-        if self.key_buffer is None or self.entries + n > self.key_buffer.shape[2]:
-            capacity = -(-(self.entries + n) // KV_STEP) * KV_STEP
-            grown = []
-            for old, new in ((self.key_buffer, k), (self.value_buffer, v)):
-                buf = mx.zeros((*new.shape[:2], capacity, new.shape[3]), dtype=new.dtype)
-                if old is not None:
-                    buf[..., : self.entries, :] = old[..., : self.entries, :]
-                grown.append(buf)
-            self.key_buffer, self.value_buffer = grown
-        self.key_buffer[..., self.entries : self.entries + n, :] = k
-        self.value_buffer[..., self.entries : self.entries + n, :] = v
+    def reserve(self, more: int, kv_heads: int, head_dim: int) -> None:
+        """Room for `more` entries past the committed ones."""
+        have = 0 if self.key_buffer is None else self.key_buffer.shape[1]
+        if self.entries + more <= have:
+            return
+        capacity = -(-(self.entries + more) // KV_STEP) * KV_STEP
+        grown = []
+        for old in (self.key_buffer, self.value_buffer):
+            buf = np.zeros((kv_heads, capacity, head_dim), np.float32)
+            if old is not None:
+                buf[:, : self.entries] = old[:, : self.entries]
+            grown.append(buf)
+        self.key_buffer, self.value_buffer = grown
+
+    def append(self, k: np.ndarray, v: np.ndarray) -> None:
+        """Entries [kv, T, D] after the committed ones (room reserved first)."""
+        n = k.shape[1]
+        self.reserve(n, k.shape[0], k.shape[2])
+        self.key_buffer[:, self.entries : self.entries + n] = k
+        self.value_buffer[:, self.entries : self.entries + n] = v
         self.entries += n
 
 
 class Eagle3Drafter:
-    def __init__(self, head: Eagle3Head, embedding: mx.array):
+    def __init__(self, head: Eagle3Head, embedding: mx.array, host: HostHead | None = None):
+        """host: the head's forwards of a few rows on numpy (CPU); None: all in MLX."""
         self.head = head
         self.embedding = embedding  # the target's [V, H]
+        self.host = host
         self.cfg = head.config
+        attn = head.midlayer.self_attn
+        self.kv_shape = (attn.n_kv, attn.head_dim)
         self.d2t = np.asarray(head.d2t).astype(np.int64)
         self.t2d = np.full(self.cfg.vocab_size, -1, dtype=np.int64)
         self.t2d[np.arange(len(self.d2t)) + self.d2t] = np.arange(len(self.d2t))
@@ -96,15 +109,27 @@ class Eagle3Drafter:
         start = state.entries
         rows_now = state.pending_rows[:count].astype(mx.float32)
         state.pending_rows = state.pending_rows[count:] if have > count else None
-        next_ids = mx.array(state.tokens[start + 1 : start + 1 + count])
-        emb = self.embedding[next_ids][None]
-        feature = self.head.fc(rows_now)[None]
-        past = None if state.keys is None else (state.keys, state.values)
-        mask = _causal(count, start)
-        hidden, (k, v) = self.head.step(emb, feature, start, past, mask)
+        next_ids = state.tokens[start + 1 : start + 1 + count]
+        state.reserve(count, *self.kv_shape)
+        if self.host is not None and count <= self.host.max_rows:
+            hidden, k, v = self.host.step(
+                self.host.embed(next_ids),
+                self.host.features(np.asarray(rows_now)),
+                np.arange(start, start + count),
+                state.key_buffer,
+                state.value_buffer,
+                start,
+                np.tri(count, dtype=bool),
+            )
+        else:  # a prompt: MLX's sgemm
+            emb = self.embedding[mx.array(next_ids)][None]
+            feature = self.head.fc(rows_now)[None]
+            out, (k, v) = self.head.step(
+                emb, feature, start, _mlx_past(state), _causal(count, start)
+            )
+            hidden, k, v = np.array(out[0]), np.array(k[0]), np.array(v[0])
         state.append(k, v)
-        state.last_hidden = hidden[0, -1]
-        mx.eval(state.key_buffer, state.value_buffer, state.last_hidden)
+        state.last_hidden = hidden[-1]
 
     def ready(self, state: Eagle3State) -> bool:
         """Drafting needs the entry of the position just before the last committed token."""
@@ -125,9 +150,11 @@ class Eagle3Drafter:
         its feature, as a chain's drafts are."""
         if not self.ready(state) or k <= 0:
             return Proposal([])
+        if self.host is not None:
+            return self._chain_host(state, k, list(after))
         position = state.entries  # of the first drafted entry
-        keys, values = state.keys, state.values
-        hidden = state.last_hidden
+        keys, values = _mlx_past(state)
+        hidden = mx.array(state.last_hidden)
 
         def feed(token: int) -> None:
             nonlocal keys, values, hidden, position
@@ -148,6 +175,35 @@ class Eagle3Drafter:
             if len(ids) == k:
                 return Proposal(self._to_target(ids))
             feed(self._to_target([draft])[0])
+
+    def _chain_host(self, state: Eagle3State, k: int, after: list[int]) -> Proposal:
+        """As `chain`, on the host; drafted entries go to the cache's scratch rows past the
+        committed ones, where the next commit overwrites them."""
+        host = self.host
+        state.reserve(len(after) + k, *self.kv_shape)
+        position = state.entries
+        hidden = state.last_hidden[None]
+        alone = np.ones((1, 1), dtype=bool)
+
+        def feed(token: int) -> np.ndarray:
+            nonlocal position
+            out, k_new, v_new = host.step(
+                host.embed([token]), hidden, np.array([position]), state.key_buffer,
+                state.value_buffer, position, alone,
+            )  # fmt: skip
+            state.key_buffer[:, position] = k_new[:, 0]
+            state.value_buffer[:, position] = v_new[:, 0]
+            position += 1
+            return out
+
+        for token in after:
+            hidden = feed(token)
+        ids: list[int] = []
+        while True:
+            ids.append(int(np.argmax(host.logits(hidden)[0])))
+            if len(ids) == k:
+                return Proposal(self._to_target(ids))
+            hidden = feed(self._to_target(ids[-1:])[0])
 
     def tree(self, state: Eagle3State, shape: TreeShape) -> Proposal:
         """Expand the top_k best nodes per depth (by cumulative log-prob), each with its top_k
@@ -172,10 +228,12 @@ class Eagle3Drafter:
                 scores.append(base + float(logp_row[d]))
                 depths.append(depth)
 
-        root_logp = np.array(self._logp(state.last_hidden).astype(mx.float32))
+        last_hidden = mx.array(state.last_hidden)
+        committed_keys, committed_values = _mlx_past(state)
+        root_logp = np.array(self._logp(last_hidden).astype(mx.float32))
         add_children(-1, root_logp, 0.0, 1)
         frontier = list(range(len(tokens)))
-        parent_hidden = {i: state.last_hidden for i in frontier}  # hidden feeding each node
+        parent_hidden = {i: last_hidden for i in frontier}  # hidden feeding each node
         position = state.entries
         for depth in range(1, shape.depth):
             n = len(frontier)
@@ -191,10 +249,10 @@ class Eagle3Drafter:
                     mask[row, state.entries + expanded_col[a]] = True
                     a = parents[a]
                 mask[row, state.entries + cols + row] = True
-            past_k = state.keys if tree_keys is None else mx.concatenate(
-                [state.keys, tree_keys], axis=2)  # fmt: skip
-            past_v = state.values if tree_values is None else mx.concatenate(
-                [state.values, tree_values], axis=2)  # fmt: skip
+            past_k = committed_keys if tree_keys is None else mx.concatenate(
+                [committed_keys, tree_keys], axis=2)  # fmt: skip
+            past_v = committed_values if tree_values is None else mx.concatenate(
+                [committed_values, tree_values], axis=2)  # fmt: skip
             out, (k_new, v_new) = self.head.step(emb, feats, position + depth - 1,
                                                  (past_k, past_v), mx.array(mask))  # fmt: skip
             tree_keys = k_new if tree_keys is None else mx.concatenate([tree_keys, k_new], axis=2)
@@ -215,6 +273,13 @@ class Eagle3Drafter:
         index = {node: j for j, node in enumerate(chosen)}
         out_parents = [index[parents[i]] if parents[i] >= 0 else -1 for i in chosen]
         return Proposal(self._to_target([tokens[i] for i in chosen]), parents=out_parents)
+
+
+def _mlx_past(state: Eagle3State) -> tuple[mx.array, mx.array] | None:
+    """The committed entries as MLX's step takes them, [1, kv, entries, D]."""
+    if not state.entries:
+        return None
+    return mx.array(state.keys[None]), mx.array(state.values[None])
 
 
 def _causal(count: int, past: int) -> mx.array | None:

@@ -11,8 +11,10 @@ import mlx.core as mx
 
 from drafter_svc.checkpoints import CheckpointError, check_target, shipped_or_given
 from drafter_svc.eagle3.draft import Eagle3Drafter, Eagle3State
+from drafter_svc.eagle3.host import HostHead
 from drafter_svc.eagle3.model import load_head
 from drafter_svc.proposal import Proposal, TreeShape
+from specd.models.load import device_kind
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "heads"
 # heads this package ships, by the materialized directory name of their target
@@ -25,6 +27,7 @@ class Eagle3Options:
     num_draft_tokens: int = 0  # chain length; 0: from the head's config or 6
     max_draft_tokens: int = 16
     tree: TreeShape | None = None  # default shape; None: from the head's config; total 0: chain
+    host_forwards: bool = True  # chains on numpy and the compiled kernels where they can run
     extra: dict = field(default_factory=dict)
 
 
@@ -122,6 +125,7 @@ class Eagle3Proposer:
             "weights": self.source,
             "capture_layers": ",".join(map(str, self.capture_layers)),
             "draft_vocab": str(self.drafter.cfg.draft_vocab_size),
+            "chain_forwards": "numpy" if self.drafter.host is not None else "mlx",
             "tree": f"total={t.total_tokens} depth={t.depth} top_k={t.top_k}"
             if t.total_tokens > 0 else "chain",
         }  # fmt: skip
@@ -144,4 +148,7 @@ def load_eagle3(options: Eagle3Options, target_dir: Path, target_identity) -> Ea
     embedding = extras.get("embed_tokens")
     embedding = embedding.astype(mx.float32) if embedding is not None else target_embedding(
         target_dir)  # fmt: skip
-    return Eagle3Proposer(Eagle3Drafter(head, embedding), options, str(weights))
+    # on a GPU MLX's own forwards are the fast ones
+    on_cpu = options.host_forwards and device_kind() == "cpu"
+    host = HostHead.attach(head, embedding) if on_cpu else None
+    return Eagle3Proposer(Eagle3Drafter(head, embedding, host), options, str(weights))

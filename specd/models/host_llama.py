@@ -46,10 +46,16 @@ class _Layer:
 _PAIR_ROTATIONS = (nn.RoPE, Llama3RoPE)
 
 
+def turns_pairs(rope: nn.Module) -> bool:
+    """Whether RopeTables reproduces this RoPE: each feature pair turned by an angle of its
+    position alone."""
+    return type(rope) in _PAIR_ROTATIONS
+
+
 def _rope_of(attn) -> nn.Module | None:
     rope = attn.rope
     rope = getattr(rope, "inner", rope)  # under specd.models.capture.GroupedRoPE
-    return rope if type(rope) in _PAIR_ROTATIONS else None
+    return rope if turns_pairs(rope) else None
 
 
 def _gemv_of(module) -> GemvWeights | None:
@@ -59,6 +65,35 @@ def _gemv_of(module) -> GemvWeights | None:
 def _blocks(model: nn.Module) -> list[nn.Module]:
     """The decoder layers, unwrapped from specd.models.capture's CapturingLayer."""
     return [getattr(layer, "inner", layer) for layer in model.layers]
+
+
+class RopeTables:
+    """cos and sin of a pairwise RoPE at any positions, exactly as the MLX module turns them."""
+
+    def __init__(self, rope: nn.Module):
+        self.rope = rope
+        self.dims, self.traditional = rope.dims, rope.traditional
+        self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin [T, dims/2] at `positions`."""
+        tables = [(self._block(p // ROPE_BLOCK), p % ROPE_BLOCK) for p in positions.tolist()]
+        cos = np.stack([cos[i] for (cos, _), i in tables])
+        sin = np.stack([sin[i] for (_, sin), i in tables])
+        return cos, sin
+
+    def _block(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        # Rotating (1, 0) pairs yields (cos, sin): MLX's own angles, which a numpy
+        # recomputation misses by up to ~1e-5 rad at position 2000 (float32 rounding).
+        if index not in self._blocks:
+            half = self.dims // 2
+            unit = np.zeros((ROPE_BLOCK, self.dims), dtype=np.float32)
+            first_of_pair = slice(0, None, 2) if self.traditional else slice(0, half)
+            second_of_pair = slice(1, None, 2) if self.traditional else slice(half, None)
+            unit[:, first_of_pair] = 1.0
+            turned = np.array(self.rope(mx.array(unit)[None], offset=index * ROPE_BLOCK)[0])
+            self._blocks[index] = (turned[:, first_of_pair], turned[:, second_of_pair])
+        return self._blocks[index]
 
 
 class HostLlama:
@@ -74,10 +109,9 @@ class HostLlama:
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.group = heads // kv_heads  # query heads per kv head
         self.scale = head_dim**-0.5
-        self.rope = rope
+        self.rope = RopeTables(rope)
         self.rope_dims = rope.dims
         self.rope_traditional = rope.traditional
-        self._rope_blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.max_rows = head.max_rows
 
     @staticmethod
@@ -161,7 +195,7 @@ class HostLlama:
         offset = cache[0].offset
         if positions is None:
             positions = np.arange(offset, offset + n)
-        cos, sin = self._rope_tables(positions)
+        cos, sin = self.rope.at(positions)
         sees = np.tri(n, dtype=bool) if sees is None else np.ascontiguousarray(sees, dtype=bool)
         kernels = layer_kernels() if self.head_dim % 8 == 0 else None
         if kernels is not None:
@@ -208,26 +242,6 @@ class HostLlama:
     def _rms(self, h: np.ndarray, weight: np.ndarray) -> np.ndarray:
         mean_square = np.mean(np.square(h), axis=-1, keepdims=True)
         return h * (1.0 / np.sqrt(mean_square + self.eps)) * weight
-
-    def _rope_tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """cos and sin [T, dims/2] at `positions`, exactly as the model's RoPE has them."""
-        tables = [(self._rope_block(p // ROPE_BLOCK), p % ROPE_BLOCK) for p in positions.tolist()]
-        cos = np.stack([cos[i] for (cos, _), i in tables])
-        sin = np.stack([sin[i] for (_, sin), i in tables])
-        return cos, sin
-
-    def _rope_block(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        # Rotating (1, 0) pairs yields (cos, sin): MLX's own angles, which a numpy
-        # recomputation misses by up to ~1e-5 rad at position 2000 (float32 rounding).
-        if index not in self._rope_blocks:
-            half = self.rope_dims // 2
-            unit = np.zeros((ROPE_BLOCK, self.rope_dims), dtype=np.float32)
-            first_of_pair = slice(0, None, 2) if self.rope_traditional else slice(0, half)
-            second_of_pair = slice(1, None, 2) if self.rope_traditional else slice(half, None)
-            unit[:, first_of_pair] = 1.0
-            turned = np.array(self.rope(mx.array(unit)[None], offset=index * ROPE_BLOCK)[0])
-            self._rope_blocks[index] = (turned[:, first_of_pair], turned[:, second_of_pair])
-        return self._rope_blocks[index]
 
     def _heads_compiled(self, rows: np.ndarray, heads: int, cos, sin) -> np.ndarray:
         out = np.empty((heads, len(rows), self.head_dim), np.float32)
