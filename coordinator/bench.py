@@ -13,9 +13,11 @@ from pathlib import Path
 
 from specd.argtypes import int_between, non_negative_int, positive_int
 
-# --drafter names -> drafter kind; "-tree" variants draft trees, the others chains;
-# dflash-bN drafts blocks of N; any name but none ending in -kN drafts k = N every round
+# --drafter names -> drafter kind; "-tree" variants draft trees, the others chains; "-mlx"
+# variants run the head in MLX (--mlx-forwards); dflash-bN drafts blocks of N; any name but
+# none ending in -kN drafts k = N every round
 BENCH_DRAFTERS = {"ngram": "ngram", "eagle3": "eagle3", "eagle3-tree": "eagle3",
+                  "eagle3-mlx": "eagle3", "eagle3-tree-mlx": "eagle3",
                   "dflash": "dflash", "none": None}  # fmt: skip
 
 
@@ -48,9 +50,10 @@ def add_bench_args(p) -> None:
     p.add_argument(
         "--drafter",
         default="ngram",
-        help="comma-separated: ngram, eagle3 (chains), eagle3-tree, dflash, dflash-bN (blocks "
-        "of N), none (the services without drafting: what the split costs); a -kN suffix "
-        "(eagle3-k2) drafts k = N every round, adaptive k off; all run side by side",
+        help="comma-separated: ngram, eagle3 (chains), eagle3-tree, eagle3-mlx and "
+        "eagle3-tree-mlx (the head in MLX: --mlx-forwards), dflash, dflash-bN (blocks of N), "
+        "none (the services without drafting: what the split costs); a -kN suffix (eagle3-k2) "
+        "drafts k = N every round, adaptive k off; all run side by side",
     )
     p.add_argument("--max-tokens", type=int_between(1), default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -222,7 +225,7 @@ def _known(name: str) -> bool:
 def _variant_options(args, name: str) -> dict:
     """Options of bench drafter `name` as `specd serve drafter` flags take them."""
     name, _ = pinned_k(name)  # the request pins k (see run_bench)
-    tree = name.endswith("-tree")
+    tree = "-tree" in name
     return {
         "num_draft_tokens": args.num_draft_tokens,
         "ngram_min_n": args.ngram_min_n,
@@ -233,12 +236,20 @@ def _variant_options(args, name: str) -> dict:
         "tree_depth": args.tree_depth if tree else None,
         "tree_top_k": args.tree_top_k if tree else None,
         "block_size": int(name[len("dflash-b") :]) if name.startswith("dflash-b") else None,
+        "mlx_forwards": True if name.endswith("-mlx") else None,
     }
 
 
 _KIND_OPTIONS = {
     "ngram": ("num_draft_tokens", "ngram_min_n", "ngram_max_n"),
-    "eagle3": ("num_draft_tokens", "weights", "tree_total_tokens", "tree_depth", "tree_top_k"),
+    "eagle3": (
+        "num_draft_tokens",
+        "weights",
+        "tree_total_tokens",
+        "tree_depth",
+        "tree_top_k",
+        "mlx_forwards",
+    ),  # fmt: skip
     "dflash": ("weights", "block_size"),
 }
 
@@ -249,8 +260,11 @@ def _drafter_args(args, name: str) -> list[str]:
     if args.drafter_blas_threads is not None:
         out += ["--blas-threads", str(args.drafter_blas_threads)]
     for option in _KIND_OPTIONS.get(bench_kind(name), ()):
-        if options[option] is not None:
-            out += ["--" + option.replace("_", "-"), str(options[option])]
+        flag = "--" + option.replace("_", "-")
+        if options[option] is True:  # a switch
+            out.append(flag)
+        elif options[option] is not None:
+            out += [flag, str(options[option])]
     return out
 
 

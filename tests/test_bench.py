@@ -88,3 +88,20 @@ def test_pinned_k_variant_names():
     assert pinned_k("eagle3") == ("eagle3", None)
     assert bench_kind("dflash-b8-k3") == "dflash" and bench_kind("eagle3-tree-k4") == "eagle3"
     assert not _known("none-k2") and not _known("eagle3-k0") and not _known("eagle3-kx")
+
+
+def test_mlx_variants_pass_the_switch_to_their_drafter():
+    from argparse import ArgumentParser
+
+    from coordinator.bench import _drafter_args, add_bench_args, bench_kind
+
+    p = ArgumentParser()
+    add_bench_args(p)
+    args = p.parse_args(["--questions", "mt-bench"])
+    assert bench_kind("eagle3-tree-mlx") == "eagle3"
+    assert "--mlx-forwards" in _drafter_args(args, "eagle3-mlx")
+    tree_mlx = _drafter_args(args, "eagle3-tree-mlx")
+    assert (
+        "--mlx-forwards" in tree_mlx and tree_mlx[tree_mlx.index("--tree-total-tokens") + 1] != "0"
+    )
+    assert "--mlx-forwards" not in _drafter_args(args, "eagle3")
