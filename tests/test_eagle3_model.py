@@ -260,7 +260,8 @@ def test_tree_nodes_match_a_plain_chain_along_each_path(make_drafter):
 @pytest.mark.parametrize("norm_before_residual", [False, True])
 def test_host_forwards_match_mlx(norm_before_residual):
     """The head on numpy and the compiled kernels: the same entries, hidden rows and drafts as
-    in MLX, for a long open (MLX's sgemm either way), extends of a few rows and chains."""
+    in MLX, for a long open (MLX's sgemm either way), extends of a few rows, chains and
+    trees."""
     head = tiny_head(norm_before_residual=norm_before_residual)
     embedding, rows, tokens = sample_inputs(t=40)
     host = HostHead.attach(head, embedding)
@@ -279,6 +280,9 @@ def test_host_forwards_match_mlx(norm_before_residual):
         assert on_mlx.chain(a, 6).ids == on_host.chain(b, 6).ids
         past = on_mlx.chain(a, 2).ids
         assert on_mlx.chain(a, 4, after=past).ids == on_host.chain(b, 4, after=past).ids
+        shape = TreeShape(total_tokens=12, depth=4, top_k=3)
+        trees = on_mlx.tree(a, shape), on_host.tree(b, shape)
+        assert trees[0].ids == trees[1].ids and trees[0].parents == trees[1].parents
 
 
 def test_host_forwards_need_a_head_size_the_kernels_take():

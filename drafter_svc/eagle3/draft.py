@@ -136,10 +136,6 @@ class Eagle3Drafter:
         return state.last_hidden is not None and state.entries == len(state.tokens) - 1
 
     # ------------------------------------------------------------ proposals
-    def _logp(self, hidden: mx.array) -> mx.array:
-        logits = self.head.logits(hidden)
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
     def _to_target(self, draft_ids) -> list[int]:
         d = np.asarray(draft_ids, dtype=np.int64)
         return (d + self.d2t[d]).tolist()
@@ -218,7 +214,6 @@ class Eagle3Drafter:
         depths: list[int] = []
         # expanded entries (drafter-side tree attention): pool index -> column in tree keys
         expanded_col: dict[int, int] = {}
-        tree_keys = tree_values = None
 
         def add_children(parent: int, logp_row: np.ndarray, base: float, depth: int) -> None:
             best = np.argpartition(-logp_row, top_k - 1)[:top_k]
@@ -228,19 +223,17 @@ class Eagle3Drafter:
                 scores.append(base + float(logp_row[d]))
                 depths.append(depth)
 
-        last_hidden = mx.array(state.last_hidden)
-        committed_keys, committed_values = _mlx_past(state)
-        root_logp = np.array(self._logp(last_hidden).astype(mx.float32))
-        add_children(-1, root_logp, 0.0, 1)
+        if self.host is not None:
+            levels = _HostLevels(self.host, state, top_k * (shape.depth - 1), self.kv_shape)
+        else:
+            levels = _MlxLevels(self, state)
+        add_children(-1, levels.logp(state.last_hidden[None])[0], 0.0, 1)
         frontier = list(range(len(tokens)))
-        parent_hidden = {i: last_hidden for i in frontier}  # hidden feeding each node
-        position = state.entries
+        parent_hidden = {i: state.last_hidden for i in frontier}  # hidden feeding each node
         for depth in range(1, shape.depth):
             n = len(frontier)
-            emb = self.embedding[mx.array(self._to_target([tokens[i] for i in frontier]))][None]
-            feats = mx.stack([parent_hidden[i] for i in frontier])[None]
             # each new entry sees the committed context, its expanded ancestors and itself
-            cols = 0 if tree_keys is None else tree_keys.shape[2]
+            cols = levels.columns
             mask = np.zeros((n, state.entries + cols + n), dtype=bool)
             mask[:, : state.entries] = True
             for row, node in enumerate(frontier):
@@ -249,23 +242,20 @@ class Eagle3Drafter:
                     mask[row, state.entries + expanded_col[a]] = True
                     a = parents[a]
                 mask[row, state.entries + cols + row] = True
-            past_k = committed_keys if tree_keys is None else mx.concatenate(
-                [committed_keys, tree_keys], axis=2)  # fmt: skip
-            past_v = committed_values if tree_values is None else mx.concatenate(
-                [committed_values, tree_values], axis=2)  # fmt: skip
-            out, (k_new, v_new) = self.head.step(emb, feats, position + depth - 1,
-                                                 (past_k, past_v), mx.array(mask))  # fmt: skip
-            tree_keys = k_new if tree_keys is None else mx.concatenate([tree_keys, k_new], axis=2)
-            tree_values = v_new if tree_values is None else mx.concatenate(
-                [tree_values, v_new], axis=2)  # fmt: skip
+            hidden = levels.forward(
+                self._to_target([tokens[i] for i in frontier]),
+                np.stack([parent_hidden[i] for i in frontier]),
+                state.entries + depth - 1,
+                mask,
+            )
             for row, node in enumerate(frontier):
                 expanded_col[node] = cols + row
-            logp = np.array(self._logp(out[0]).astype(mx.float32))
+            logp = levels.logp(hidden)
             first_new = len(tokens)
             for row, node in enumerate(frontier):
                 add_children(node, logp[row], scores[node], depth + 1)
                 for child in range(len(tokens) - top_k, len(tokens)):
-                    parent_hidden[child] = out[0, row]
+                    parent_hidden[child] = hidden[row]
             new = list(range(first_new, len(tokens)))
             frontier = sorted(new, key=lambda i: -scores[i])[:top_k]
         chosen = _best_closed(parents, scores, shape.total_tokens)
@@ -273,6 +263,56 @@ class Eagle3Drafter:
         index = {node: j for j, node in enumerate(chosen)}
         out_parents = [index[parents[i]] if parents[i] >= 0 else -1 for i in chosen]
         return Proposal(self._to_target([tokens[i] for i in chosen]), parents=out_parents)
+
+
+class _MlxLevels:
+    """A draft tree's levels in MLX, its entries kept beside copies of the committed ones."""
+
+    def __init__(self, drafter: Eagle3Drafter, state: Eagle3State):
+        self.drafter = drafter
+        self.keys, self.values = _mlx_past(state)
+        self.columns = 0  # tree entries so far
+
+    def forward(self, target_ids, feats: np.ndarray, position: int, mask: np.ndarray):
+        head = self.drafter.head
+        emb = self.drafter.embedding[mx.array(target_ids)][None]
+        out, (k, v) = head.step(
+            emb, mx.array(feats)[None], position, (self.keys, self.values), mx.array(mask)
+        )
+        self.keys = mx.concatenate([self.keys, k], axis=2)
+        self.values = mx.concatenate([self.values, v], axis=2)
+        self.columns += len(target_ids)
+        return np.array(out[0])
+
+    def logp(self, hidden: np.ndarray) -> np.ndarray:
+        logits = self.drafter.head.logits(mx.array(hidden))
+        return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+
+class _HostLevels:
+    """A draft tree's levels on the host, its entries in the cache's scratch rows."""
+
+    def __init__(self, host: HostHead, state: Eagle3State, most: int, kv_shape):
+        state.reserve(most, *kv_shape)
+        self.host, self.state = host, state
+        self.columns = 0
+
+    def forward(self, target_ids, feats: np.ndarray, position: int, mask: np.ndarray):
+        state, n = self.state, len(target_ids)
+        past = state.entries + self.columns
+        hidden, k, v = self.host.step(
+            self.host.embed(target_ids), feats, np.full(n, position), state.key_buffer,
+            state.value_buffer, past, mask,
+        )  # fmt: skip
+        state.key_buffer[:, past : past + n] = k
+        state.value_buffer[:, past : past + n] = v
+        self.columns += n
+        return hidden
+
+    def logp(self, hidden: np.ndarray) -> np.ndarray:
+        logits = self.host.logits(hidden)
+        top = logits.max(axis=-1, keepdims=True)
+        return logits - (top + np.log(np.exp(logits - top).sum(axis=-1, keepdims=True)))
 
 
 def _mlx_past(state: Eagle3State) -> tuple[mx.array, mx.array] | None:

@@ -92,9 +92,11 @@ class HostHead:
         past: int,
         sees: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The layer for T new entries at `positions`, each seeing the first `past` cached
-        entries of keys / values [kv, capacity, D] and the new entries `sees` [T, T] allows.
-        Returns (hidden [T, H] before the final norm, new keys and values [kv, T, D])."""
+        """The layer for T new entries at `positions`, attending over the first `past` cached
+        entries of keys / values [kv, capacity, D] and the new ones: `sees` [T, T] says which
+        new entries each sees, beside every cached one (the compiled kernel); [T, past + T]
+        says which of all (a draft tree's level, in numpy). Returns (hidden [T, H] before the
+        final norm, new keys and values [kv, T, D])."""
         kernels = layer_kernels()
         n, width = len(emb), self.hidden_size
         normed = self._rms(np.ascontiguousarray(feature, dtype=np.float32), self.hidden_norm)
@@ -109,13 +111,30 @@ class HostHead:
         kernels.rope(self.k.of_rows(x), cos, sin, self.rope.traditional, k)
         v = self.v.of_rows(x).reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
         v = np.ascontiguousarray(v)
-        attended = np.empty((n, self.heads * self.head_dim), np.float32)
-        kernels.attention(q * self.scale, k, v, keys, values, past, sees, attended)
+        if sees.shape[1] == n:
+            attended = np.empty((n, self.heads * self.head_dim), np.float32)
+            kernels.attention(q * self.scale, k, v, keys, values, past, sees, attended)
+        else:
+            attended = self._attend_masked(q * self.scale, k, v, keys, values, past, sees)
         h = residual + self.o.of_rows(attended)
         x = self._rms(h, self.post_norm)
         gate = self.gate.of_rows(x)
         kernels.swiglu(gate, self.up.of_rows(x))
         return h + self.down.of_rows(gate), k, v
+
+    def _attend_masked(self, q, k, v, keys, values, past: int, visible) -> np.ndarray:
+        n, group = q.shape[1], self.heads // self.kv_heads
+        all_keys = np.concatenate([keys[:, :past], k], axis=1)  # [kv, past + T, D]
+        all_values = np.concatenate([values[:, :past], v], axis=1)
+        # query head j reads kv head j // group: rows of a kv head are its heads' tokens
+        queries = q.reshape(self.kv_heads, group * n, self.head_dim)
+        scores = queries @ all_keys.transpose(0, 2, 1)
+        scores[:, ~np.tile(visible, (group, 1))] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        out = (scores @ all_values).reshape(self.heads, n, self.head_dim)
+        return np.ascontiguousarray(out.transpose(1, 0, 2)).reshape(n, -1)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """hidden [T, H] -> draft-vocabulary logits [T, draft vocab]."""
