@@ -21,7 +21,7 @@ DEFAULT_PORTS = {"coordinator": 50050, "verifier": 50051, "drafter": 50052}
 GEMV_HELP = (
     "forwards of at most N tokens (decode steps, verifies) run on numpy, float32 on the CPU "
     "only: whole layers for Llama-family targets, the weight products alone for others; "
-    "0: all in MLX (default on the CPU with float32: 16 for Llama-family targets, 3 for "
+    "0: all in MLX (default on the CPU with float32: 32 for Llama-family targets, 3 for "
     "others; else 0)"
 )
 FLOAT32_WEIGHTS_HELP = (

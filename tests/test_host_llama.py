@@ -6,6 +6,7 @@ import pytest
 from tiny import make_tiny_model_dir
 
 from specd.models import host_llama
+from specd.models.host_llama import DEFAULT_MAX_ROWS as HOST_MAX_ROWS
 from specd.models.host_llama import ROPE_BLOCK, HostLlama
 from specd.models.load import load_target
 from verifier_svc.engine import Target, _rollback, decode, prefill, verify_tree
@@ -119,13 +120,13 @@ def test_small_forwards_and_trees_run_on_numpy(tiny_model_dir, monkeypatch):
     assert sizes == [10, 1]  # prefill: all but the last token, then the last, as mlx-lm does
     sizes.clear()
     base = session.cache[0].offset
-    for n in (1, 3, 16, 17):
+    for n in (1, 3, HOST_MAX_ROWS, HOST_MAX_ROWS + 1):
         fast.forward(mx.array([7] * n), session.cache)
         _rollback(session.cache, base)
-    assert sizes == [1, 3, 16]
+    assert sizes == [1, 3, HOST_MAX_ROWS]
     verify_tree(fast, session, [7, 8], [-1, -1])
     verify_tree(fast, session, [7, 8, 9], [-1, -1, -1])
-    assert sizes == [1, 3, 16, 3, 4]
+    assert sizes == [1, 3, HOST_MAX_ROWS, 3, 4]
 
 
 def test_models_it_cannot_run_stay_in_mlx(tiny_model_dir, tmp_path):

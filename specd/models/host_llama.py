@@ -25,8 +25,9 @@ from specd.models.gemv import GemvWeights, float32_view
 from specd.models.row_products import layer_kernels
 
 ROPE_BLOCK = 256  # positions per table of RoPE angles, made on first use
-# numpy beat MLX at every size measured up to 16 tokens (benchmarks/step_floor.py)
-DEFAULT_MAX_ROWS = 16
+# numpy beat MLX at every size measured up to 32 tokens, and tied at 33 (benchmarks/step_floor.py;
+# docs/benchmarks.md, session 14): a 16-token tree's verify is 17 tokens
+DEFAULT_MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
