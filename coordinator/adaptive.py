@@ -182,7 +182,9 @@ class AdaptiveK:
     k_max: int
     probe_every: int = 8  # rounds at k = 0 before drafting is tried again
     probe_every_max: int = 64  # the wait after many rejected probes in a row
-    probe_tokens: int = 2  # drafts in such a probe
+    # drafts in such a probe: one, since on a CPU a verify of 3 tokens costs ~2.2x a decode
+    # step and of 2 tokens ~1.2x (docs/benchmarks.md, session 14)
+    probe_tokens: int = 1
     decay: float = 0.9  # acceptance follows the text: recent rounds count most
     successes: float = 1.0  # prior: acceptance 0.5 over two pseudo-trials
     trials: float = 2.0

@@ -126,7 +126,7 @@ def test_a_tree_probe_asks_for_a_tree_of_probe_tokens_nodes():
         assert k.choose(100) == 0
         k.observe(0, 0, 0)
     assert k.choose(100) >= 1 and k.probing
-    assert k.tree_shape["total_tokens"] == k.probe_tokens  # 2 nodes, not a 16-token tree
+    assert k.tree_shape["total_tokens"] == k.probe_tokens  # 1 node, not a 16-token tree
 
 
 def test_rejected_probes_back_off_and_an_accepted_one_resets():
