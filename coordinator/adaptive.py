@@ -7,10 +7,7 @@ Model (documented in docs/adaptive.md):
   both fitted online by least squares with forgetting; a size seen twice or more is priced
   by its own recent mean instead;
 - k = argmax over 0..k_max of expected tokens / (draft cost + verify cost), where k = 0 costs
-  no draft call;
-- a drafter asked for drafts may propose none (an n-gram drafter without a match): it does so
-  with probability 1 - h (h estimated per session), and such a round commits one token at the
-  price of a draft call and a one-token verify, which the expectation above weighs in.
+  no draft call.
 - Draft trees choose their size n as well: the target's token is a node's r-th best drafted
   child with probability p[r] (estimated per session from the paths the target kept), so the
   best tree of n nodes expects the sum of its n largest path products (a greedy expansion
@@ -191,8 +188,6 @@ class AdaptiveK:
     decay: float = 0.9  # acceptance follows the text: recent rounds count most
     successes: float = 1.0  # prior: acceptance 0.5 over two pseudo-trials
     trials: float = 2.0
-    proposals: float = 2.0  # prior: the drafter proposes whenever asked (two pseudo-asks)
-    asks: float = 2.0
     rounds_without_drafts: int = 0
     probe_wait: int = 0  # rounds at k = 0 before the next probe; 0 until set from probe_every
     probing: bool = False  # the round just chosen is a probe
@@ -215,18 +210,6 @@ class AdaptiveK:
     def acceptance(self) -> float:
         return self.successes / self.trials
 
-    @property
-    def proposal_rate(self) -> float:
-        """How often the drafter, asked, proposed anything."""
-        return self.proposals / self.asks
-
-    def _rate(self, tokens: float, draft_s: float, verify_s: float) -> float:
-        """Expected tokens per second of drafting: `tokens` in `verify_s` when the drafter
-        proposes, one token in a one-token verify when it does not."""
-        h = self.proposal_rate
-        plain_s = self.costs.verify.predict(1)
-        return (h * tokens + 1 - h) / (draft_s + h * verify_s + (1 - h) * plain_s)
-
     def choose(self, limit: int) -> int:
         """k for the next round, at most `limit` (tokens still wanted - 1); for trees the depth,
         with the whole shape in `tree_shape`."""
@@ -243,11 +226,8 @@ class AdaptiveK:
             return min(k_max, self.probe_tokens)
         best_k, best_rate = 0, 1.0 / self.costs.verify.predict(1)
         for k in range(1, k_max + 1):
-            rate = self._rate(
-                expected_tokens(k, self.acceptance),
-                self.costs.draft.predict(k),
-                self.costs.verify.predict(k + 1),
-            )
+            seconds = self.costs.draft.predict(k) + self.costs.verify.predict(k + 1)
+            rate = expected_tokens(k, self.acceptance) / seconds
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
@@ -265,11 +245,9 @@ class AdaptiveK:
         else:
             chosen, best_rate = 0, 1.0 / self.costs.verify.predict(1)
             for n, (accepted, depth, _) in enumerate(options, start=1):
-                rate = self._rate(
-                    1 + accepted, self.costs.draft.predict(depth), self.costs.verify.predict(n + 1)
-                )
-                if rate > best_rate:
-                    chosen, best_rate = n, rate
+                seconds = self.costs.draft.predict(depth) + self.costs.verify.predict(n + 1)
+                if (1 + accepted) / seconds > best_rate:
+                    chosen, best_rate = n, (1 + accepted) / seconds
             if chosen == 0:
                 return 0
         _, depth, width = options[chosen - 1]
@@ -297,17 +275,8 @@ class AdaptiveK:
     def observe(self, asked: int, drafted: int, accepted: int) -> None:
         """After a round: `asked` k, `drafted` tokens the drafter gave, `accepted` of them."""
         self.rounds_without_drafts = self.rounds_without_drafts + 1 if asked == 0 else 0
-        if asked:
-            self.proposals = self.proposals * self.decay + (1 if drafted else 0)
-            self.asks = self.asks * self.decay + 1
         if drafted == 0:
-            # nothing proposed (e.g. no n-gram match) says nothing about acceptance; a probe
-            # that found nothing to draft waits longer, as a rejected one does
-            if asked and self.probing:
-                self.probe_wait = min(
-                    2 * (self.probe_wait or self.probe_every), self.probe_every_max
-                )
-            return
+            return  # nothing proposed (e.g. no n-gram match) says nothing about acceptance
         if accepted:
             self.probe_wait = self.probe_every
         elif self.probing:

@@ -191,33 +191,3 @@ def test_tree_limits_come_from_a_shape_and_make_the_same_kind():
     limits = TreeLimits.of(TreeShape(total_tokens=12, depth=0, top_k=0), default_top_k=3)
     assert (limits.total_tokens, limits.depth, limits.top_k) == (12, 0, 3)
     assert limits.make(total_tokens=2, depth=1, top_k=2) == TreeShape(2, 1, 2)
-
-
-def test_a_drafter_that_mostly_proposes_nothing_is_not_asked():
-    """An n-gram drafter without matches: asking costs a draft call and a lone verify (no
-    burst), so even right drafts do not pay when most calls come back empty."""
-    costs = SpeculationCosts()
-    for _ in range(3):  # this CPU's verifies (docs/benchmarks.md, session 14) and draft calls
-        for n, seconds in ((1, 0.0131), (2, 0.0162), (3, 0.029), (4, 0.030)):
-            costs.verify.observe(n, seconds)
-        for n in (1, 2, 3):
-            costs.draft.observe(n, 0.001)
-    k = AdaptiveK(costs, k_max=3, successes=25.0, trials=50.0)
-    assert k.choose(100) >= 1  # drafts right half the time: worth asking
-    for _ in range(12):
-        k.observe(1, 0, 0)  # asked, proposed nothing
-    assert k.proposal_rate < 0.3 and k.acceptance == pytest.approx(0.5)
-    assert k.choose(100) == 0
-    for _ in range(12):
-        k.observe(1, 1, 1)  # proposals again, accepted
-    assert k.choose(100) >= 1
-
-
-def test_an_empty_probe_backs_off_like_a_rejected_one():
-    k = chooser(0.02)
-    for _ in range(k.probe_every):
-        assert k.choose(100) == 0
-        k.observe(0, 0, 0)
-    assert k.choose(100) == k.probe_tokens and k.probing
-    k.observe(k.probe_tokens, 0, 0)  # nothing to draft here
-    assert k.plain_rounds_ahead() == 2 * k.probe_every
