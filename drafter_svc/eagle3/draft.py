@@ -8,13 +8,16 @@ live for one proposal and are dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
 
-from drafter_svc.eagle3.host import HostHead
 from drafter_svc.eagle3.model import Eagle3Head
 from drafter_svc.proposal import Proposal, TreeShape
+
+if TYPE_CHECKING:  # its imports (mlx-lm) cost an n-gram drafter ~34 MiB
+    from drafter_svc.eagle3.host import HostHead
 
 KV_STEP = 256  # the cache grows by this many entries at a time, not one call at a time
 

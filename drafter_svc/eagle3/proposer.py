@@ -11,10 +11,8 @@ import mlx.core as mx
 
 from drafter_svc.checkpoints import CheckpointError, check_target, shipped_or_given
 from drafter_svc.eagle3.draft import Eagle3Drafter, Eagle3State
-from drafter_svc.eagle3.host import HostHead
 from drafter_svc.eagle3.model import load_head
 from drafter_svc.proposal import Proposal, TreeShape
-from specd.models.load import device_kind
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "heads"
 # heads this package ships, by the materialized directory name of their target
@@ -148,6 +146,9 @@ def load_eagle3(options: Eagle3Options, target_dir: Path, target_identity) -> Ea
     embedding = extras.get("embed_tokens")
     embedding = embedding.astype(mx.float32) if embedding is not None else target_embedding(
         target_dir)  # fmt: skip
+    from drafter_svc.eagle3.host import HostHead  # mlx-lm: not for drafters of other kinds
+    from specd.models.load import device_kind
+
     # on a GPU MLX's own forwards are the fast ones
     on_cpu = options.host_forwards and device_kind() == "cpu"
     host = HostHead.attach(head, embedding) if on_cpu else None
