@@ -17,7 +17,7 @@ import numpy as np
 from drafter_svc.eagle3.model import Eagle3Head
 from specd.models.gemv import GemvWeights, float32_view
 from specd.models.half import exactly_half
-from specd.models.host_llama import RopeTables, turns_pairs
+from specd.models.host_llama import RopeTables, attend_numpy, rms_norm, turns_pairs
 from specd.models.row_products import layer_kernels
 
 MAX_ROWS = 64  # faster than MLX at every size measured to 64 rows; a prompt goes to MLX
@@ -74,9 +74,7 @@ class HostHead:
         return self.embedding[np.asarray(target_ids, dtype=np.int64)]
 
     def _rms(self, h: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        out = np.empty_like(h)
-        layer_kernels().rms_norm(h, weight, self.eps, out)
-        return out
+        return rms_norm(h, weight, self.eps)
 
     def features(self, rows: np.ndarray) -> np.ndarray:
         """fc over target rows [T, layers * H] -> g [T, H]."""
@@ -115,26 +113,14 @@ class HostHead:
             attended = np.empty((n, self.heads * self.head_dim), np.float32)
             kernels.attention(q * self.scale, k, v, keys, values, past, sees, attended)
         else:
-            attended = self._attend_masked(q * self.scale, k, v, keys, values, past, sees)
+            keys = np.concatenate([keys[:, :past], k], axis=1)
+            values = np.concatenate([values[:, :past], v], axis=1)
+            attended = attend_numpy(q * self.scale, keys, values, sees)
         h = residual + self.o.of_rows(attended)
         x = self._rms(h, self.post_norm)
         gate = self.gate.of_rows(x)
         kernels.swiglu(gate, self.up.of_rows(x))
         return h + self.down.of_rows(gate), k, v
-
-    def _attend_masked(self, q, k, v, keys, values, past: int, visible) -> np.ndarray:
-        n, group = q.shape[1], self.heads // self.kv_heads
-        all_keys = np.concatenate([keys[:, :past], k], axis=1)  # [kv, past + T, D]
-        all_values = np.concatenate([values[:, :past], v], axis=1)
-        # query head j reads kv head j // group: rows of a kv head are its heads' tokens
-        queries = q.reshape(self.kv_heads, group * n, self.head_dim)
-        scores = queries @ all_keys.transpose(0, 2, 1)
-        scores[:, ~np.tile(visible, (group, 1))] = -np.inf
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
-        out = (scores @ all_values).reshape(self.heads, n, self.head_dim)
-        return np.ascontiguousarray(out.transpose(1, 0, 2)).reshape(n, -1)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """hidden [T, H] -> draft-vocabulary logits [T, draft vocab]."""

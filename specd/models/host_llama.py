@@ -108,11 +108,8 @@ class HostLlama:
         self.head: GemvWeights = head
         self.eps = eps
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.group = heads // kv_heads  # query heads per kv head
         self.scale = head_dim**-0.5
         self.rope = RopeTables(rope)
-        self.rope_dims = rope.dims
-        self.rope_traditional = rope.traditional
         self.max_rows = head.max_rows
 
     @staticmethod
@@ -236,9 +233,7 @@ class HostLlama:
         return logits, captured
 
     def _rms_compiled(self, h: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        out = np.empty_like(h)
-        layer_kernels().rms_norm(h, weight, self.eps, out)
-        return out
+        return rms_norm(h, weight, self.eps)
 
     def _rms(self, h: np.ndarray, weight: np.ndarray) -> np.ndarray:
         mean_square = np.mean(np.square(h), axis=-1, keepdims=True)
@@ -246,22 +241,22 @@ class HostLlama:
 
     def _heads_compiled(self, rows: np.ndarray, heads: int, cos, sin) -> np.ndarray:
         out = np.empty((heads, len(rows), self.head_dim), np.float32)
-        layer_kernels().rope(rows, cos, sin, self.rope_traditional, out)
+        layer_kernels().rope(rows, cos, sin, self.rope.traditional, out)
         return out
 
     def _heads(self, rows: np.ndarray, heads: int, cos, sin) -> np.ndarray:
         """[T, heads*D] -> [heads, T, D] with RoPE applied."""
         x = rows.reshape(len(rows), heads, self.head_dim).transpose(1, 0, 2)
-        half = self.rope_dims // 2
+        dims, half = self.rope.dims, self.rope.dims // 2
         out = x.copy()
-        if self.rope_traditional:
-            a, b = x[..., 0 : self.rope_dims : 2], x[..., 1 : self.rope_dims : 2]
-            out[..., 0 : self.rope_dims : 2] = a * cos - b * sin
-            out[..., 1 : self.rope_dims : 2] = a * sin + b * cos
+        if self.rope.traditional:
+            a, b = x[..., 0:dims:2], x[..., 1:dims:2]
+            out[..., 0:dims:2] = a * cos - b * sin
+            out[..., 1:dims:2] = a * sin + b * cos
         else:
-            a, b = x[..., :half], x[..., half : self.rope_dims]
+            a, b = x[..., :half], x[..., half:dims]
             out[..., :half] = a * cos - b * sin
-            out[..., half : self.rope_dims] = a * sin + b * cos
+            out[..., half:dims] = a * sin + b * cos
         return out
 
     def _attend_compiled(self, q, k, v, layer_cache: KVCache, offset: int, sees) -> np.ndarray:
@@ -279,28 +274,34 @@ class HostLlama:
 
     def _attend(self, q, k, v, layer_cache: KVCache, offset: int, sees) -> np.ndarray:
         """Attention of the new queries over the cached rows and the new rows -> [T, heads*D]."""
-        n = q.shape[1]
-        # [group*T, T]: each kv head's queries are its query heads' tokens, head after head
-        causal = np.tile(np.where(sees, np.float32(0), np.float32(-np.inf)), (self.group, 1))
-        # query head j reads kv head j // group: group the queries under their kv head
-        queries = q.reshape(self.kv_heads, self.group * n, self.head_dim) * self.scale
-        new_scores = queries @ k.transpose(0, 2, 1)  # [kv, group*T, T]
-        new_scores += causal
         if offset:
-            past_k = np.asarray(layer_cache.keys)[0, :, :offset]
-            past_v = np.asarray(layer_cache.values)[0, :, :offset]
-            scores = np.concatenate([queries @ past_k.transpose(0, 2, 1), new_scores], axis=-1)
-        else:
-            scores = new_scores
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
-        out = scores[..., offset:] @ v
-        if offset:
-            out += scores[..., :offset] @ past_v
-        # [kv, group*T, D] -> [heads, T, D] -> [T, heads*D]
-        out = out.reshape(self.heads, n, self.head_dim).transpose(1, 0, 2)
-        return out.reshape(n, self.heads * self.head_dim)
+            k = np.concatenate([np.asarray(layer_cache.keys)[0, :, :offset], k], axis=1)
+            v = np.concatenate([np.asarray(layer_cache.values)[0, :, :offset], v], axis=1)
+        visible = np.concatenate([np.ones((len(sees), offset), dtype=bool), sees], axis=1)
+        return attend_numpy(q * self.scale, k, v, visible)
+
+
+def rms_norm(h: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """h / sqrt(mean(h^2) + eps) * weight, rows [T, H], in the compiled kernel."""
+    out = np.empty_like(h)
+    layer_kernels().rms_norm(h, weight, eps, out)
+    return out
+
+
+def attend_numpy(queries, keys, values, visible) -> np.ndarray:
+    """Scaled queries [heads, T, D] over keys and values [kv, S, D], query t seeing key s where
+    visible[t, s] -> [T, heads * D]."""
+    heads, n, dim = queries.shape
+    kv_heads = keys.shape[0]
+    group = heads // kv_heads
+    # query head j reads kv head j // group: a kv head's rows are its query heads' tokens
+    scores = queries.reshape(kv_heads, group * n, dim) @ keys.transpose(0, 2, 1)
+    scores[:, ~np.tile(visible, (group, 1))] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = (scores @ values).reshape(heads, n, dim)
+    return np.ascontiguousarray(out.transpose(1, 0, 2)).reshape(n, heads * dim)
 
 
 def _swiglu(gate: np.ndarray, up: np.ndarray) -> None:
