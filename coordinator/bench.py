@@ -14,8 +14,9 @@ from pathlib import Path
 from specd.argtypes import int_between, non_negative_int, positive_int
 
 # --drafter names -> drafter kind; "-tree" variants draft trees, the others chains; "-mlx"
-# variants run the head in MLX (--mlx-forwards); dflash-bN drafts blocks of N; any name but
-# none ending in -kN drafts k = N every round
+# variants run the head in MLX (--mlx-forwards); dflash-bN drafts blocks of N; a "-serial"
+# suffix turns drafting beside decode bursts off; any name but none ending in -kN drafts k = N
+# every round
 BENCH_DRAFTERS = {"ngram": "ngram", "eagle3": "eagle3", "eagle3-tree": "eagle3",
                   "eagle3-mlx": "eagle3", "eagle3-tree-mlx": "eagle3",
                   "dflash": "dflash", "none": None}  # fmt: skip
@@ -29,9 +30,15 @@ def pinned_k(name: str) -> tuple[str, int | None]:
     return name, None
 
 
+def serial_drafting(name: str) -> bool:
+    """ "ngram-serial" (or "ngram-serial-k8"): the coordinator's --no-draft-beside-decode."""
+    return pinned_k(name)[0].endswith("-serial")
+
+
 def bench_kind(name: str) -> str | None:
     """Drafter kind of a --drafter name; KeyError for unknown names."""
     name, _ = pinned_k(name)
+    name = name.removesuffix("-serial")
     if name.startswith("dflash-b") and name[len("dflash-b") :].isdigit():
         return "dflash"
     return BENCH_DRAFTERS[name]
@@ -52,8 +59,10 @@ def add_bench_args(p) -> None:
         default="ngram",
         help="comma-separated: ngram, eagle3 (chains), eagle3-tree, eagle3-mlx and "
         "eagle3-tree-mlx (the head in MLX: --mlx-forwards), dflash, dflash-bN (blocks of N), "
-        "none (the services without drafting: what the split costs); a -kN suffix (eagle3-k2) "
-        "drafts k = N every round, adaptive k off; all run side by side",
+        "none (the services without drafting: what the split costs); a -serial suffix "
+        "(ngram-serial) makes every draft call before its verify (--no-draft-beside-decode); "
+        "a -kN suffix (eagle3-k2) drafts k = N every round, adaptive k off; all run side by "
+        "side",
     )
     p.add_argument("--max-tokens", type=int_between(1), default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -224,7 +233,7 @@ def _known(name: str) -> bool:
 
 def _variant_options(args, name: str) -> dict:
     """Options of bench drafter `name` as `specd serve drafter` flags take them."""
-    name, _ = pinned_k(name)  # the request pins k (see run_bench)
+    name = pinned_k(name)[0].removesuffix("-serial")  # the request pins k (see run_bench)
     tree = "-tree" in name
     return {
         "num_draft_tokens": args.num_draft_tokens,
@@ -309,6 +318,7 @@ def in_process_runner(args, name: str):
             common_pb2.SamplingParams(temperature=args.temperature),
             adaptive,
             decode_burst=args.decode_burst,
+            draft_beside_decode=not serial_drafting(name),
         )
         stats = RoundStats()
         start = time.perf_counter()
@@ -342,6 +352,9 @@ def _spec_row(question, base: Baseline, spec, spec_s: float, temperature: float)
                 "draft_compute_s",
                 "verify_compute_s",
                 "round_overhead_median_s",
+                "draft_calls",
+                "beside_calls",
+                "predrafted_rounds",
             )
         },
     }
@@ -408,7 +421,8 @@ def run_bench(args) -> int:
                     drafter_args=_drafter_args(args, d),
                     coordinator_args=([] if args.adaptive else ["--no-adaptive"])
                     + (["--overlap-drafting"] if args.overlap else [])
-                    + ["--decode-burst", str(args.decode_burst)],
+                    + ["--decode-burst", str(args.decode_burst)]
+                    + (["--no-draft-beside-decode"] if serial_drafting(d) else []),
                     log_dir=log_dir / d,
                 )
             )

@@ -17,6 +17,7 @@ class CoordinatorConfig:
     overlap_drafting: bool = False  # draft the next block during the verify (across hosts)
     adaptive: bool = True  # choose k per round, up to the drafter's default; off: always that
     decode_burst: int = 4  # tokens one verify call decodes when no drafts are wanted
+    draft_beside_decode: bool = True  # after an empty draft call, the next runs beside a burst
     verify_timeout_s: float = 60.0  # deadline of one Verify call
     prefill_timeout_s: float = 600.0  # long prompts on a CPU take minutes
     draft_timeout_s: float = 5.0  # a hung drafter costs at most this, then rounds go on without

@@ -83,6 +83,8 @@ class Plan:
     overlap: bool = False  # draft the next block while the verify runs, assuming acceptance
     tree: Any = None  # TreeShape asked of a tree drafter; None: the drafter's default
     decode_burst: int = 1  # tokens one verify call may decode when no drafts are wanted
+    # after a drafter call that proposed nothing, ask the next one beside a decode burst
+    draft_beside_decode: bool = False
 
 
 class RoundTime(NamedTuple):
@@ -114,7 +116,9 @@ class RoundStats:
     draft_compute_s: float = 0.0
     total_s: float = 0.0
     drafter_failed: bool = False
-    predrafted_rounds: int = 0  # rounds whose drafts were ready when the verify returned
+    predrafted_rounds: int = 0  # rounds whose drafts were ready before the round began
+    draft_calls: int = 0  # drafter calls it answered
+    beside_calls: int = 0  # drafter calls made beside a decode burst (draft_beside_decode)
     round_times: list[RoundTime] = field(default_factory=list)
 
     @property
@@ -151,6 +155,7 @@ class DrafterLink:
         self.pending_rows: list = []
         self.retry_at: float | None = None  # set while the drafter is down
         self.carried: Drafted | None = None  # next block, drafted while the last verify ran
+        self.empty_answers = 0  # drafter calls in a row that proposed nothing
         self.all_rows: list = []  # rows of every verified position, for a re-open
 
     async def open(self, context_ids: list[int], rows) -> None:
@@ -175,6 +180,11 @@ class DrafterLink:
     async def draft(
         self, position: int, k: int, sampling, speculative_ids=(), tree=None
     ) -> Drafted:
+        drafted = await self._draft(position, k, sampling, speculative_ids, tree)
+        self.empty_answers = 0 if drafted.ids else self.empty_answers + 1
+        return drafted
+
+    async def _draft(self, position: int, k: int, sampling, speculative_ids, tree) -> Drafted:
         if self.retry_at is not None:
             if time.perf_counter() < self.retry_at:
                 return Drafted([])
@@ -194,6 +204,7 @@ class DrafterLink:
             self._down(exc)
             return Drafted([])
         self.pending_ids, self.pending_rows = [], []
+        self.stats.draft_calls += 1
         return drafted
 
     def take_carried(self, k: int) -> Drafted | None:
@@ -212,6 +223,20 @@ class DrafterLink:
         )
         if bet_held and predrafted.probs is None:
             self.carried = Drafted(predrafted.ids[1:])
+
+    def carry_guess(self, guess: Drafted, verified: Verified) -> None:
+        """After a decode burst that ran beside a draft call made at its start: keep the
+        guess's tail for the next round when the burst decoded exactly its head."""
+        self.carried = None
+        decoded = verified.committed
+        matched = leading_matches(guess.ids, decoded)
+        if (
+            matched == len(decoded) < len(guess.ids)
+            and not verified.finished
+            and guess.probs is None
+            and not guess.parents
+        ):
+            self.carried = Drafted(guess.ids[matched:])
 
     def _down(self, exc: Exception) -> None:
         log.warning("drafter failed (%s); verify-only rounds until it is back", exc)
@@ -259,6 +284,7 @@ async def run_rounds(
             if plan.adaptive is not None:
                 k = plan.adaptive.choose(remaining - 1)
             drafted = Drafted([])
+            beside = 0  # tokens of a decode burst that runs beside the draft call
             if link is not None and k > 0:
                 carried = link.take_carried(k)
                 if carried is not None:
@@ -266,10 +292,25 @@ async def run_rounds(
                 tree = plan.tree
                 if plan.adaptive is not None and plan.adaptive.tree_shape is not None:
                     tree = plan.adaptive.tree_shape
-                drafted = carried or await link.draft(position, k, plan.sampling, (), tree)
+                if carried is not None:
+                    drafted = carried
+                elif plan.draft_beside_decode and link.empty_answers and tree is None:
+                    # the last call found nothing; this one will likely find nothing too, so
+                    # decode meanwhile instead of waiting for it with one token to verify
+                    beside = min(plan.decode_burst, link.empty_answers, remaining)
+                else:
+                    drafted = await link.draft(position, k, plan.sampling, (), tree)
             draft_done = time.perf_counter()
-            steps = _plain_steps(plan, link, k, remaining)
-            if plan.overlap and link is not None and drafted.ids and not drafted.parents:
+            steps = beside or _plain_steps(plan, link, k, remaining)
+            guess = None
+            if beside:
+                stats.beside_calls += 1
+                verified, guess = await _decode_beside_draft(
+                    verifier, link, opened.session_id, position, beside,
+                    max(k, plan.num_draft_tokens), plan.sampling,
+                )  # fmt: skip
+                link.carry_guess(guess, verified)
+            elif plan.overlap and link is not None and drafted.ids and not drafted.parents:
                 verified = await _verify_and_predraft(
                     verifier, link, opened.session_id, position, drafted, plan.sampling
                 )
@@ -286,7 +327,7 @@ async def run_rounds(
             position += len(verified.committed)
             if link is not None:
                 link.commit(verified.committed, verified.rows)
-            forwards = len(verified.committed) if steps > 1 else 1
+            forwards = len(verified.committed) if steps > 1 or beside else 1
             stats.rounds += forwards  # a round is one target forward: tau stays per forward
             stats.drafted += len(drafted.ids)
             stats.accepted += verified.num_accepted
@@ -295,7 +336,9 @@ async def run_rounds(
             stats.verify_s += verify_done - draft_done
             stats.draft_compute_s += drafted.compute_s
             stats.verify_compute_s += verified.compute_s
-            if plan.adaptive is not None and steps > 1:
+            if plan.adaptive is not None and guess is not None:
+                _learn_beside(plan.adaptive, k, guess, verified, verify_done - draft_done)
+            elif plan.adaptive is not None and steps > 1:
                 plan.adaptive.observe_plain(forwards)
                 plan.adaptive.costs.verify.observe(1, (verify_done - draft_done) / forwards)
             elif plan.adaptive is not None:
@@ -355,6 +398,34 @@ async def _verify_and_predraft(
     return verified
 
 
+async def _decode_beside_draft(
+    verifier, link: DrafterLink, session_id: str, position: int, steps: int, k: int, sampling
+) -> tuple[Verified, Drafted]:
+    """Decode `steps` tokens and meanwhile ask the drafter for k from the same point. The
+    guess costs no wait: if the burst decodes its head, its tail drafts the next round."""
+    plain_steps = steps if steps > 1 else 0
+    decode = asyncio.ensure_future(
+        verifier.verify(session_id, position, [], None, None, plain_steps=plain_steps)
+    )
+    try:
+        guess = await link.draft(position, k, sampling)
+    except BaseException:
+        decode.cancel()
+        raise
+    verified = await decode
+    return verified, guess
+
+
+def _learn_beside(
+    adaptive: AdaptiveK, k: int, guess: Drafted, verified: Verified, decode_s: float
+) -> None:
+    """A burst beside a draft call: the guess's head met the target's tokens as drafts would
+    have, so it counts as acceptance evidence; the burst prices plain steps."""
+    checked = min(len(guess.ids), len(verified.committed))
+    adaptive.observe(k, checked, leading_matches(guess.ids, verified.committed))
+    adaptive.costs.verify.observe(1, decode_s / max(1, len(verified.committed)))
+
+
 def _learn(
     adaptive: AdaptiveK,
     k: int,
@@ -369,6 +440,16 @@ def _learn(
     adaptive.costs.verify.observe(len(drafted.ids) + 1, verify_s)
     if called_drafter:
         adaptive.costs.draft.observe(k, draft_s)
+
+
+def leading_matches(guess, tokens) -> int:
+    """How many of `guess` equal `tokens`, in a row from the first."""
+    matched = 0
+    for guessed, token in zip(guess, tokens, strict=False):
+        if guessed != token:
+            break
+        matched += 1
+    return matched
 
 
 def _path_length(drafted: Drafted) -> int:

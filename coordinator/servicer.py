@@ -50,6 +50,8 @@ def stats_message(stats: RoundStats) -> coordinator_pb2.GenerateStats:
         drafter_failed=stats.drafter_failed,
         predrafted_rounds=stats.predrafted_rounds,
         round_overhead_median_s=stats.overhead_median_s,
+        draft_calls=stats.draft_calls,
+        beside_calls=stats.beside_calls,
     )
 
 
@@ -207,6 +209,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             overlap=overlap,
             tree=tree,
             decode_burst=self._decode_burst(),
+            draft_beside_decode=self.config.draft_beside_decode,
         )
 
     def _decode_burst(self) -> int:

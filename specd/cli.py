@@ -223,6 +223,14 @@ def _add_serve(sub) -> None:
         "adaptive k at 0): fewer round trips; streamed output arrives in chunks of this size. "
         "1: a call per token",
     )
+    c.add_argument(
+        "--no-draft-beside-decode",
+        dest="draft_beside_decode",
+        action="store_false",
+        help="after a draft call that proposed nothing (no n-gram match), make the next call "
+        "before the verify as usual, instead of beside a decode burst of up to --decode-burst "
+        "tokens whose tokens it must then match",
+    )
 
 
 def _serve(args) -> int:
@@ -332,6 +340,7 @@ def _service_config(args):
             default_max_tokens=args.default_max_tokens,
             adaptive=args.adaptive,
             decode_burst=args.decode_burst,
+            draft_beside_decode=args.draft_beside_decode,
             verifier_recovery_s=args.verifier_recovery_timeout,
             http_port=args.http_port,
             overlap_drafting=args.overlap_drafting,

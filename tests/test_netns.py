@@ -123,7 +123,7 @@ def test_netns_three_hosts_match_loopback(tiny_model_dir, tmp_path):
             f"{got['token_ids'] == expected.token_ids}"
         )
         assert got["token_ids"] == expected.token_ids
-        assert got["stats"]["drafted"] > 0, (tmp_path / "coordinator.log").read_text()
+        assert got["stats"]["draft_calls"] > 0, (tmp_path / "coordinator.log").read_text()
     finally:
         for process in processes:
             process.terminate()

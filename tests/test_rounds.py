@@ -95,9 +95,9 @@ class RecordingDrafter(LocalDrafter):
         super().__init__(proposer)
         self.calls = []  # (tokens generated so far, k)
 
-    async def draft(self, session_id, position, new_ids, rows, k, sampling):
+    async def draft(self, session_id, position, new_ids, rows, k, sampling, *rest):
         self.calls.append((position - len(PROMPTS[1]), k))
-        return await super().draft(session_id, position, new_ids, rows, k, sampling)
+        return await super().draft(session_id, position, new_ids, rows, k, sampling, *rest)
 
 
 def test_max_tokens_is_exact_and_drafts_stop_short_of_it(target):
@@ -110,6 +110,7 @@ def test_max_tokens_is_exact_and_drafts_stop_short_of_it(target):
             Plan(max_tokens=max_tokens, num_draft_tokens=8),
         )
         assert len(out) == max_tokens or out[-1] in target.eos_ids
+        assert drafter.calls or max_tokens <= 2  # k = 0 when one token is left
         assert all(done + k + 1 <= max_tokens for done, k in drafter.calls)
 
 
@@ -233,3 +234,117 @@ def test_adaptive_bursts_stop_at_each_probe(target, monkeypatch):
             plain_run += max(steps, 1)
     waits = [r for r in runs if r]
     assert waits[:3] == [8, 16, 16], runs
+
+
+class SilentProposer(GarbageProposer):
+    """Proposes nothing for its first `silent` calls (an n-gram drafter without a match),
+    then what `then` proposes."""
+
+    def __init__(self, silent, then=None):
+        self.silent, self.then, self.calls = silent, then, 0
+
+    def open(self, context, rows):
+        return self.then.open(context, rows) if self.then else None
+
+    def extend(self, state, new_ids, rows):
+        if self.then:
+            self.then.extend(state, new_ids, rows)
+
+    def propose(self, state, k, sampling=None, speculative=(), tree=None):
+        self.calls += 1
+        if self.calls <= self.silent or self.then is None:
+            return Proposal([])
+        return self.then.propose(state, k, sampling, speculative, tree)
+
+
+def test_draft_calls_after_empty_ones_run_beside_growing_decode_bursts(target):
+    plain, _ = collect(LocalVerifier(target), None, PROMPTS[2], Plan(41, 0))
+    verifier = CountingVerifier(target)
+    silent = LocalDrafter(SilentProposer(silent=10**9))
+    plan = Plan(41, 4, decode_burst=4, draft_beside_decode=True)
+    out, stats = collect(verifier, silent, PROMPTS[2], plan)
+    assert out == plain
+    # the first call finds nothing before a one-token verify; each later one runs beside a
+    # burst one token longer than the last, up to --decode-burst
+    assert verifier.calls[:6] == [(0, 0), (0, 0), (0, 2), (0, 3), (0, 4), (0, 4)]
+    # all but the first call ran beside a burst; the last token (k = 0) was decoded alone
+    assert stats.beside_calls == silent.proposer.calls - 1 == len(verifier.calls) - 2
+    assert stats.draft_calls == silent.proposer.calls
+    assert stats.rounds == len(out) - 1 and stats.drafted == 0
+    serial = CountingVerifier(target)
+    out, _ = collect(serial, LocalDrafter(SilentProposer(10**9)), PROMPTS[2], Plan(41, 4))
+    assert out == plain and len(serial.calls) == len(out) - 1  # off: one token a call
+
+
+def test_a_guess_made_beside_a_burst_drafts_the_next_round_when_the_burst_matches(target):
+    prompt = PROMPTS[0]
+    plain, _ = collect(LocalVerifier(target), None, prompt, Plan(60, 0))
+    oracle = OracleProposer(prompt + plain)
+    verifier = CountingVerifier(target)
+    drafter = LocalDrafter(SilentProposer(silent=3, then=oracle))
+    plan = Plan(60, 6, decode_burst=3, draft_beside_decode=True)
+    out, stats = collect(verifier, drafter, prompt, plan)
+    assert out == plain
+    # the 4th call guessed right beside a burst of 3: its other 3 drafts were verified next
+    # round without a call, and drafting went on as usual after that
+    assert stats.beside_calls == 3 and stats.predrafted_rounds == 1
+    assert verifier.calls[:5] == [(0, 0), (0, 0), (0, 2), (0, 3), (3, 0)]
+    assert stats.accepted == stats.drafted > 3
+
+
+class WaitingVerifier(LocalVerifier):
+    """Its verify starts by setting `started`, so a drafter can tell it is running."""
+
+    started: asyncio.Event
+
+    async def verify(self, *args, **kwargs):
+        self.started.set()
+        await asyncio.sleep(0)
+        return await super().verify(*args, **kwargs)
+
+
+class WaitingDrafter(LocalDrafter):
+    """Answers only once the verifier is working: a call made before the verify starts
+    times out, and the round loop counts a drafter fault."""
+
+    def __init__(self, proposer, verifier):
+        super().__init__(proposer)
+        self.verifier = verifier
+        self.waited = 0
+
+    async def draft(self, *args):
+        if self.proposer.calls >= 1:  # the first call is made before any burst
+            self.verifier.started.clear()
+            await asyncio.wait_for(self.verifier.started.wait(), timeout=5)
+            self.waited += 1
+        return await super().draft(*args)
+
+
+def test_a_draft_call_beside_a_burst_runs_while_the_verifier_decodes(target):
+    plain, _ = collect(LocalVerifier(target), None, PROMPTS[2], Plan(30, 0))
+
+    async def go():
+        verifier = WaitingVerifier(target)
+        verifier.started = asyncio.Event()
+        drafter = WaitingDrafter(SilentProposer(silent=10**9), verifier)
+        plan = Plan(30, 4, decode_burst=4, draft_beside_decode=True, drafter_retry_s=60)
+        stats, out = RoundStats(), []
+        async for ids, _ in run_rounds(verifier, drafter, PROMPTS[2], plan, stats):
+            out.extend(ids)
+        return out, stats, drafter
+
+    out, stats, drafter = asyncio.run(go())
+    assert out == plain
+    assert not stats.drafter_failed and drafter.waited == stats.beside_calls > 3
+
+
+def test_adaptive_rounds_learn_acceptance_from_guesses_beside_bursts(target):
+    prompt = PROMPTS[0]
+    plain, _ = collect(LocalVerifier(target), None, prompt, Plan(60, 0))
+    adaptive = AdaptiveK(SpeculationCosts(), k_max=4)
+    start = adaptive.acceptance
+    oracle = LocalDrafter(SilentProposer(silent=1, then=OracleProposer(prompt + plain)))
+    plan = Plan(60, 4, adaptive=adaptive, decode_burst=4, draft_beside_decode=True)
+    out, stats = collect(LocalVerifier(target), oracle, prompt, plan)
+    assert out == plain and stats.beside_calls == 1
+    assert adaptive.acceptance > start  # every guess and draft was right
