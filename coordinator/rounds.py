@@ -307,7 +307,7 @@ async def run_rounds(
                 stats.beside_calls += 1
                 verified, guess = await _decode_beside_draft(
                     verifier, link, opened.session_id, position, beside,
-                    max(k, plan.num_draft_tokens), plan.sampling,
+                    min(max(k, plan.num_draft_tokens), remaining - 1), plan.sampling,
                 )  # fmt: skip
                 link.carry_guess(guess, verified)
             elif plan.overlap and link is not None and drafted.ids and not drafted.parents:

@@ -100,14 +100,17 @@ class RecordingDrafter(LocalDrafter):
         return await super().draft(session_id, position, new_ids, rows, k, sampling, *rest)
 
 
-def test_max_tokens_is_exact_and_drafts_stop_short_of_it(target):
+@pytest.mark.parametrize("beside", [False, True])
+def test_max_tokens_is_exact_and_drafts_stop_short_of_it(target, beside):
     for max_tokens in (1, 2, 7, 33):
-        drafter = RecordingDrafter(NgramProposer())
+        # beside: the first calls find nothing, so later ones run beside decode bursts
+        proposer = SilentProposer(2, NgramProposer()) if beside else NgramProposer()
+        drafter = RecordingDrafter(proposer)
         out, _ = collect(
             LocalVerifier(target),
             drafter,
             PROMPTS[1],
-            Plan(max_tokens=max_tokens, num_draft_tokens=8),
+            Plan(max_tokens, 8, decode_burst=4, draft_beside_decode=beside),
         )
         assert len(out) == max_tokens or out[-1] in target.eos_ids
         assert drafter.calls or max_tokens <= 2  # k = 0 when one token is left
