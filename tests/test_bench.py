@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_compares_drafters_and_writes_json_markdown_chart(tiny_model_dir, tmp_path):
     questions = tmp_path / "q.jsonl"
@@ -26,7 +28,7 @@ def test_bench_compares_drafters_and_writes_json_markdown_chart(tiny_model_dir, 
             "24",
             "--in-process",
             "--drafter",
-            "ngram,ngram-k2,none",
+            "ngram,ngram-k2,ngram-serial,none",
             "--json",
             str(out),
         ],
@@ -76,18 +78,43 @@ def test_bench_compares_drafters_and_writes_json_markdown_chart(tiny_model_dir, 
     assert overall["identical"] == overall["count"] == 2
     assert overall["speedup"] > 0 and overall["split_vs_inprocess"] > 0
     assert overall["compute_split_vs_inprocess"] > 0
+    assert overall["speedup_median"] > 0 and overall["split_vs_inprocess_median"] > 0
+    # "-serial": the coordinator makes every draft call before its verify
+    serial = json.loads((tmp_path / "out-ngram-serial.json").read_text())
+    assert serial["overall"]["identical"] == 2
+    assert all(q["beside_calls"] == 0 < q["draft_calls"] for q in serial["questions"])
     assert "the target's forwards alone:" in run.stdout
+    assert "median question: speed-up" in run.stdout
     assert "OVERALL" in run.stdout
 
 
+def test_medians_per_question_shrug_off_one_slow_question():
+    from coordinator.bench import summarize
+
+    def row(base, spec, inproc):
+        return {"baseline_s": base, "spec_s": spec, "inproc_s": inproc, "rounds": 10,
+                "accepted": 0, "identical": True, "baseline_tokens": 10, "tokens": 10,
+                "draft_s": 0, "verify_s": 0, "coordinator_s": 0, "draft_compute_s": 0,
+                "verify_compute_s": 1, "inproc_verify_compute_s": 1,
+                "round_overhead_median_s": 0.001}  # fmt: skip
+
+    rows = [row(3, 1, 1), row(3, 1, 0.9), row(3, 1, 1.1), row(3, 3, 1)]  # the last: a slow spell
+    out = summarize(rows)
+    assert out["speedup"] == 2.0 and out["speedup_median"] == 3.0
+    assert out["split_vs_inprocess"] == pytest.approx(4 / 6)
+    assert out["split_vs_inprocess_median"] == pytest.approx(0.95)  # of 1/3, 0.9, 1, 1.1
+
+
 def test_pinned_k_variant_names():
-    from coordinator.bench import _known, bench_kind, pinned_k
+    from coordinator.bench import _known, bench_kind, pinned_k, serial_drafting
 
     assert pinned_k("eagle3-k2") == ("eagle3", 2)
     assert pinned_k("dflash-b8-k3") == ("dflash-b8", 3)
     assert pinned_k("eagle3") == ("eagle3", None)
     assert bench_kind("dflash-b8-k3") == "dflash" and bench_kind("eagle3-tree-k4") == "eagle3"
     assert not _known("none-k2") and not _known("eagle3-k0") and not _known("eagle3-kx")
+    assert bench_kind("ngram-serial-k8") == "ngram" and pinned_k("ngram-serial-k8")[1] == 8
+    assert serial_drafting("ngram-serial-k8") and not serial_drafting("ngram-k8")
 
 
 def test_mlx_variants_pass_the_switch_to_their_drafter():
