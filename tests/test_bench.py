@@ -31,6 +31,8 @@ def test_bench_compares_drafters_and_writes_json_markdown_chart(tiny_model_dir, 
             "ngram,ngram-k2,ngram-serial,none",
             "--json",
             str(out),
+            "--repeat",
+            "2",
         ],
         capture_output=True,
         text=True,
@@ -42,6 +44,7 @@ def test_bench_compares_drafters_and_writes_json_markdown_chart(tiny_model_dir, 
     assert none["drafter"] == "none" and none["overall"]["tau"] == 1.0
     pinned = json.loads((tmp_path / "out-ngram-k2.json").read_text())
     assert result["adaptive"] is True and pinned["adaptive"] is False
+    assert result["repeat"] == 2
     # k pinned at 2: no round asks for more (n-gram's own default is 8)
     assert all(q["drafted"] <= 2 * q["rounds"] for q in pinned["questions"])
     assert pinned["overall"]["identical"] == 2
@@ -103,6 +106,33 @@ def test_medians_per_question_shrug_off_one_slow_question():
     assert out["speedup"] == 2.0 and out["speedup_median"] == 3.0
     assert out["split_vs_inprocess"] == pytest.approx(4 / 6)
     assert out["split_vs_inprocess_median"] == pytest.approx(0.95)  # of 1/3, 0.9, 1, 1.1
+
+
+def test_repeats_keep_the_fastest_run_of_each_mode_and_every_difference():
+    from types import SimpleNamespace
+
+    from coordinator.bench import Baseline, _fastest_row
+    from coordinator.rounds import RoundStats
+
+    keys = ("tau", "rounds", "drafted", "accepted", "draft_s", "verify_s", "coordinator_s",
+            "prefill_s", "draft_compute_s", "verify_compute_s", "round_overhead_median_s",
+            "draft_calls", "beside_calls", "predrafted_rounds")  # fmt: skip
+
+    def spec(ids, tau):
+        return SimpleNamespace(token_ids=ids, stats={k: 1.0 for k in keys} | {"tau": tau})
+
+    def inproc(seconds):
+        return seconds, RoundStats(rounds=5, total_s=seconds, verify_compute_s=seconds / 2)
+
+    question = SimpleNamespace(question_id=7, category="c")
+    base = Baseline([1, 2, 3], 3.0, [])
+    tries = [(spec([1, 2, 3], 1.1), 1.5, inproc(1.2)), (spec([1, 2, 3], 1.2), 1.0, inproc(1.4))]
+    row = _fastest_row(question, base, tries, 0.0)
+    assert row["spec_s"] == 1.0 and row["tau"] == 1.2 and row["identical"] is True
+    assert row["inproc_s"] == 1.2 and row["inproc_verify_compute_s"] == 0.6
+    tries.append((spec([1, 2, 4], 1.0), 2.0, inproc(1.3)))  # slower, but it differs
+    row = _fastest_row(question, base, tries, 0.0)
+    assert row["identical"] is False and row["first_difference"] == 2
 
 
 def test_pinned_k_variant_names():
