@@ -283,8 +283,10 @@ async def run_rounds(
             k = min(plan.num_draft_tokens, remaining - 1)
             if plan.adaptive is not None:
                 k = plan.adaptive.choose(remaining - 1)
-            drafted = Drafted([])
+            drafted, carried = Drafted([]), None
             beside = 0  # tokens of a decode burst that runs beside the draft call
+            if link is not None and k == 0:
+                link.take_carried(0)  # drafts made for this position are stale after it
             if link is not None and k > 0:
                 carried = link.take_carried(k)
                 if carried is not None:
@@ -304,11 +306,13 @@ async def run_rounds(
             steps = beside or _plain_steps(plan, link, k, remaining)
             guess = None
             if beside:
-                stats.beside_calls += 1
-                verified, guess = await _decode_beside_draft(
+                answered = stats.draft_calls
+                verified, guess, decode_s, guess_s = await _decode_beside_draft(
                     verifier, link, opened.session_id, position, beside,
                     min(max(k, plan.num_draft_tokens), remaining - 1), plan.sampling,
                 )  # fmt: skip
+                called = stats.draft_calls > answered
+                stats.beside_calls += called
                 link.carry_guess(guess, verified)
             elif plan.overlap and link is not None and drafted.ids and not drafted.parents:
                 verified = await _verify_and_predraft(
@@ -337,7 +341,9 @@ async def run_rounds(
             stats.draft_compute_s += drafted.compute_s
             stats.verify_compute_s += verified.compute_s
             if plan.adaptive is not None and guess is not None:
-                _learn_beside(plan.adaptive, k, guess, verified, verify_done - draft_done)
+                _learn_beside(
+                    plan.adaptive, k, guess, verified, decode_s, guess_s if called else None
+                )
             elif plan.adaptive is not None and steps > 1:
                 plan.adaptive.observe_plain(forwards)
                 plan.adaptive.costs.verify.observe(1, (verify_done - draft_done) / forwards)
@@ -349,7 +355,7 @@ async def run_rounds(
                     verified,
                     draft_done - round_start,
                     verify_done - draft_done,
-                    called_drafter=link is not None and k > 0,
+                    called_drafter=link is not None and k > 0 and carried is None,
                 )
             finished = verified.finished or stats.generated_tokens >= plan.max_tokens
             stats.total_s = time.perf_counter() - start
@@ -400,30 +406,48 @@ async def _verify_and_predraft(
 
 async def _decode_beside_draft(
     verifier, link: DrafterLink, session_id: str, position: int, steps: int, k: int, sampling
-) -> tuple[Verified, Drafted]:
+) -> tuple[Verified, Drafted, float, float]:
     """Decode `steps` tokens and meanwhile ask the drafter for k from the same point. The
-    guess costs no wait: if the burst decodes its head, its tail drafts the next round."""
-    plain_steps = steps if steps > 1 else 0
-    decode = asyncio.ensure_future(
-        verifier.verify(session_id, position, [], None, None, plain_steps=plain_steps)
-    )
+    guess costs no wait: if the burst decodes its head, its tail drafts the next round.
+    Returns the burst, the guess, and the seconds each took on its own."""
+    start = time.perf_counter()
+
+    async def timed_decode() -> tuple[Verified, float]:
+        plain_steps = steps if steps > 1 else 0
+        verified = await verifier.verify(
+            session_id, position, [], None, None, plain_steps=plain_steps
+        )
+        return verified, time.perf_counter() - start
+
+    decode = asyncio.ensure_future(timed_decode())
     try:
         guess = await link.draft(position, k, sampling)
     except BaseException:
         decode.cancel()
+        if decode.done() and not decode.cancelled():
+            decode.exception()  # retrieved: the drafter's exception is the one to raise
         raise
-    verified = await decode
-    return verified, guess
+    guess_s = time.perf_counter() - start
+    verified, decode_s = await decode
+    return verified, guess, decode_s, guess_s
 
 
 def _learn_beside(
-    adaptive: AdaptiveK, k: int, guess: Drafted, verified: Verified, decode_s: float
+    adaptive: AdaptiveK,
+    k: int,
+    guess: Drafted,
+    verified: Verified,
+    decode_s: float,
+    guess_s: float | None,  # None: no call was made (the drafter is down)
 ) -> None:
     """A burst beside a draft call: the guess's head met the target's tokens as drafts would
-    have, so it counts as acceptance evidence; the burst prices plain steps."""
+    have, so it counts as acceptance evidence; the burst prices plain steps and the call a
+    draft of k, each timed on its own."""
     checked = min(len(guess.ids), len(verified.committed))
     adaptive.observe(k, checked, leading_matches(guess.ids, verified.committed))
     adaptive.costs.verify.observe(1, decode_s / max(1, len(verified.committed)))
+    if guess_s is not None:
+        adaptive.costs.draft.observe(k, guess_s)
 
 
 def _learn(

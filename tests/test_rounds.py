@@ -7,7 +7,7 @@ import pytest
 
 from coordinator.adaptive import AdaptiveK, SpeculationCosts
 from coordinator.local import LocalDrafter, LocalVerifier
-from coordinator.rounds import Plan, RoundStats, RoundTime, run_rounds
+from coordinator.rounds import Drafted, Plan, RoundStats, RoundTime, run_rounds
 from drafter_svc.ngram import NgramConfig, NgramProposer
 from drafter_svc.proposal import Proposal
 from specd.models.load import load_target
@@ -106,7 +106,7 @@ def test_max_tokens_is_exact_and_drafts_stop_short_of_it(target, beside):
         # beside: the first calls find nothing, so later ones run beside decode bursts
         proposer = SilentProposer(2, NgramProposer()) if beside else NgramProposer()
         drafter = RecordingDrafter(proposer)
-        out, _ = collect(
+        out, stats = collect(
             LocalVerifier(target),
             drafter,
             PROMPTS[1],
@@ -114,6 +114,7 @@ def test_max_tokens_is_exact_and_drafts_stop_short_of_it(target, beside):
         )
         assert len(out) == max_tokens or out[-1] in target.eos_ids
         assert drafter.calls or max_tokens <= 2  # k = 0 when one token is left
+        assert (stats.beside_calls > 0) == (beside and max_tokens >= 7), stats.beside_calls
         assert all(done + k + 1 <= max_tokens for done, k in drafter.calls)
 
 
@@ -341,13 +342,47 @@ def test_a_draft_call_beside_a_burst_runs_while_the_verifier_decodes(target):
     assert not stats.drafter_failed and drafter.waited == stats.beside_calls > 3
 
 
-def test_adaptive_rounds_learn_acceptance_from_guesses_beside_bursts(target):
-    prompt = PROMPTS[0]
-    plain, _ = collect(LocalVerifier(target), None, prompt, Plan(60, 0))
+def test_a_guess_beside_a_burst_is_evidence_as_drafts_would_be():
+    from coordinator.rounds import Verified, _learn_beside
+
     adaptive = AdaptiveK(SpeculationCosts(), k_max=4)
-    start = adaptive.acceptance
-    oracle = LocalDrafter(SilentProposer(silent=1, then=OracleProposer(prompt + plain)))
-    plan = Plan(60, 4, adaptive=adaptive, decode_burst=4, draft_beside_decode=True)
-    out, stats = collect(LocalVerifier(target), oracle, prompt, plan)
-    assert out == plain and stats.beside_calls == 1
-    assert adaptive.acceptance > start  # every guess and draft was right
+    successes, trials = adaptive.successes, adaptive.trials
+    burst = Verified(committed=[5, 6, 7], num_accepted=0, finished=False, rows=None)
+    # two of the burst's three tokens guessed, then a miss: two successes in three trials
+    _learn_beside(adaptive, 4, Drafted([5, 6, 9, 9]), burst, decode_s=0.03, guess_s=0.002)
+    assert adaptive.successes == pytest.approx(successes * adaptive.decay + 2)
+    assert adaptive.trials == pytest.approx(trials * adaptive.decay + 3)
+    # each burst token prices a plain step; the call prices a draft of k
+    assert adaptive.costs.verify.predict(1) == pytest.approx(0.01, rel=0.3)
+    assert adaptive.costs.draft.predict(4) == pytest.approx(0.002, rel=0.3)
+    # an empty guess says nothing; no call made (drafter down) prices nothing
+    successes, trials = adaptive.successes, adaptive.trials
+    _learn_beside(adaptive, 4, Drafted([]), burst, decode_s=0.03, guess_s=None)
+    assert (adaptive.successes, adaptive.trials) == (successes, trials)
+
+
+class ScriptedK(AdaptiveK):
+    """Chooses k from a script, then 1."""
+
+    script: list
+
+    def choose(self, limit: int) -> int:
+        self.probing, self.tree_shape = False, None
+        return min(self.script.pop(0) if self.script else 1, limit)
+
+
+def test_drafts_carried_from_a_guess_do_not_outlive_a_round_without_drafts(target):
+    prompt = PROMPTS[0]
+    plain, _ = collect(LocalVerifier(target), None, prompt, Plan(30, 0))
+    oracle = SilentProposer(silent=1, then=OracleProposer(prompt + plain))
+    verifier = CountingVerifier(target)
+    # round 1: nothing found; 2: a right guess beside a 1-token burst, its tail carried;
+    # 3: k = 0, a plain step; 4: drafts again, and must ask for them at the new position
+    adaptive = ScriptedK(SpeculationCosts(), k_max=4)
+    adaptive.script = [4, 4, 0, 4]
+    plan = Plan(30, 4, adaptive=adaptive, decode_burst=4, draft_beside_decode=True)
+    out, stats = collect(verifier, LocalDrafter(oracle), prompt, plan)
+    assert out == plain
+    assert verifier.calls[:4] == [(0, 0), (0, 0), (0, 4), (4, 0)]
+    assert oracle.calls >= 3 and stats.predrafted_rounds == 0
+    assert stats.accepted == stats.drafted  # the oracle's drafts: never a stale one
