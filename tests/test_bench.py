@@ -86,6 +86,7 @@ def test_bench_compares_drafters_and_writes_json_markdown_chart(tiny_model_dir, 
     serial = json.loads((tmp_path / "out-ngram-serial.json").read_text())
     assert serial["overall"]["identical"] == 2
     assert all(q["beside_calls"] == 0 < q["draft_calls"] for q in serial["questions"])
+    assert sum(q["beside_calls"] for q in result["questions"]) > 0  # on by default
     assert "the target's forwards alone:" in run.stdout
     assert "median question: speed-up" in run.stdout
     assert "OVERALL" in run.stdout
@@ -121,8 +122,10 @@ def test_repeats_keep_the_fastest_run_of_each_mode_and_every_difference():
     def spec(ids, tau):
         return SimpleNamespace(token_ids=ids, stats={k: 1.0 for k in keys} | {"tau": tau})
 
-    def inproc(seconds):
-        return seconds, RoundStats(rounds=5, total_s=seconds, verify_compute_s=seconds / 2)
+    def inproc(seconds, tokens=3):
+        return seconds, RoundStats(
+            rounds=5, total_s=seconds, verify_compute_s=seconds / 2, generated_tokens=tokens
+        )
 
     question = SimpleNamespace(question_id=7, category="c")
     base = Baseline([1, 2, 3], 3.0, [])
@@ -133,6 +136,13 @@ def test_repeats_keep_the_fastest_run_of_each_mode_and_every_difference():
     tries.append((spec([1, 2, 4], 1.0), 2.0, inproc(1.3)))  # slower, but it differs
     row = _fastest_row(question, base, tries, 0.0)
     assert row["identical"] is False and row["first_difference"] == 2
+    row = _fastest_row(question, base, [(spec([1, 2, 4], 1.0), 0.5, inproc(1.0))], 0.0)
+    assert row["identical"] is False and row["spec_s"] == 0.5  # the fastest run differs
+    # sampled runs differ in length: the fastest per token is kept, not the shortest
+    short = (spec([1], 1.0), 0.6, inproc(0.5, tokens=1))
+    long = (spec([1, 2, 3, 4], 1.0), 1.2, inproc(1.0, tokens=4))
+    row = _fastest_row(question, base, [short, long], 0.7)
+    assert row["spec_s"] == 1.2 and row["inproc_s"] == 1.0 and row["identical"] is None
 
 
 def test_pinned_k_variant_names():
@@ -143,6 +153,7 @@ def test_pinned_k_variant_names():
     assert pinned_k("eagle3") == ("eagle3", None)
     assert bench_kind("dflash-b8-k3") == "dflash" and bench_kind("eagle3-tree-k4") == "eagle3"
     assert not _known("none-k2") and not _known("eagle3-k0") and not _known("eagle3-kx")
+    assert not _known("none-serial-k2")
     assert bench_kind("ngram-serial-k8") == "ngram" and pinned_k("ngram-serial-k8")[1] == 8
     assert serial_drafting("ngram-serial-k8") and not serial_drafting("ngram-k8")
 
