@@ -19,6 +19,9 @@ Model (documented in docs/adaptive.md):
   tree of `probe_tokens` nodes), so a session notices when drafts start matching;
   acceptance then raises k by itself. Each probe that is wholly rejected doubles the wait
   before the next (up to `probe_every_max`); an accepted draft resets it.
+- A size's own mean is trusted only while it was seen lately (`stale_after` observations);
+  after `cost_probe_every` drafting rounds in a row a session decodes plainly until a plain
+  step is priced afresh, so a slow spell cannot leave it drafting at a loss.
 """
 
 from __future__ import annotations
@@ -39,20 +42,39 @@ class LinearCost:
     base: float  # prior until observations say otherwise
     per_token: float
     decay: float = 0.97  # ~30 recent observations dominate: costs drift with context length
+    # a size's own mean is trusted only while it was seen within this many observations (of
+    # any size): one measured in a slow spell of the host must not price it for good
+    stale_after: int = 32
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, wn, wt, wnn, wnt
     _by_size: dict[int, list[float]] = field(default_factory=dict)  # n -> [weight, mean]
+    _seen_at: dict[int, int] = field(default_factory=dict)  # n -> observation count then
+    _count: int = 0
 
     def observe(self, n: int, seconds: float) -> None:
         w, wn, wt, wnn, wnt = (s * self.decay for s in self._sums)
         self._sums = [w + 1, wn + n, wt + seconds, wnn + n * n, wnt + n * seconds]
-        weight, mean = self._by_size.get(n, (0.0, 0.0))
+        self._count += 1
+        weight, mean = self._by_size.get(n, (0.0, 0.0)) if self._fresh(n) else (0.0, 0.0)
         weight = weight * self.decay + 1
         self._by_size[n] = [weight, mean + (seconds - mean) / weight]
+        self._seen_at[n] = self._count
+
+    def _fresh(self, n: int) -> bool:
+        return n in self._seen_at and self._count - self._seen_at[n] <= self.stale_after
+
+    def forget(self, n: int) -> None:
+        """Drop size n's own mean: priced by the line until seen twice again."""
+        self._by_size.pop(n, None)
+        self._seen_at.pop(n, None)
+
+    def trusted(self, n: int) -> bool:
+        """Size n seen at least twice lately: priced by its own mean."""
+        seen = self._by_size.get(n)
+        return seen is not None and seen[0] >= 1.9 and self._fresh(n)
 
     def predict(self, n: int) -> float:
-        seen = self._by_size.get(n)
-        if seen is not None and seen[0] >= 2:
-            return max(1e-6, seen[1])
+        if self.trusted(n):
+            return max(1e-6, self._by_size[n][1])
         w, wn, wt, wnn, wnt = self._sums
         if w < 1e-9:
             return self.base + self.per_token * n
@@ -185,6 +207,12 @@ class AdaptiveK:
     # drafts in such a probe: one, since on a CPU a verify of 3 tokens costs ~2.2x a decode
     # step and of 2 tokens ~1.2x (docs/benchmarks.md, session 14)
     probe_tokens: int = 1
+    # after this many drafting rounds in a row, one round decodes without drafts, so the
+    # price of a plain step stays measured (LinearCost.stale_after) and a spell that made
+    # plain steps look dear cannot keep a session drafting at a loss
+    cost_probe_every: int = 32
+    rounds_with_drafts: int = 0
+    cost_probing: bool = False  # plain rounds until a plain step's price is trusted again
     decay: float = 0.9  # acceptance follows the text: recent rounds count most
     successes: float = 1.0  # prior: acceptance 0.5 over two pseudo-trials
     trials: float = 2.0
@@ -218,6 +246,13 @@ class AdaptiveK:
         self.tree_shape = None
         if k_max <= 0:
             return 0
+        if self.rounds_with_drafts >= self.cost_probe_every:
+            self.costs.verify.forget(1)  # measured afresh by the plain rounds that follow
+            self.cost_probing = True
+        if self.cost_probing:
+            if not self.costs.verify.trusted(1):
+                return 0
+            self.cost_probing = False
         probe = self.rounds_without_drafts >= (self.probe_wait or self.probe_every)
         self.probing = probe
         if self.tree is not None:
@@ -263,6 +298,7 @@ class AdaptiveK:
     def observe_plain(self, rounds: int) -> None:
         """`rounds` tokens decoded in one call, none drafted."""
         self.rounds_without_drafts += rounds
+        self.rounds_with_drafts = 0
 
     def observe_tree(self, ids, parents, committed) -> None:
         """After a round of a tree session: which children held the target's tokens. A
@@ -275,6 +311,7 @@ class AdaptiveK:
     def observe(self, asked: int, drafted: int, accepted: int) -> None:
         """After a round: `asked` k, `drafted` tokens the drafter gave, `accepted` of them."""
         self.rounds_without_drafts = self.rounds_without_drafts + 1 if asked == 0 else 0
+        self.rounds_with_drafts = self.rounds_with_drafts + 1 if asked else 0
         if drafted == 0:
             return  # nothing proposed (e.g. no n-gram match) says nothing about acceptance
         if accepted:

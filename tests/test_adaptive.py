@@ -191,3 +191,39 @@ def test_tree_limits_come_from_a_shape_and_make_the_same_kind():
     limits = TreeLimits.of(TreeShape(total_tokens=12, depth=0, top_k=0), default_top_k=3)
     assert (limits.total_tokens, limits.depth, limits.top_k) == (12, 0, 3)
     assert limits.make(total_tokens=2, depth=1, top_k=2) == TreeShape(2, 1, 2)
+
+
+def test_a_slow_spell_does_not_keep_a_session_drafting_at_a_loss():
+    # a spell of the host made plain steps cost 100 ms; afterwards they cost 16 ms and a
+    # one-draft round 24 ms (+3.5 ms drafting) for 1.33 tokens: drafting loses
+    costs = SpeculationCosts()
+    for _ in range(60):
+        costs.verify.observe(1, 0.100)
+    k = AdaptiveK(costs, k_max=4, successes=0.33 * 50, trials=50.0)
+    chosen = []
+    for _ in range(80):
+        chosen.append(k.choose(100))
+        if chosen[-1] == 0:
+            k.observe_plain(1)
+            costs.verify.observe(1, 0.016)
+        else:
+            k.observe(chosen[-1], chosen[-1], 1 if k.acceptance > 0.3 else 0)
+            costs.verify.observe(chosen[-1] + 1, 0.024 + 0.004 * (chosen[-1] - 1))
+            costs.draft.observe(chosen[-1], 0.0035)
+    assert chosen[0] > 0  # the stale 100 ms makes drafting look cheap at first
+    first_plain = chosen.index(0)
+    assert first_plain <= k.cost_probe_every  # a cost probe re-prices the plain step
+    assert chosen[first_plain : first_plain + k.probe_every] == [0] * k.probe_every
+
+
+def test_sizes_not_seen_lately_are_priced_by_the_line_again():
+    cost = LinearCost(base=0.06, per_token=0.006, stale_after=5)
+    for _ in range(3):
+        cost.observe(1, 0.100)
+    assert cost.predict(1) == pytest.approx(0.100)
+    for _ in range(6):
+        cost.observe(2, 0.024)
+    assert cost.predict(1) < 0.05  # the line now; the old mean is stale
+    for _ in range(3):
+        cost.observe(1, 0.016)
+    assert cost.predict(1) == pytest.approx(0.016)  # stale means restart from fresh ones
