@@ -35,10 +35,15 @@ def serial_drafting(name: str) -> bool:
     return pinned_k(name)[0].endswith("-serial")
 
 
+def _drafter_name(name: str) -> str:
+    """The name without its coordinator and request suffixes: "eagle3-mlx" of
+    "eagle3-mlx-serial-k2"."""
+    return pinned_k(name)[0].removesuffix("-serial")
+
+
 def bench_kind(name: str) -> str | None:
     """Drafter kind of a --drafter name; KeyError for unknown names."""
-    name, _ = pinned_k(name)
-    name = name.removesuffix("-serial")
+    name = _drafter_name(name)
     if name.startswith("dflash-b") and name[len("dflash-b") :].isdigit():
         return "dflash"
     return BENCH_DRAFTERS[name]
@@ -252,7 +257,7 @@ def _known(name: str) -> bool:
 
 def _variant_options(args, name: str) -> dict:
     """Options of bench drafter `name` as `specd serve drafter` flags take them."""
-    name = pinned_k(name)[0].removesuffix("-serial")  # the request pins k (see run_bench)
+    name = _drafter_name(name)  # the request pins k (see run_bench)
     tree = "-tree" in name
     return {
         "num_draft_tokens": args.num_draft_tokens,
@@ -391,15 +396,10 @@ def _fastest_row(question, base: Baseline, tries: list, temperature: float) -> d
     every repeat was."""
     spec, seconds, _ = min(tries, key=lambda t: t[1] / max(1, len(t[0].token_ids)))
     row = _spec_row(question, base, spec, seconds, temperature)
-    if temperature == 0:
-        same = all(t[0].token_ids == base.token_ids for t in tries)
-        if row["identical"] and not same:
-            row["identical"] = False
-            row["first_difference"] = next(
-                first_difference(t[0].token_ids, base.token_ids)
-                for t in tries
-                if t[0].token_ids != base.token_ids
-            )
+    differing = next((t[0] for t in tries if t[0].token_ids != base.token_ids), None)
+    if temperature == 0 and row["identical"] and differing is not None:
+        row["identical"] = False
+        row["first_difference"] = first_difference(differing.token_ids, base.token_ids)
     if tries[0][2] is not None:
         inproc_s, inproc = min(
             (t[2] for t in tries), key=lambda t: t[0] / max(1, t[1].generated_tokens)
@@ -480,6 +480,15 @@ def run_bench(args) -> int:
                 in_process[d](prompts[0][:8])
         plain_decode(target.model, prompts[0], 8, eos)
         for i, (question, prompt_ids) in enumerate(zip(questions, prompts, strict=True)):
+            requests = {
+                d: make_request(
+                    prompt_ids=prompt_ids,
+                    max_tokens=args.max_tokens,
+                    temperature=args.temperature,
+                    num_draft_tokens=pinned_k(d)[1],  # a pinned request turns adaptation off
+                )
+                for d in drafters
+            }
             tries = {d: [] for d in drafters}
             bases = []
             for _ in range(args.repeat):
@@ -487,14 +496,8 @@ def run_bench(args) -> int:
                     plain_decode(target.model, prompt_ids, args.max_tokens, eos, args.temperature)
                 )
                 for d in drafters:
-                    request = make_request(
-                        prompt_ids=prompt_ids,
-                        max_tokens=args.max_tokens,
-                        temperature=args.temperature,
-                        num_draft_tokens=pinned_k(d)[1],  # a pinned request: adaptation off
-                    )
                     start = time.perf_counter()
-                    spec = clients[d].generate(request)
+                    spec = clients[d].generate(requests[d])
                     seconds = time.perf_counter() - start
                     inproc = in_process[d](prompt_ids) if d in in_process else None
                     tries[d].append((spec, seconds, inproc))

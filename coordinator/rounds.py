@@ -224,9 +224,10 @@ class DrafterLink:
         if bet_held and predrafted.probs is None:
             self.carried = Drafted(predrafted.ids[1:])
 
-    def carry_guess(self, guess: Drafted, verified: Verified) -> None:
+    def carry_guess(self, guess: Drafted, verified: Verified) -> int:
         """After a decode burst that ran beside a draft call made at its start: keep the
-        guess's tail for the next round when the burst decoded exactly its head."""
+        guess's tail for the next round when the burst decoded exactly its head. Returns how
+        many of the guess's tokens the burst decoded, in a row."""
         self.carried = None
         decoded = verified.committed
         matched = leading_matches(guess.ids, decoded)
@@ -237,6 +238,7 @@ class DrafterLink:
             and not guess.parents
         ):
             self.carried = Drafted(guess.ids[matched:])
+        return matched
 
     def _down(self, exc: Exception) -> None:
         log.warning("drafter failed (%s); verify-only rounds until it is back", exc)
@@ -306,14 +308,12 @@ async def run_rounds(
             steps = beside or _plain_steps(plan, link, k, remaining)
             guess = None
             if beside:
-                answered = stats.draft_calls
                 verified, guess, decode_s, guess_s = await _decode_beside_draft(
                     verifier, link, opened.session_id, position, beside,
                     min(max(k, plan.num_draft_tokens), remaining - 1), plan.sampling,
                 )  # fmt: skip
-                called = stats.draft_calls > answered
-                stats.beside_calls += called
-                link.carry_guess(guess, verified)
+                stats.beside_calls += guess_s is not None
+                matched = link.carry_guess(guess, verified)
             elif plan.overlap and link is not None and drafted.ids and not drafted.parents:
                 verified = await _verify_and_predraft(
                     verifier, link, opened.session_id, position, drafted, plan.sampling
@@ -341,9 +341,7 @@ async def run_rounds(
             stats.draft_compute_s += drafted.compute_s
             stats.verify_compute_s += verified.compute_s
             if plan.adaptive is not None and guess is not None:
-                _learn_beside(
-                    plan.adaptive, k, guess, verified, decode_s, guess_s if called else None
-                )
+                _learn_beside(plan.adaptive, k, guess, verified, matched, decode_s, guess_s)
             elif plan.adaptive is not None and steps > 1:
                 plan.adaptive.observe_plain(forwards)
                 plan.adaptive.costs.verify.observe(1, (verify_done - draft_done) / forwards)
@@ -409,8 +407,9 @@ async def _decode_beside_draft(
 ) -> tuple[Verified, Drafted, float, float]:
     """Decode `steps` tokens and meanwhile ask the drafter for k from the same point. The
     guess costs no wait: if the burst decodes its head, its tail drafts the next round.
-    Returns the burst, the guess, and the seconds each took on its own."""
-    start = time.perf_counter()
+    Returns the burst, the guess, and the seconds each took on its own (the call's None when
+    none was made: the drafter is down)."""
+    start, answered = time.perf_counter(), link.stats.draft_calls
 
     async def timed_decode() -> tuple[Verified, float]:
         plain_steps = steps if steps > 1 else 0
@@ -427,7 +426,7 @@ async def _decode_beside_draft(
         if decode.done() and not decode.cancelled():
             decode.exception()  # retrieved: the drafter's exception is the one to raise
         raise
-    guess_s = time.perf_counter() - start
+    guess_s = time.perf_counter() - start if link.stats.draft_calls > answered else None
     verified, decode_s = await decode
     return verified, guess, decode_s, guess_s
 
@@ -437,6 +436,7 @@ def _learn_beside(
     k: int,
     guess: Drafted,
     verified: Verified,
+    matched: int,  # the guess's tokens the burst decoded, in a row
     decode_s: float,
     guess_s: float | None,  # None: no call was made (the drafter is down)
 ) -> None:
@@ -444,7 +444,7 @@ def _learn_beside(
     have, so it counts as acceptance evidence; the burst prices plain steps and the call a
     draft of k, each timed on its own."""
     checked = min(len(guess.ids), len(verified.committed))
-    adaptive.observe(k, checked, leading_matches(guess.ids, verified.committed))
+    adaptive.observe(k, checked, matched)
     adaptive.costs.verify.observe(1, decode_s / max(1, len(verified.committed)))
     if guess_s is not None:
         adaptive.costs.draft.observe(k, guess_s)

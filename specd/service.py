@@ -279,18 +279,16 @@ class MlxThread:
     def _work(self) -> None:
         while True:
             future, fn, args = self._jobs.get()
-            if not future.set_running_or_notify_cancel():
-                self._finished += 1
-                continue
-            try:
-                result = fn(*args)
-            except BaseException as exc:  # the caller gets it, as from an executor
-                self._finished += 1
-                future.set_exception(exc)
-            else:
-                # counted before the caller can wake: its next round job sees the worker idle
-                self._finished += 1
-                future.set_result(result)
+            settle = None
+            if future.set_running_or_notify_cancel():
+                try:
+                    settle = functools.partial(future.set_result, fn(*args))
+                except BaseException as exc:  # the caller gets it, as from an executor
+                    settle = functools.partial(future.set_exception, exc)
+            # counted before the caller can wake: its next round job sees the worker idle
+            self._finished += 1
+            if settle is not None:
+                settle()
 
     def submit(self, fn: Callable, *args) -> Future:
         if self._closed:

@@ -349,7 +349,7 @@ def test_a_guess_beside_a_burst_is_evidence_as_drafts_would_be():
     successes, trials = adaptive.successes, adaptive.trials
     burst = Verified(committed=[5, 6, 7], num_accepted=0, finished=False, rows=None)
     # two of the burst's three tokens guessed, then a miss: two successes in three trials
-    _learn_beside(adaptive, 4, Drafted([5, 6, 9, 9]), burst, decode_s=0.03, guess_s=0.002)
+    _learn_beside(adaptive, 4, Drafted([5, 6, 9, 9]), burst, 2, decode_s=0.03, guess_s=0.002)
     assert adaptive.successes == pytest.approx(successes * adaptive.decay + 2)
     assert adaptive.trials == pytest.approx(trials * adaptive.decay + 3)
     # each burst token prices a plain step; the call prices a draft of k
@@ -357,7 +357,7 @@ def test_a_guess_beside_a_burst_is_evidence_as_drafts_would_be():
     assert adaptive.costs.draft.predict(4) == pytest.approx(0.002, rel=0.3)
     # an empty guess says nothing; no call made (drafter down) prices nothing
     successes, trials = adaptive.successes, adaptive.trials
-    _learn_beside(adaptive, 4, Drafted([]), burst, decode_s=0.03, guess_s=None)
+    _learn_beside(adaptive, 4, Drafted([]), burst, 0, decode_s=0.03, guess_s=None)
     assert (adaptive.successes, adaptive.trials) == (successes, trials)
 
 
