@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import json
 import logging
 import queue
@@ -112,7 +113,7 @@ def register(server: grpc.aio.Server, servicer, service: ServiceDescriptor) -> N
 
         make = _HANDLER_KINDS[method.client_streaming, method.server_streaming]
         handlers[method.name] = make(
-            getattr(servicer, method.name),
+            _in_flight.track(getattr(servicer, method.name)),
             request_deserializer=parse,
             response_serializer=response_cls.SerializeToString,
         )
@@ -136,6 +137,67 @@ class _Shutdown:
 
 
 _shutdown = _Shutdown()
+
+
+class _InFlight:
+    """The calls of this process's services that reached their method and have not ended.
+
+    A graceful stop drains these while the server still serves, refusing new calls, and
+    only then stops gRPC: a call that reaches grpc-python's server as its stop begins can be
+    left without a handler (the request it was matched to is dropped) until the grace period
+    ends, which held a client's failover for the whole grace period."""
+
+    def __init__(self):
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def track(self, method):
+        if inspect.isasyncgenfunction(method):
+
+            @functools.wraps(method)
+            async def streaming(request_or_iterator, context):
+                await self._enter(context)
+                try:
+                    async for response in method(request_or_iterator, context):
+                        yield response
+                finally:
+                    self._leave()
+
+            return streaming
+        if not inspect.iscoroutinefunction(method):
+            raise TypeError(f"{method.__qualname__} must be async (an aio servicer method)")
+
+        @functools.wraps(method)
+        async def unary(request, context):
+            await self._enter(context)
+            try:
+                return await method(request, context)
+            finally:
+                self._leave()
+
+        return unary
+
+    async def _enter(self, context) -> None:
+        if _shutdown.started:  # a new call: the client should go elsewhere
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the service is shutting down")
+        self.count += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
+
+    async def drained(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+
+_in_flight = _InFlight()
 
 
 def stream_of(unary):
@@ -435,9 +497,12 @@ class Server:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        _shutdown.started = True
+        _shutdown.started = True  # new calls and an open stream's next message are refused
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        drained = await _in_flight.drained(grace_s)
+        if not drained:
+            log.warning("%d calls still running after %gs; cancelled", _in_flight.count, grace_s)
+        await self.server.stop(None)  # what is left never reached a method, or overstayed
 
 
 class JsonFormatter(logging.Formatter):

@@ -172,9 +172,10 @@ def test_another_verifier_takes_over(tmp_path, fault):
         assert "lost the session" in log
         if fault == "stop":  # its stream ends at once, not cancelled at the end of the grace
             # period (which surfaced as CANCELLED and failed the request). How it ends depends
-            # on where the stop lands: the next message refused ("shutting down"), the
-            # connection closed under it (GOAWAY, INTERNAL from Core) or the port already closed
-            assert "Cancelling all calls" not in log
+            # on where the stop lands: the next message refused ("shutting down"), a call still
+            # on its way cancelled as gRPC stops (GOAWAY, "Cancelling all calls") or the port
+            # already closed. No call that reached the verifier held its stop:
+            assert "still running" not in first.log_path.read_text()
             # a clean exit: MLX's thread no longer aborts the process as it ends
             assert first.process.wait(30) == 0, first.log_tail()
         assert client.info().verifier_address == second.address

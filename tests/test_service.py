@@ -1,12 +1,16 @@
 import asyncio
+import queue
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
-from specd.launch import free_ports
+from specd.launch import free_ports, health_status, spawn
 from specd.service import (
     CannotBind,
     FailedPrecondition,
@@ -15,6 +19,7 @@ from specd.service import (
     Server,
     SessionTable,
 )
+from specd.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 
 def test_session_table_limits_and_unknown_ids():
@@ -151,3 +156,38 @@ def test_a_round_job_runs_inline_only_when_the_mlx_worker_is_idle():
     main_thread = threading.current_thread().name
     assert [what for what, _ in ran] == ["long", "round", "round"]
     assert ran[1][1] != main_thread and ran[2][1] == main_thread
+
+
+def test_a_stopping_service_refuses_new_calls_and_exits_once_its_streams_end(tmp_path):
+    """SIGTERM: the service keeps serving while it drains, refusing new calls and an open
+    stream's next message with a status a client acts on, and stops once nothing is left in
+    flight. (Stopping gRPC at once had a call that arrived as the stop began sit without a
+    handler until the grace period ended, cancelled with "Cancelling all calls".)"""
+    drafter = spawn("drafter", [], log_dir=tmp_path)
+    try:
+        drafter.wait_healthy(120)
+        with grpc.insecure_channel(drafter.address) as channel:
+            stub = drafter_pb2_grpc.DrafterStub(channel)
+            session = stub.OpenSession(drafter_pb2.DraftOpenRequest(context_ids=[5, 6, 7, 5, 6]))
+            requests = queue.Queue()
+            stream = stub.DraftStream(iter(requests.get, None))
+            requests.put(drafter_pb2.DraftRequest(session_id=session.session_id, position=5))
+            assert list(next(stream).draft_ids) == [7, 5, 6]  # the stream is open and answered
+            drafter.process.send_signal(signal.SIGTERM)
+            while health_status(drafter.address) == health_pb2.HealthCheckResponse.SERVING:
+                time.sleep(0.01)
+            # draining: the open stream holds the stop; a new call is refused, not left hanging
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.GetInfo(common_pb2.InfoRequest(), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "shutting down" in refused.value.details()
+            requests.put(drafter_pb2.DraftRequest(session_id=session.session_id, position=5))
+            with pytest.raises(grpc.RpcError) as ended:
+                next(stream)
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "shutting down" in ended.value.details()
+            requests.put(None)
+        assert drafter.process.wait(30) == 0, drafter.log_tail()
+        assert "still running" not in drafter.log_path.read_text()  # drained, not timed out
+    finally:
+        drafter.stop()
