@@ -157,7 +157,7 @@ class _InFlight:
 
             @functools.wraps(method)
             async def streaming(request_or_iterator, context):
-                await self._enter(context)
+                await self._enter(method.__name__, context)
                 try:
                     async for response in method(request_or_iterator, context):
                         yield response
@@ -170,7 +170,7 @@ class _InFlight:
 
         @functools.wraps(method)
         async def unary(request, context):
-            await self._enter(context)
+            await self._enter(method.__name__, context)
             try:
                 return await method(request, context)
             finally:
@@ -178,8 +178,9 @@ class _InFlight:
 
         return unary
 
-    async def _enter(self, context) -> None:
+    async def _enter(self, name: str, context) -> None:
         if _shutdown.started:  # a new call: the client should go elsewhere
+            metrics.RPCS.labels(name, grpc.StatusCode.UNAVAILABLE.name).inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the service is shutting down")
         self.count += 1
         self._idle.clear()

@@ -5,12 +5,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from specd.launch import free_ports, health_status, spawn
+from specd.launch import free_port, free_ports, health_status, spawn
 from specd.service import (
     CannotBind,
     FailedPrecondition,
@@ -163,7 +164,8 @@ def test_a_stopping_service_refuses_new_calls_and_exits_once_its_streams_end(tmp
     stream's next message with a status a client acts on, and stops once nothing is left in
     flight. (Stopping gRPC at once had a call that arrived as the stop began sit without a
     handler until the grace period ended, cancelled with "Cancelling all calls".)"""
-    drafter = spawn("drafter", [], log_dir=tmp_path)
+    metrics_port = free_port()
+    drafter = spawn("drafter", ["--metrics-port", str(metrics_port)], log_dir=tmp_path)
     try:
         drafter.wait_healthy(120)
         with grpc.insecure_channel(drafter.address) as channel:
@@ -181,6 +183,10 @@ def test_a_stopping_service_refuses_new_calls_and_exits_once_its_streams_end(tmp
                 stub.GetInfo(common_pb2.InfoRequest(), timeout=30)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "shutting down" in refused.value.details()
+            url = f"http://127.0.0.1:{metrics_port}/metrics"
+            with urllib.request.urlopen(url, timeout=30) as scrape:
+                counted = scrape.read().decode()
+            assert 'specd_rpc_total{code="UNAVAILABLE",method="GetInfo"} 1.0' in counted
             requests.put(drafter_pb2.DraftRequest(session_id=session.session_id, position=5))
             with pytest.raises(grpc.RpcError) as ended:
                 next(stream)
