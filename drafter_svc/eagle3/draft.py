@@ -24,8 +24,9 @@ KV_STEP = 256  # the cache grows by this many entries at a time, not one call at
 
 @dataclass
 class Eagle3State:
+    kv_shape: tuple[int, int]  # (kv heads, head dim) of the head's cache
     tokens: list[int] = field(default_factory=list)
-    # [n_kv, capacity, head_dim]; past `entries` the rows are a chain's scratch space
+    # [n_kv, capacity, head_dim]; past `entries` the rows are a proposal's scratch space
     key_buffer: np.ndarray | None = None
     value_buffer: np.ndarray | None = None
     pending_rows: mx.array | None = None  # target rows of positions without an entry yet
@@ -40,12 +41,13 @@ class Eagle3State:
     def values(self) -> np.ndarray:
         return self.value_buffer[:, : self.entries]
 
-    def reserve(self, more: int, kv_heads: int, head_dim: int) -> None:
+    def reserve(self, more: int) -> None:
         """Room for `more` entries past the committed ones."""
         have = 0 if self.key_buffer is None else self.key_buffer.shape[1]
         if self.entries + more <= have:
             return
         capacity = -(-(self.entries + more) // KV_STEP) * KV_STEP
+        kv_heads, head_dim = self.kv_shape
         grown = []
         for old in (self.key_buffer, self.value_buffer):
             buf = np.zeros((kv_heads, capacity, head_dim), np.float32)
@@ -57,7 +59,7 @@ class Eagle3State:
     def append(self, k: np.ndarray, v: np.ndarray) -> None:
         """Entries [kv, T, D] after the committed ones (room reserved first)."""
         n = k.shape[1]
-        self.reserve(n, k.shape[0], k.shape[2])
+        self.reserve(n)
         self.key_buffer[:, self.entries : self.entries + n] = k
         self.value_buffer[:, self.entries : self.entries + n] = v
         self.entries += n
@@ -79,7 +81,7 @@ class Eagle3Drafter:
 
     # ------------------------------------------------------------ committed context
     def open(self, context_ids: list[int], rows) -> Eagle3State:
-        state = Eagle3State()
+        state = Eagle3State(self.kv_shape)
         self.extend(state, context_ids, rows)
         return state
 
@@ -113,7 +115,7 @@ class Eagle3Drafter:
         rows_now = state.pending_rows[:count].astype(mx.float32)
         state.pending_rows = state.pending_rows[count:] if have > count else None
         next_ids = state.tokens[start + 1 : start + 1 + count]
-        state.reserve(count, *self.kv_shape)
+        state.reserve(count)
         if self.host is not None and count <= self.host.max_rows:
             hidden, k, v = self.host.step(
                 self.host.embed(next_ids),
@@ -149,49 +151,14 @@ class Eagle3Drafter:
         its feature, as a chain's drafts are."""
         if not self.ready(state) or k <= 0:
             return Proposal([])
-        if self.host is not None:
-            return self._chain_host(state, k, list(after))
+        levels = self._levels(state, len(after) + k)
         position = state.entries  # of the first drafted entry
-        keys, values = _mlx_past(state)
-        hidden = mx.array(state.last_hidden)
-
-        def feed(token: int) -> None:
-            nonlocal keys, values, hidden, position
-            emb = self.embedding[mx.array([token])][None]
-            out, (k_new, v_new) = self.head.step(emb, hidden[None, None], position, (keys, values),
-                                                 None)  # fmt: skip
-            keys = mx.concatenate([keys, k_new], axis=2)
-            values = mx.concatenate([values, v_new], axis=2)
-            hidden = out[0, -1]
-            position += 1
-
-        for token in after:
-            feed(token)
-        ids: list[int] = []
-        while True:
-            draft = int(mx.argmax(self.head.logits(hidden)).item())
-            ids.append(draft)
-            if len(ids) == k:
-                return Proposal(self._to_target(ids))
-            feed(self._to_target([draft])[0])
-
-    def _chain_host(self, state: Eagle3State, k: int, after: list[int]) -> Proposal:
-        """As `chain`, on the host; drafted entries go to the cache's scratch rows past the
-        committed ones, where the next commit overwrites them."""
-        host = self.host
-        state.reserve(len(after) + k, *self.kv_shape)
-        position = state.entries
         hidden = state.last_hidden[None]
-        alone = np.ones((1, 1), dtype=bool)
 
         def feed(token: int) -> np.ndarray:
             nonlocal position
-            out, k_new, v_new = host.step(
-                host.embed([token]), hidden, np.array([position]), state.key_buffer,
-                state.value_buffer, position, alone,
-            )  # fmt: skip
-            state.key_buffer[:, position] = k_new[:, 0]
-            state.value_buffer[:, position] = v_new[:, 0]
+            sees_all = np.ones((1, state.entries + levels.columns + 1), dtype=bool)
+            out = levels.forward([token], hidden, position, sees_all)
             position += 1
             return out
 
@@ -199,10 +166,16 @@ class Eagle3Drafter:
             hidden = feed(token)
         ids: list[int] = []
         while True:
-            ids.append(int(np.argmax(host.logits(hidden)[0])))
+            ids.append(int(np.argmax(levels.logits(hidden)[0])))
             if len(ids) == k:
                 return Proposal(self._to_target(ids))
             hidden = feed(self._to_target(ids[-1:])[0])
+
+    def _levels(self, state: Eagle3State, most: int) -> _HostLevels | _MlxLevels:
+        """Where a proposal's drafted entries go: `most` of them at the most."""
+        if self.host is not None:
+            return _HostLevels(self.host, state, most)
+        return _MlxLevels(self, state)
 
     def tree(self, state: Eagle3State, shape: TreeShape) -> Proposal:
         """Expand the top_k best nodes per depth (by cumulative log-prob), each with its top_k
@@ -226,10 +199,7 @@ class Eagle3Drafter:
                 scores.append(base + float(logp_row[d]))
                 depths.append(depth)
 
-        if self.host is not None:
-            levels = _HostLevels(self.host, state, top_k * (shape.depth - 1), self.kv_shape)
-        else:
-            levels = _MlxLevels(self, state)
+        levels = self._levels(state, top_k * (shape.depth - 1))
         add_children(-1, levels.logp(state.last_hidden[None])[0], 0.0, 1)
         frontier = list(range(len(tokens)))
         parent_hidden = {i: state.last_hidden for i in frontier}  # hidden feeding each node
@@ -269,7 +239,8 @@ class Eagle3Drafter:
 
 
 class _MlxLevels:
-    """A draft tree's levels in MLX, its entries kept beside copies of the committed ones."""
+    """A proposal's drafted entries (a chain's, or a tree's level by level) in MLX, kept
+    beside copies of the committed ones."""
 
     def __init__(self, drafter: Eagle3Drafter, state: Eagle3State):
         self.drafter = drafter
@@ -287,22 +258,28 @@ class _MlxLevels:
         self.columns += len(target_ids)
         return np.array(out[0])
 
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        return np.array(self.drafter.head.logits(mx.array(hidden)))
+
     def logp(self, hidden: np.ndarray) -> np.ndarray:
         logits = self.drafter.head.logits(mx.array(hidden))
         return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
 
 class _HostLevels:
-    """A draft tree's levels on the host, its entries in the cache's scratch rows."""
+    """A proposal's drafted entries on the host, in the cache's scratch rows past the
+    committed ones, where the next commit overwrites them."""
 
-    def __init__(self, host: HostHead, state: Eagle3State, most: int, kv_shape):
-        state.reserve(most, *kv_shape)
+    def __init__(self, host: HostHead, state: Eagle3State, most: int):
+        state.reserve(most)
         self.host, self.state = host, state
         self.columns = 0
 
     def forward(self, target_ids, feats: np.ndarray, position: int, mask: np.ndarray):
         state, n = self.state, len(target_ids)
         past = state.entries + self.columns
+        if mask[:, :past].all():  # every earlier entry seen: the compiled kernel's form
+            mask = np.ascontiguousarray(mask[:, past:])
         hidden, k, v = self.host.step(
             self.host.embed(target_ids), feats, np.full(n, position), state.key_buffer,
             state.value_buffer, past, mask,
@@ -311,6 +288,9 @@ class _HostLevels:
         state.value_buffer[:, past : past + n] = v
         self.columns += n
         return hidden
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        return self.host.logits(hidden)
 
     def logp(self, hidden: np.ndarray) -> np.ndarray:
         logits = self.host.logits(hidden)
