@@ -66,7 +66,7 @@ class SessionStreams:
             stream = self._streams[session_id] = self.open_stream(metadata=self.metadata)
         try:
             return await asyncio.wait_for(self._exchange(stream, request), timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not the builtin before Python 3.11
             self._drop(session_id)
             raise UpstreamError(
                 self.service, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {timeout:g}s"

@@ -193,7 +193,7 @@ class _InFlight:
     async def drained(self, timeout_s: float) -> bool:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not the builtin before Python 3.11
             return False
         return True
 
