@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coordinator.rounds import leading_matches
 from specd.argtypes import int_between, non_negative_int, positive_int
 
 # --drafter names -> drafter kind; "-tree" variants draft trees, the others chains; "-mlx"
@@ -177,10 +178,8 @@ def top2_margin(logprobs) -> float:
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+    same = leading_matches(a, b)
+    return None if same == len(a) == len(b) else same
 
 
 def summarize(rows: list[dict]) -> dict:

@@ -113,7 +113,7 @@ def register(server: grpc.aio.Server, servicer, service: ServiceDescriptor) -> N
 
         make = _HANDLER_KINDS[method.client_streaming, method.server_streaming]
         handlers[method.name] = make(
-            _in_flight.track(getattr(servicer, method.name)),
+            _calls.track(getattr(servicer, method.name)),
             request_deserializer=parse,
             response_serializer=response_cls.SerializeToString,
         )
@@ -132,22 +132,19 @@ def rpc(method):
     return wrapper
 
 
-class _Shutdown:
-    started = False  # set once per process, when its server begins a graceful stop
+_SHUTTING_DOWN = "the service is shutting down"
 
 
-_shutdown = _Shutdown()
-
-
-class _InFlight:
+class _Calls:
     """The calls of this process's services that reached their method and have not ended.
 
-    A graceful stop drains these while the server still serves, refusing new calls, and
-    only then stops gRPC: a call that reaches grpc-python's server as its stop begins can be
-    left without a handler (the request it was matched to is dropped) until the grace period
-    ends, which held a client's failover for the whole grace period."""
+    A graceful stop sets `stopping` and drains these while the server still serves, refusing
+    new calls, and only then stops gRPC: a call that reaches grpc-python's server as its stop
+    begins can be left without a handler (the request it was matched to is dropped) until the
+    grace period ends, which held a client's failover for the whole grace period."""
 
     def __init__(self):
+        self.stopping = False  # set once per process, when its server begins a graceful stop
         self.count = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -179,9 +176,9 @@ class _InFlight:
         return unary
 
     async def _enter(self, name: str, context) -> None:
-        if _shutdown.started:  # a new call: the client should go elsewhere
+        if self.stopping:  # a new call: the client should go elsewhere
             metrics.RPCS.labels(name, grpc.StatusCode.UNAVAILABLE.name).inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the service is shutting down")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _SHUTTING_DOWN)
         self.count += 1
         self._idle.clear()
 
@@ -198,7 +195,7 @@ class _InFlight:
         return True
 
 
-_in_flight = _InFlight()
+_calls = _Calls()
 
 
 def stream_of(unary):
@@ -213,7 +210,7 @@ def stream_of(unary):
     async def stream(self, requests, context):
         async for request in requests:
             # once stopping, refused as a new unary call would be, so callers move on
-            handler = _refuse_while_stopping if _shutdown.started else method
+            handler = _refuse_while_stopping if _calls.stopping else method
             yield await _handle_one(name, handler, self, request, context)
 
     stream.__name__ = stream.__qualname__ = f"{name}Stream"
@@ -221,7 +218,7 @@ def stream_of(unary):
 
 
 async def _refuse_while_stopping(self, request, context):
-    raise Unavailable("the service is shutting down")
+    raise Unavailable(_SHUTTING_DOWN)
 
 
 async def _handle_one(name: str, method, self, request, context):
@@ -498,11 +495,10 @@ class Server:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        _shutdown.started = True  # new calls and an open stream's next message are refused
+        _calls.stopping = True  # new calls and an open stream's next message are refused
         await self.health.enter_graceful_shutdown()
-        drained = await _in_flight.drained(grace_s)
-        if not drained:
-            log.warning("%d calls still running after %gs; cancelled", _in_flight.count, grace_s)
+        if not await _calls.drained(grace_s):
+            log.warning("%d calls still running after %gs; cancelled", _calls.count, grace_s)
         await self.server.stop(None)  # what is left never reached a method, or overstayed
 
 

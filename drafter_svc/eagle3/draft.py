@@ -157,8 +157,7 @@ class Eagle3Drafter:
 
         def feed(token: int) -> np.ndarray:
             nonlocal position
-            sees_all = np.ones((1, state.entries + levels.columns + 1), dtype=bool)
-            out = levels.forward([token], hidden, position, sees_all)
+            out = levels.forward([token], hidden, position, None)
             position += 1
             return out
 
@@ -247,11 +246,13 @@ class _MlxLevels:
         self.keys, self.values = _mlx_past(state)
         self.columns = 0  # tree entries so far
 
-    def forward(self, target_ids, feats: np.ndarray, position: int, mask: np.ndarray):
+    def forward(self, target_ids, feats: np.ndarray, position: int, mask: np.ndarray | None):
+        """mask [n, every entry so far + n]; None: one entry that sees them all (a chain's)."""
         head = self.drafter.head
         emb = self.drafter.embedding[mx.array(target_ids)][None]
+        mask = None if mask is None else mx.array(mask)
         out, (k, v) = head.step(
-            emb, mx.array(feats)[None], position, (self.keys, self.values), mx.array(mask)
+            emb, mx.array(feats)[None], position, (self.keys, self.values), mask
         )
         self.keys = mx.concatenate([self.keys, k], axis=2)
         self.values = mx.concatenate([self.values, v], axis=2)
@@ -266,6 +267,9 @@ class _MlxLevels:
         return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
 
+_SEES_ALL_BEFORE = np.ones((1, 1), dtype=bool)  # one new entry, every cached one visible
+
+
 class _HostLevels:
     """A proposal's drafted entries on the host, in the cache's scratch rows past the
     committed ones, where the next commit overwrites them."""
@@ -275,10 +279,13 @@ class _HostLevels:
         self.host, self.state = host, state
         self.columns = 0
 
-    def forward(self, target_ids, feats: np.ndarray, position: int, mask: np.ndarray):
+    def forward(self, target_ids, feats: np.ndarray, position: int, mask: np.ndarray | None):
+        """mask [n, every entry so far + n]; None: one entry that sees them all (a chain's)."""
         state, n = self.state, len(target_ids)
         past = state.entries + self.columns
-        if mask[:, :past].all():  # every earlier entry seen: the compiled kernel's form
+        if mask is None:
+            mask = _SEES_ALL_BEFORE
+        elif mask[:, :past].all():  # every earlier entry seen: the compiled kernel's form
             mask = np.ascontiguousarray(mask[:, past:])
         hidden, k, v = self.host.step(
             self.host.embed(target_ids), feats, np.full(n, position), state.key_buffer,
@@ -293,7 +300,7 @@ class _HostLevels:
         return self.host.logits(hidden)
 
     def logp(self, hidden: np.ndarray) -> np.ndarray:
-        logits = self.host.logits(hidden)
+        logits = self.logits(hidden)
         top = logits.max(axis=-1, keepdims=True)
         return logits - (top + np.log(np.exp(logits - top).sum(axis=-1, keepdims=True)))
 
