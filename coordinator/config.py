@@ -27,6 +27,7 @@ class CoordinatorConfig:
     cache_dir: Path | None = None  # where tokenizer files from the verifier are kept
 
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, token
+    metrics_port: int | None = None  # Prometheus /metrics on this port; 0: the OS picks
     upstream: ClientSecurity = field(default_factory=ClientSecurity)  # to verifier/drafter
 
     @property

@@ -16,7 +16,7 @@ SERVICE_NAME = SERVICE.full_name
 
 async def serve(config: CoordinatorConfig) -> None:
     servicer = CoordinatorServicer(config)
-    server = Server(config.host, config.port, [SERVICE_NAME], config.security)
+    server = Server(config.host, config.port, [SERVICE_NAME], config.security, config.metrics_port)
     register(server.server, servicer, SERVICE)
     await server.start()
     log.info(

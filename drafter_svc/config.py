@@ -27,6 +27,7 @@ class DrafterConfig:
     session_idle_timeout_s: float = 600.0  # sessions a dead coordinator left are freed after
     blas_threads: int = 1  # OpenBLAS threads in this process; 0: the library's default
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, token
+    metrics_port: int | None = None  # Prometheus /metrics on this port; 0: the OS picks
 
 
 def drafter_options(

@@ -67,7 +67,7 @@ async def serve(config: DrafterConfig) -> None:
     proposer = await mlx_thread.run(make_proposer, config)
     fingerprint, vocab_size = await mlx_thread.run(target_binding, config)
     servicer = DrafterServicer(proposer, config, mlx_thread, fingerprint, vocab_size)
-    server = Server(config.host, config.port, [SERVICE_NAME], config.security)
+    server = Server(config.host, config.port, [SERVICE_NAME], config.security, config.metrics_port)
     register(server.server, servicer, SERVICE)
     await server.start()
     await server.ready()

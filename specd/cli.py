@@ -241,11 +241,6 @@ def _serve(args) -> int:
     setup_logging(args.log_level, args.log_format == "json")
     code = 0
     try:
-        if args.metrics_port is not None:
-            from specd.metrics import serve_metrics
-
-            bound = serve_metrics(args.host, args.metrics_port)
-            logging.getLogger("specd").info("metrics at http://%s:%d/metrics", args.host, bound)
         config, serve = _service_config(args)
         if config is not None:
             asyncio.run(serve(config))
@@ -293,6 +288,7 @@ def _service_config(args):
             cache_dir=args.cache_dir,
             session_idle_timeout_s=args.session_idle_timeout,
             security=_server_security(args),
+            metrics_port=args.metrics_port,
         )
     elif args.service == "drafter":
         from drafter_svc.config import DrafterConfig, drafter_options
@@ -321,6 +317,7 @@ def _service_config(args):
             cache_dir=args.cache_dir,
             session_idle_timeout_s=args.session_idle_timeout,
             security=_server_security(args),
+            metrics_port=args.metrics_port,
             blas_threads=args.blas_threads,
         )
     else:
@@ -347,6 +344,7 @@ def _service_config(args):
             verify_timeout_s=args.verify_timeout,
             draft_timeout_s=args.draft_timeout,
             security=_server_security(args),
+            metrics_port=args.metrics_port,
             upstream=_client_security(args, "upstream_"),
             cache_dir=args.cache_dir,
         )

@@ -449,6 +449,7 @@ class Server:
         port: int,
         service_names: Iterable[str],
         security: ServerSecurity | None = None,
+        metrics_port: int | None = None,
     ):
         security = security or ServerSecurity()
         # no SO_REUSEPORT (gRPC's default): a port already in use is an error, not a port
@@ -475,6 +476,22 @@ class Server:
         if self.port == 0:
             raise CannotBind(f"cannot listen on {address}: {_why_not_bound(host)}")
         self.address = f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        if metrics_port is not None:
+            # only once the gRPC port is ours: a metrics port the OS picks (0) could otherwise
+            # be the very port this server was told to listen on
+            self._serve_metrics(host, metrics_port)
+
+    @staticmethod
+    def _serve_metrics(host: str, port: int) -> None:
+        from specd.metrics import serve_metrics
+
+        try:
+            bound = serve_metrics(host, port)
+        except OSError as exc:
+            raise CannotBind(
+                f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
+            ) from exc
+        log.info("metrics at http://%s:%d/metrics", host, bound)
 
     async def start(self):
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)

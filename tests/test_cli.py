@@ -7,11 +7,11 @@ import sys
 import pytest
 from helpers import generate_json, wait_serving
 
-from specd.launch import free_port, health_status
+from specd.launch import free_port, free_ports, health_status
 
 
 def test_up_serves_and_ctrl_c_stops_all_three(tiny_model_dir):
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     up = subprocess.Popen(
         [
             sys.executable,

@@ -6,7 +6,7 @@ import sys
 
 from helpers import generate_json, wait_serving
 
-from specd.launch import free_port, health_status
+from specd.launch import free_ports, health_status
 
 
 def write_config(path, tiny_model_dir, ports) -> None:
@@ -30,7 +30,7 @@ adaptive = false
 
 
 def test_up_with_a_deployment_file(tiny_model_dir, tmp_path):
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     config = tmp_path / "specd.toml"
     write_config(config, tiny_model_dir, ports)
     up = subprocess.Popen(

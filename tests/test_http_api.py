@@ -11,15 +11,17 @@ import pytest
 
 openai = pytest.importorskip("openai")  # a dev dependency; `make test` installs it
 
-from specd.launch import Stack, free_port  # noqa: E402
+from specd.launch import Stack, free_ports  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def api(tiny_model_dir, tmp_path_factory):
-    port, metrics_port, verifier_metrics_port = free_port(), free_port(), free_port()
+    # one batch, so no two of these (the services' own ports too) can be the same port
+    port, metrics_port, verifier_metrics_port, *service_ports = free_ports(6)
     with Stack(
         target=str(tiny_model_dir),
         drafter="ngram",
+        ports=dict(zip(("verifier", "drafter", "coordinator"), service_ports, strict=True)),
         verifier_args=["--metrics-port", str(verifier_metrics_port)],
         coordinator_args=["--http-port", str(port), "--metrics-port", str(metrics_port)],
         log_dir=tmp_path_factory.mktemp("logs"),

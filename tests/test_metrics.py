@@ -5,7 +5,7 @@ import re
 import urllib.request
 
 from specd.client import CoordinatorClient, make_request
-from specd.launch import Stack, free_port
+from specd.launch import Stack, free_ports
 
 
 def scrape(port: int) -> str:
@@ -20,10 +20,13 @@ def value(text: str, prefix: str) -> float:
 
 
 def test_metrics_after_requests_and_json_logs(tiny_model_dir, tmp_path):
-    ports = {name: free_port() for name in ("verifier", "coordinator")}
+    # one batch, so no two of these (the services' own ports too) can be the same port
+    verifier_metrics, coordinator_metrics, *service_ports = free_ports(5)
+    ports = {"verifier": verifier_metrics, "coordinator": coordinator_metrics}
     with Stack(
         target=str(tiny_model_dir),
         drafter="ngram",
+        ports=dict(zip(("verifier", "drafter", "coordinator"), service_ports, strict=True)),
         log_dir=tmp_path,
         verifier_args=["--metrics-port", str(ports["verifier"]), "--log-format", "json"],
         drafter_args=["--metrics-port", "0"],  # the OS picks; the log says which

@@ -72,6 +72,22 @@ def test_a_port_in_use_is_refused_not_shared():
     assert len(set(ports)) == 8
 
 
+def test_the_grpc_port_is_bound_before_metrics_are_served():
+    """A metrics port the OS picks (0) was once the drafter's own gRPC port, handed out by
+    `free_ports` and not yet bound: metrics now start only once the gRPC port is held, so the
+    one port asked for twice is refused as a metrics port, with a reason."""
+    port = free_port()
+    run = subprocess.run(
+        [sys.executable, "-m", "specd", "serve", "drafter", "--port", str(port),
+         "--metrics-port", str(port)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stderr
+    assert f"specd: drafter: cannot serve metrics on 127.0.0.1:{port}: Address already in use" in (
+        run.stderr
+    )
+
+
 EXIT_AFTER_MLX_WORK = """
 import asyncio
 import mlx.core as mx
@@ -164,8 +180,8 @@ def test_a_stopping_service_refuses_new_calls_and_exits_once_its_streams_end(tmp
     stream's next message with a status a client acts on, and stops once nothing is left in
     flight. (Stopping gRPC at once had a call that arrived as the stop began sit without a
     handler until the grace period ended, cancelled with "Cancelling all calls".)"""
-    metrics_port = free_port()
-    drafter = spawn("drafter", ["--metrics-port", str(metrics_port)], log_dir=tmp_path)
+    port, metrics_port = free_ports(2)
+    drafter = spawn("drafter", ["--metrics-port", str(metrics_port)], port=port, log_dir=tmp_path)
     try:
         drafter.wait_healthy(120)
         with grpc.insecure_channel(drafter.address) as channel:

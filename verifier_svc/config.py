@@ -20,3 +20,4 @@ class VerifierConfig:
     max_draft_tokens: int = 64  # a verify of more tokens costs more than it can save
     cache_dir: Path | None = None  # where the embedded model is materialized
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, token
+    metrics_port: int | None = None  # Prometheus /metrics on this port; 0: the OS picks

@@ -18,7 +18,7 @@ SERVICE_NAME = SERVICE.full_name
 async def serve(config: VerifierConfig) -> None:
     mlx_thread = MlxThread()
     servicer = VerifierServicer(config, mlx_thread)
-    server = Server(config.host, config.port, [SERVICE_NAME], config.security)
+    server = Server(config.host, config.port, [SERVICE_NAME], config.security, config.metrics_port)
     register(server.server, servicer, SERVICE)
     await server.start()  # health answers NOT_SERVING while the model loads
     log.info(
