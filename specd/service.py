@@ -483,10 +483,8 @@ class Server:
 
     @staticmethod
     def _serve_metrics(host: str, port: int) -> None:
-        from specd.metrics import serve_metrics
-
         try:
-            bound = serve_metrics(host, port)
+            bound = metrics.serve_metrics(host, port)
         except OSError as exc:
             raise CannotBind(
                 f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}"

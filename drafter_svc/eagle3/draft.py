@@ -244,7 +244,7 @@ class _MlxLevels:
     def __init__(self, drafter: Eagle3Drafter, state: Eagle3State):
         self.drafter = drafter
         self.keys, self.values = _mlx_past(state)
-        self.columns = 0  # tree entries so far
+        self.columns = 0  # drafted entries so far
 
     def forward(self, target_ids, feats: np.ndarray, position: int, mask: np.ndarray | None):
         """mask [n, every entry so far + n]; None: one entry that sees them all (a chain's)."""
