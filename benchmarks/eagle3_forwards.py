@@ -21,12 +21,14 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from drafter_svc.checkpoints import shipped_or_given
+from drafter_svc.config import DrafterConfig
 from drafter_svc.eagle3.draft import Eagle3Drafter
 from drafter_svc.eagle3.host import HostHead
 from drafter_svc.eagle3.model import load_head
-from drafter_svc.eagle3.proposer import SHIPPED, target_embedding
+from drafter_svc.eagle3.proposer import SHIPPED_DIR, head_config, target_embedding
 from drafter_svc.proposal import TreeShape
-from specd.models.resolve import resolve_model
+from drafter_svc.server import describe_target
 
 
 def main() -> None:
@@ -35,8 +37,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
-    target_dir = resolve_model(None)
-    head, _ = load_head(args.weights or SHIPPED[target_dir.name])
+    target_dir, identity = describe_target(DrafterConfig(kind="eagle3"))
+    weights = shipped_or_given(args.weights, SHIPPED_DIR, head_config, identity, "EAGLE-3 head",
+                               "eagle3")  # fmt: skip
+    head, _ = load_head(weights)
     embedding = target_embedding(target_dir)
     host = HostHead.attach(head, embedding)
     if host is None:

@@ -15,41 +15,69 @@ class CheckpointError(ValueError):
     """A draft model directory that cannot be used as it is, with the reason."""
 
 
-def shipped_or_given(weights: Path | None, shipped: dict, target_dir: Path, what: str,
-                     kind: str) -> Path:  # fmt: skip
-    """--weights, or the model this package ships for the target."""
+def shipped_or_given(weights: Path | None, shipped_dir: Path, read_config, target_identity,
+                     what: str, kind: str) -> Path:  # fmt: skip
+    """--weights, or the shipped model made for a target like this one: chosen by what the
+    target is (tokenizer fingerprint, vocabulary, width, layers), never by its name or path, so
+    a copy of the model under any name finds it. read_config(dir) -> (config, layers needed)
+    reads config.json alone."""
     if weights is not None:
         return weights
-    found = shipped.get(target_dir.name)
-    if found is None or not (found / "config.json").is_file():
-        raise CheckpointError(
-            f"no {what} ships for target {target_dir.name}; pass --weights DIR "
-            f"(train one with `specd train {kind} --target ...`)"
-        )
-    return found
+    refused = []
+    for config in sorted(shipped_dir.glob("*/config.json")):
+        cfg, layers = read_config(config.parent)
+        if cfg.target_fingerprint:
+            wrong = _mismatch(cfg, layers, target_identity)
+        else:  # shapes alone do not say which tokenizer it was made for
+            wrong = "it records no tokenizer fingerprint"
+        if wrong is None:
+            return config.parent
+        refused.append(f"{config.parent.name} ({cfg.target_name or '?'}: "
+                       f"{_made_for(cfg, layers)}; {wrong})")  # fmt: skip
+    raise CheckpointError(
+        f"no {what} ships for this target ({_target(target_identity)}); shipped {what}s are "
+        f"for: {', '.join(refused) or 'none'}; pass --weights DIR "
+        f"(train one with `specd train {kind} --target ...`)"
+    )
+
+
+def _made_for(cfg, layers) -> str:
+    return (
+        f"tokenizer fingerprint {cfg.target_fingerprint or '?'}, vocab {cfg.vocab_size}, "
+        f"hidden size {cfg.feature_size}, reading layers {','.join(map(str, layers))}"
+    )
+
+
+def _target(target_identity) -> str:
+    fingerprint, vocab_size, hidden_size, num_layers = target_identity
+    return (
+        f"tokenizer fingerprint {fingerprint}, vocab {vocab_size}, hidden size {hidden_size}, "
+        f"{num_layers} layers"
+    )
+
+
+def _mismatch(cfg, layers, target_identity) -> str | None:
+    """How a draft model's config differs from the target, None when it fits. An unrecorded
+    fingerprint (a model from elsewhere) is not held against it."""
+    fingerprint, vocab_size, hidden_size, num_layers = target_identity
+    if cfg.target_fingerprint and cfg.target_fingerprint != fingerprint:
+        return "the tokenizer fingerprints differ"
+    if cfg.vocab_size != vocab_size:
+        return "the vocab sizes differ"
+    if cfg.feature_size != hidden_size:
+        return "the hidden sizes differ"
+    if max(layers) >= num_layers:
+        return f"it needs target layer {max(layers)}"
+    return None
 
 
 def check_target(what: str, weights: Path, cfg, layers, target_identity) -> None:
-    """Refuse a draft model made for another target: tokenizer fingerprint (when recorded),
-    vocabulary, the width of the rows it reads, and the layers it needs."""
-    fingerprint, vocab_size, hidden_size, num_layers = target_identity
-    if cfg.target_fingerprint and cfg.target_fingerprint != fingerprint:
+    """Refuse a draft model made for another target, with how they differ."""
+    wrong = _mismatch(cfg, layers, target_identity)
+    if wrong is not None:
         raise CheckpointError(
             f"the {what} in {weights} was trained for target {cfg.target_name or '?'} "
-            f"(tokenizer {cfg.target_fingerprint}), not this one ({fingerprint})"
-        )
-    if cfg.vocab_size != vocab_size:
-        raise CheckpointError(
-            f"the {what}'s vocab_size {cfg.vocab_size} differs from the target's {vocab_size}"
-        )
-    if cfg.feature_size != hidden_size:
-        raise CheckpointError(
-            f"the {what} reads target rows of width {cfg.feature_size}; the target's hidden "
-            f"size is {hidden_size}"
-        )
-    if max(layers) >= num_layers:
-        raise CheckpointError(
-            f"the {what} needs target layers {list(layers)}; the target has {num_layers}"
+            f"({_made_for(cfg, layers)}), not this one ({_target(target_identity)}): {wrong}"
         )
 
 

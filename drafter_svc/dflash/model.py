@@ -184,13 +184,18 @@ def config_from_dict(raw: dict) -> DFlashConfig:
     )
 
 
+def read_drafter_config(directory: Path) -> DFlashConfig:
+    """The drafter's config from config.json alone, weights unread."""
+    return config_from_dict(json.loads((directory / CONFIG).read_text()))
+
+
 def load_drafter(directory: str | Path) -> DFlashDrafter:
     from drafter_svc.eagle3.model import _read_weights, _strip_prefix
 
     directory = Path(directory)
     if not (directory / CONFIG).is_file():
         raise CheckpointError(f"{directory} has no {CONFIG}")
-    cfg = config_from_dict(json.loads((directory / CONFIG).read_text()))
+    cfg = read_drafter_config(directory)
     weights = _strip_prefix(_read_weights(directory))
     model = DFlashDrafter(cfg)
     from mlx.utils import tree_flatten

@@ -12,12 +12,23 @@ import numpy as np
 
 from drafter_svc.checkpoints import CheckpointError, check_target, shipped_or_given
 from drafter_svc.dflash.draft import BlockDrafter, DFlashState
-from drafter_svc.dflash.model import DRAFT_VOCAB, load_draft_vocab, load_drafter
+from drafter_svc.dflash.model import (
+    DRAFT_VOCAB,
+    load_draft_vocab,
+    load_drafter,
+    read_drafter_config,
+)
 from drafter_svc.eagle3.proposer import _rows, target_embedding, target_matrix
 from drafter_svc.proposal import Proposal
 
+# drafters this package ships, each found by the target its config.json says it was made for
 SHIPPED_DIR = Path(__file__).resolve().parent / "drafters"
-SHIPPED = {"SmolLM2-135M-Instruct-Q4_1": SHIPPED_DIR / "smollm2-135m-instruct"}
+
+
+def drafter_config(directory: Path):
+    """(config, target layers it reads), from config.json alone."""
+    cfg = read_drafter_config(directory)
+    return cfg, cfg.target_layer_ids
 
 
 @dataclass
@@ -79,7 +90,8 @@ class DFlashProposer:
 
 
 def load_dflash(options: DFlashOptions, target_dir: Path, target_identity) -> DFlashProposer:
-    weights = shipped_or_given(options.weights, SHIPPED, target_dir, "DFlash drafter", "dflash")
+    weights = shipped_or_given(options.weights, SHIPPED_DIR, drafter_config, target_identity,
+                               "DFlash drafter", "dflash")  # fmt: skip
     model = load_drafter(weights)
     cfg = model.config
     check_target("drafter", weights, cfg, cfg.target_layer_ids, target_identity)

@@ -246,6 +246,14 @@ def detect_format(directory: Path) -> str:
     )
 
 
+def read_head_config(directory: Path) -> Eagle3Config:
+    """The head's config from config.json alone, weights unread: enough to tell its target."""
+    raw = json.loads((directory / EAGLE_CONFIG).read_text())
+    if detect_format(directory) == "speculators":
+        return _from_speculators(raw, {})[0]
+    return _from_eagle_config(raw)
+
+
 def load_head(directory: str | Path) -> tuple[Eagle3Head, dict[str, mx.array]]:
     """Load a head in the EAGLE/SpecForge or the speculators format.
 

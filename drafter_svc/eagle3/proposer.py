@@ -11,12 +11,17 @@ import mlx.core as mx
 
 from drafter_svc.checkpoints import CheckpointError, check_target, shipped_or_given
 from drafter_svc.eagle3.draft import Eagle3Drafter, Eagle3State
-from drafter_svc.eagle3.model import load_head
+from drafter_svc.eagle3.model import load_head, read_head_config
 from drafter_svc.proposal import Proposal, TreeShape
 
+# heads this package ships, each found by the target its config.json says it was made for
 SHIPPED_DIR = Path(__file__).resolve().parent / "heads"
-# heads this package ships, by the materialized directory name of their target
-SHIPPED = {"SmolLM2-135M-Instruct-Q4_1": SHIPPED_DIR / "smollm2-135m-instruct"}
+
+
+def head_config(directory: Path):
+    """(config, target layers it reads), from config.json alone."""
+    cfg = read_head_config(directory)
+    return cfg, cfg.capture_layers
 
 
 @dataclass
@@ -140,7 +145,8 @@ def _rows(rows):
 
 def load_eagle3(options: Eagle3Options, target_dir: Path, target_identity) -> Eagle3Proposer:
     """Load the head and the target's embedding; refuse a head made for another target."""
-    weights = shipped_or_given(options.weights, SHIPPED, target_dir, "EAGLE-3 head", "eagle3")
+    weights = shipped_or_given(options.weights, SHIPPED_DIR, head_config, target_identity,
+                               "EAGLE-3 head", "eagle3")  # fmt: skip
     head, extras = load_head(weights)
     check_target("head", weights, head.config, head.config.capture_layers, target_identity)
     embedding = extras.get("embed_tokens")
