@@ -26,6 +26,7 @@ class DrafterConfig:
     max_tree_tokens: int = 128  # largest draft tree a request may ask for
     session_idle_timeout_s: float = 600.0  # sessions a dead coordinator left are freed after
     blas_threads: int = 1  # OpenBLAS threads in this process; 0: the library's default
+    warmup: str = "auto"  # drafter_svc.warmup: model drafters' forwards before SERVING
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, token
     metrics_port: int | None = None  # Prometheus /metrics on this port; 0: the OS picks
 

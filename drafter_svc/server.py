@@ -8,6 +8,7 @@ import logging
 from drafter_svc.config import KINDS, DrafterConfig
 from drafter_svc.ngram import NgramProposer
 from drafter_svc.servicer import DrafterServicer
+from drafter_svc.warmup import warm_up_drafter
 from specd.service import MlxThread, Server, register
 from specd.v1 import drafter_pb2
 
@@ -66,6 +67,11 @@ async def serve(config: DrafterConfig) -> None:
     mlx_thread = MlxThread()
     proposer = await mlx_thread.run(make_proposer, config)
     fingerprint, vocab_size = await mlx_thread.run(target_binding, config)
+    mode, calls, seconds = await mlx_thread.run(
+        warm_up_drafter, proposer, vocab_size, config.warmup
+    )
+    if calls:
+        log.info("warm-up (%s): %d draft calls in %.1f s", mode, calls, seconds)
     servicer = DrafterServicer(proposer, config, mlx_thread, fingerprint, vocab_size)
     server = Server(config.host, config.port, [SERVICE_NAME], config.security, config.metrics_port)
     register(server.server, servicer, SERVICE)

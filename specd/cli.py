@@ -13,6 +13,7 @@ from typing import NoReturn
 
 import grpc
 
+from specd import mlx_settings
 from specd.argtypes import int_between, non_negative_int, port, positive_float, positive_int
 from specd.platform import ensure_fast_blas
 from specd.security import ClientSecurity, ServerSecurity
@@ -114,13 +115,22 @@ def _add_serve(sub) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "native", "float32", "float16", "bfloat16"],
-        help="compute dtype; auto = float32 on CPU, as stored on GPUs",
+        help="compute dtype; auto = float32 on CPU; on a GPU the faster of the model as stored "
+        "and float32, timed at start-up (half precision is never chosen: it flips near-ties)",
     )
     v.add_argument("--gemv-rows", type=int_between(0), metavar="N", help=GEMV_HELP)
     v.add_argument("--float32-weights", action="store_true", help=FLOAT32_WEIGHTS_HELP)
     v.add_argument("--max-sessions", type=int_between(1), default=64)
     v.add_argument("--max-context", type=int_between(0), default=0, help="0: the model's own limit")
     v.add_argument("--max-draft-tokens", type=int_between(1), default=64)
+    v.add_argument(
+        "--warmup",
+        default="auto",
+        choices=["auto", "full", "minimal"],
+        help="forwards run before health reports SERVING: full = every verify, tree and decode "
+        "shape a round can use (a GPU compiles kernels per shape class), minimal = one round; "
+        "auto = full on a GPU, minimal on a CPU",
+    )
     d = kinds.choices["drafter"]
     d.add_argument("--kind", default="ngram", choices=["ngram", "eagle3", "dflash"])
     d.add_argument("--num-draft-tokens", type=int_between(1), help="default k per round")
@@ -168,6 +178,14 @@ def _add_serve(sub) -> None:
         "and the compiled kernels, several times faster; docs/benchmarks.md, session 14)",
     )
     d.add_argument("--tree-depth", type=int_between(1), help="eagle3: deepest tree path")
+    d.add_argument(
+        "--warmup",
+        default="auto",
+        choices=["auto", "full", "minimal"],
+        help="eagle3, dflash: full = run the drafter's forwards of every size before health "
+        "reports SERVING (a GPU compiles kernels per shape class), minimal = none; auto = full "
+        "on a GPU",
+    )
     d.add_argument(
         "--tree-top-k", type=int_between(1), help="eagle3: children per expanded tree node"
     )
@@ -285,6 +303,7 @@ def _service_config(args):
             max_sessions=args.max_sessions,
             max_context=args.max_context,
             max_draft_tokens=args.max_draft_tokens,
+            warmup=args.warmup,
             cache_dir=args.cache_dir,
             session_idle_timeout_s=args.session_idle_timeout,
             security=_server_security(args),
@@ -319,6 +338,7 @@ def _service_config(args):
             security=_server_security(args),
             metrics_port=args.metrics_port,
             blas_threads=args.blas_threads,
+            warmup=args.warmup,
         )
     else:
         from coordinator.config import CoordinatorConfig
@@ -802,6 +822,7 @@ def _table_value(action: argparse.Action, value):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ensure_fast_blas(argv)
+    mlx_settings.apply()  # before any kernel runs; the services started from here inherit it
     args = _parse(argv)
     if args.command == "serve":
         return _serve(args)

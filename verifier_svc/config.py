@@ -9,7 +9,7 @@ from specd.security import ServerSecurity
 @dataclass
 class VerifierConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto = float32 on CPU (fastest correct there), as stored on GPUs
+    dtype: str = "auto"  # auto: float32 on CPU; on a GPU the faster of as stored and float32, timed
     gemv_rows: int | None = None  # None: Target's default for the device, dtype, architecture
     half_weights: bool = True  # weights float16 holds exactly kept half for the numpy forwards
     host: str = "127.0.0.1"  # loopback unless told otherwise
@@ -18,6 +18,7 @@ class VerifierConfig:
     max_context: int = 0  # 0: the model's max_position_embeddings
     session_idle_timeout_s: float = 600.0  # sessions a dead coordinator left are freed after
     max_draft_tokens: int = 64  # a verify of more tokens costs more than it can save
+    warmup: str = "auto"  # verifier_svc.warmup: full on a GPU, minimal on a CPU
     cache_dir: Path | None = None  # where the embedded model is materialized
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, token
     metrics_port: int | None = None  # Prometheus /metrics on this port; 0: the OS picks

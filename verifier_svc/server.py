@@ -35,6 +35,11 @@ async def serve(config: VerifierConfig) -> None:
         servicer.target.gemv_rows,
         servicer.target.numpy_part,
     )
+    loaded, warmup = servicer.target.loaded, servicer.warmup
+    if loaded.dtype_timings:
+        timed = ", ".join(f"{d} {ms:.2f} ms" for d, ms in loaded.dtype_timings.items())
+        log.info("dtype auto: %s (a decode step + a verify of 8 tokens: %s)", loaded.dtype, timed)
+    log.info("warm-up (%s): %d calls in %.1f s", warmup.mode, warmup.calls, warmup.seconds)
     await server.ready()
     sweeper = asyncio.create_task(servicer.sessions.expire_forever())
     await server.run_until_signal()

@@ -35,6 +35,7 @@ from verifier_svc.engine import (
 )
 from verifier_svc.sampling import SamplingConfig
 from verifier_svc.tree import check_parents
+from verifier_svc.warmup import WarmupReport, warm_up
 
 ROWS_DTYPES = {
     "": mx.float16,
@@ -87,6 +88,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.config = config
         self.mlx = mlx_thread
         self.target: Target | None = None
+        self.warmup: WarmupReport | None = None
         self.sessions = SessionTable(config.max_sessions, config.session_idle_timeout_s)
 
     async def load(self) -> None:
@@ -98,7 +100,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         )
         loaded = load_target(self.config.model, self.config.dtype, self.config.cache_dir, half)
         target = Target(loaded, self.config.gemv_rows)
-        verify(target, prefill(target, [0, 1, 2]).session, [3, 4])  # compile kernels now
+        self.warmup = warm_up(target, self.config.max_draft_tokens, self.config.warmup)
         return target
 
     def _ready(self) -> Target:

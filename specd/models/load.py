@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -44,6 +44,8 @@ class LoadedTarget:
     dtype: str  # what the weights are computed in: "float32", ..., or "native"
     identity: Identity
     max_context: int
+    # what `auto` measured on a GPU: ms of a decode step + a verify of 8 tokens per candidate
+    dtype_timings: dict[str, float] = field(default_factory=dict)
 
 
 def device_kind() -> str:
@@ -51,12 +53,78 @@ def device_kind() -> str:
 
 
 def resolve_dtype(requested: str) -> str:
-    """`auto`: float32 on CPU (quantized and half matmuls are slow there), native on GPUs."""
+    """`auto`: float32 on CPU (quantized and half matmuls are slow there); on a GPU `auto`
+    stays until `load_target` measures (`fastest_exact_dtype`)."""
     if requested not in DTYPES:
         raise ValueError(f"unknown dtype {requested!r}; choose one of {', '.join(DTYPES)}")
     if requested != "auto":
         return requested
-    return "float32" if device_kind() == "cpu" else "native"
+    return "float32" if device_kind() == "cpu" else "auto"
+
+
+# What `auto` may choose on a GPU: the model as stored, and float32. Half precision is left
+# out: a verify of k tokens and k one-token steps round differently there, and greedy output
+# then flips where the top two logits tie to within half precision's rounding.
+GPU_CANDIDATES = ("native", "float32")
+# A round's two typical forwards: a decode step and a verify of 8 tokens, after this context.
+_PROBE_CONTEXT, _PROBE_SIZES, _PROBE_REPEATS = 256, (1, 8), 7
+
+
+def _forward_ms(model) -> float:
+    """Median ms of the probe forwards (decode step + verify of 8) at the end of a cache,
+    after one untimed pass that compiles their kernels."""
+    import statistics
+    import time
+
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.arange(100, 100 + _PROBE_CONTEXT)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    total = 0.0
+    for n in _PROBE_SIZES:
+        block = mx.arange(500, 500 + n)[None]
+        samples = []
+        for i in range(_PROBE_REPEATS + 1):
+            start = time.perf_counter()
+            mx.eval(mx.argmax(model(block, cache=cache)[0], axis=-1))
+            if i:  # the first compiles
+                samples.append(time.perf_counter() - start)
+            trim_prompt_cache(cache, n)
+        total += statistics.median(samples)
+    return 1000 * total
+
+
+def _fits_float32(model) -> bool:
+    """Whether a float32 copy fits in half the device's memory (when MLX says how much)."""
+    params = sum(
+        m.weight.size * (32 // m.bits if hasattr(m, "bits") else 1)
+        for _, m in model.named_modules()
+        if hasattr(m, "weight") and isinstance(m.weight, mx.array)
+    )
+    try:
+        memory = int(mx.device_info().get("memory_size", 0))
+    except (AttributeError, RuntimeError):
+        memory = 0
+    return not memory or 4 * params <= memory // 2
+
+
+def fastest_exact_dtype(path: Path) -> tuple[str, dict[str, float]]:
+    """Time the GPU candidates on this device; the fastest and every candidate's ms (a decode
+    step plus a verify of 8 tokens). Small models are launch-bound on a GPU, so float32 can be
+    as fast as 4 bits there, and it rounds less."""
+    from mlx_lm import load
+
+    timings: dict[str, float] = {}
+    for dtype in GPU_CANDIDATES:
+        model, _ = load(str(path), lazy=True)
+        if dtype == "float32" and not _fits_float32(model):
+            continue
+        convert_dtype(model, dtype)
+        timings[dtype] = round(_forward_ms(model), 3)
+        del model
+        mx.clear_cache()
+    return min(timings, key=timings.get), timings
 
 
 def _float_module(module: nn.Module, dtype: mx.Dtype, half: bool = False) -> nn.Module:
@@ -148,8 +216,11 @@ def load_target(
     from specd.models.resolve import resolve_model
 
     path = resolve_model(spec, cache_dir)
-    model, tokenizer = load(str(path), lazy=True)  # weights arrive as convert_dtype needs them
     dtype = resolve_dtype(dtype)
+    dtype_timings: dict[str, float] = {}
+    if dtype == "auto":
+        dtype, dtype_timings = fastest_exact_dtype(path)
+    model, tokenizer = load(str(path), lazy=True)  # weights arrive as convert_dtype needs them
     convert_dtype(model, dtype, half_weights)
     config = _text_config(json.loads((path / "config.json").read_text()))
     identity = Identity(
@@ -161,7 +232,7 @@ def load_target(
         eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
     )
     max_context = int(config.get("max_position_embeddings") or 4096)
-    return LoadedTarget(model, tokenizer, path, dtype, identity, max_context)
+    return LoadedTarget(model, tokenizer, path, dtype, identity, max_context, dtype_timings)
 
 
 def describe_tokenizer(spec: str | None, cache_dir: Path | None = None) -> tuple[str, int]:
