@@ -239,9 +239,13 @@ def prefill(
     return PrefillResult(session, first, all_rows, time.perf_counter() - start)
 
 
-def _accept(target: Target, session: Session, draft_ids, draft_probs, logits):
+def _accept(target: Target, session: Session, draft_ids, draft_probs, logits, rows=None):
+    """rows (cast for sending) are computed in the same evaluation as the greedy choices: one
+    wait for the device a round, not two."""
     if session.rng is None:
-        return accept_greedy(draft_ids, _greedy_ids(logits), target.eos_ids)
+        choices = _greedy_next(logits)
+        mx.eval(choices, *([rows] if rows is not None else []))
+        return accept_greedy(draft_ids, choices.tolist(), target.eos_ids)
     rows = np.array(logits.astype(mx.float32))  # [k+1, V]
 
     def target_row(i: int) -> np.ndarray:  # computed only up to the first rejection
@@ -259,11 +263,13 @@ def verify(
     tokens = mx.array([session.last_token, *draft_ids], dtype=mx.int32)
     try:
         logits, rows = target.forward(tokens, session.cache, session.capture)
-        acceptance = _accept(target, session, draft_ids, draft_probs, logits)
+        if rows is not None:
+            rows = rows.astype(session.rows_dtype)
+        acceptance = _accept(target, session, draft_ids, draft_probs, logits, rows)
         kept = 1 + acceptance.num_accepted
         _rollback(session.cache, base + kept)
         if rows is not None:
-            rows = rows[:kept].astype(session.rows_dtype)
+            rows = rows[:kept]
             mx.eval(rows)
     except BaseException:
         _rollback(session.cache, base)  # a failed round leaves the session as it was
