@@ -177,6 +177,29 @@ def top2_margin(logprobs) -> float:
     return abs(top[1] - top[0])
 
 
+def logit_rounding(model, prompt_ids: list[int], tokens: list[int], position: int) -> dict:
+    """At the first differing position: the baseline's top two logits, their margin, and the
+    spacing of the compute dtype at that magnitude (its rounding there). A flip whose margin is
+    within a few such steps is a tie the dtype cannot break the same way twice."""
+    import mlx.core as mx
+    import numpy as np
+
+    logits = model(mx.array(prompt_ids + tokens[:position])[None])[0, -1]
+    top = mx.topk(logits, 2)
+    values = sorted(top.astype(mx.float32).tolist(), reverse=True)
+    dtype = {mx.float16: np.float16, mx.bfloat16: None, mx.float32: np.float32}.get(logits.dtype)
+    if dtype is None:  # bfloat16: float32's exponent, 8 bits of mantissa
+        spacing = float(np.spacing(np.float32(values[0]))) * 2**16
+    else:
+        spacing = float(np.spacing(dtype(values[0])))
+    return {
+        "top_logits": values,
+        "logit_margin": values[0] - values[1],
+        "logit_dtype": str(logits.dtype).removeprefix("mlx.core."),
+        "rounding": abs(spacing),
+    }
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     same = leading_matches(a, b)
     return None if same == len(a) == len(b) else same
@@ -414,7 +437,7 @@ def _fastest_row(question, base: Baseline, tries: list, temperature: float) -> d
 def run_bench(args) -> int:
     from contextlib import ExitStack
 
-    from specd.client import CoordinatorClient, make_request
+    from specd.client import CoordinatorClient
     from specd.datasets import load_questions
     from specd.launch import Stack
     from specd.models.load import load_target
@@ -443,6 +466,10 @@ def run_bench(args) -> int:
         )
         return 1
     target = load_target(args.target, args.dtype)
+    if target.dtype_timings:  # auto measured once: every stack and the baseline use its choice
+        timed = ", ".join(f"{d} {ms:.2f} ms" for d, ms in target.dtype_timings.items())
+        print(f"bench: dtype auto chose {target.dtype} ({timed})", file=sys.stderr)
+    args.dtype = target.dtype
     tokenizer, eos = target.tokenizer, set(target.identity.eos_token_ids)
     prompts = [encode_chat(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specd-bench-"))
@@ -454,7 +481,7 @@ def run_bench(args) -> int:
     rows: dict[str, list[dict]] = {d: [] for d in drafters}
     memory = {}
     with ExitStack() as running:
-        clients, in_process = {}, {}
+        clients, in_process, first = {}, {}, {}
         for d in drafters:  # one stack each, all up: idle ones cost memory, not time
             stack = running.enter_context(
                 Stack(
@@ -472,22 +499,17 @@ def run_bench(args) -> int:
                 )
             )
             clients[d] = CoordinatorClient(stack.coordinator)
-            # warm every path so none pays first-call compilation in the timings
-            clients[d].generate(make_request(prompt_ids=prompts[0], max_tokens=8))
+            # the first request after SERVING, timed: the services' warm-up must have compiled
+            # every shape it meets; the main loop runs the same request again
+            start = time.perf_counter()
+            spec = clients[d].generate(first_request(prompts[0], args, d))
+            first[d] = (time.perf_counter() - start, len(spec.token_ids))
             if args.in_process:
                 in_process[d] = in_process_runner(args, d)
                 in_process[d](prompts[0][:8])
         plain_decode(target.model, prompts[0], 8, eos)
         for i, (question, prompt_ids) in enumerate(zip(questions, prompts, strict=True)):
-            requests = {
-                d: make_request(
-                    prompt_ids=prompt_ids,
-                    max_tokens=args.max_tokens,
-                    temperature=args.temperature,
-                    num_draft_tokens=pinned_k(d)[1],  # a pinned request turns adaptation off
-                )
-                for d in drafters
-            }
+            requests = {d: first_request(prompt_ids, args, d) for d in drafters}
             tries = {d: [] for d in drafters}
             bases = []
             for _ in range(args.repeat):
@@ -508,6 +530,12 @@ def run_bench(args) -> int:
             line = [f"[{i + 1}/{len(questions)}] {question.category:<12}"]
             for d in drafters:
                 row = _fastest_row(question, base, tries[d], args.temperature)
+                if row.get("first_difference") is not None:
+                    pos = row["first_difference"]
+                    if pos < len(base.token_ids):
+                        row.update(logit_rounding(target.model, prompt_ids, base.token_ids, pos))
+                if i == 0:
+                    row["first_request_s"], row["first_request_tokens"] = first[d]
                 rows[d].append(row)
                 same = {None: "", True: "same"}.get(
                     row["identical"], f"DIFF at {row.get('first_difference')}"
@@ -525,8 +553,30 @@ def run_bench(args) -> int:
     return 0
 
 
+def first_request(prompt_ids, args, drafter: str):
+    from specd.client import make_request
+
+    return make_request(
+        prompt_ids=prompt_ids,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        num_draft_tokens=pinned_k(drafter)[1],  # a pinned request turns adaptation off
+    )
+
+
+def first_request_ratio(rows: list[dict]) -> float | None:
+    """Seconds per token of the first request after SERVING over the same request's later
+    (fastest) run: 1.0 = the first client pays nothing for start-up."""
+    row = rows[0] if rows else {}
+    if "first_request_s" not in row or not row["tokens"] or not row["first_request_tokens"]:
+        return None
+    first = row["first_request_s"] / row["first_request_tokens"]
+    return first / (row["spec_s"] / row["tokens"])
+
+
 def _result(args, target, drafter: str, rows: list[dict], memory: dict) -> dict:
     return {
+        "first_request_vs_later": first_request_ratio(rows),
         "target": target.identity.name,
         "drafter": drafter,
         "dtype": target.dtype,
@@ -624,6 +674,18 @@ def format_table(result: dict) -> str:
             f"{s['baseline_tok_s']:>13.2f}{s['spec_tok_s']:>12.2f}"
         )
     overall = result["overall"]
+    for row in result["questions"]:
+        if "logit_margin" in row:
+            lines.append(
+                f"question {row['question_id']}: differs at token {row['first_difference']}, "
+                f"top-2 logit margin {row['logit_margin']:.4g} where {row['logit_dtype']} "
+                f"rounds in steps of {row['rounding']:.3g}"
+            )
+    if result.get("first_request_vs_later") is not None:
+        lines.append(
+            f"first request after SERVING: {result['first_request_vs_later']:.2f}x the time per "
+            "token of the same request later"
+        )
     line = f"median question: speed-up {overall['speedup_median']:.2f}x"
     if overall.get("split_vs_inprocess_median"):
         line += f", split vs in-process {overall['split_vs_inprocess_median']:.3f}"

@@ -63,6 +63,9 @@ def test_bench_compares_drafters_and_writes_json_markdown_chart(tiny_model_dir, 
         "by_category",
         "overall",
     } <= set(result)
+    # the first request after SERVING was timed and set against the same request run later
+    assert result["first_request_vs_later"] > 0
+    assert result["questions"][0]["first_request_tokens"] == result["questions"][0]["tokens"]
     for q in result["questions"]:
         assert {
             "question_id",
@@ -173,3 +176,30 @@ def test_mlx_variants_pass_the_switch_to_their_drafter():
         "--mlx-forwards" in tree_mlx and tree_mlx[tree_mlx.index("--tree-total-tokens") + 1] != "0"
     )
     assert "--mlx-forwards" not in _drafter_args(args, "eagle3")
+
+
+def test_a_difference_is_explained_by_the_logits_and_their_rounding(tiny_model_dir):
+    import mlx.core as mx
+    import numpy as np
+
+    from coordinator.bench import logit_rounding
+    from specd.models.load import load_target
+
+    loaded = load_target(str(tiny_model_dir), "float32")
+    prompt, tokens = [3, 40, 41, 42], [43, 40, 41]
+    found = logit_rounding(loaded.model, prompt, tokens, 2)
+    logits = loaded.model(mx.array(prompt + tokens[:2])[None])[0, -1].tolist()
+    top = sorted(logits, reverse=True)[:2]
+    assert found["top_logits"] == pytest.approx(top)
+    assert found["logit_margin"] == pytest.approx(top[0] - top[1])
+    assert found["logit_dtype"] == "float32"
+    assert found["rounding"] == float(np.spacing(np.float32(top[0])))
+
+
+def test_first_request_ratio_is_time_per_token_first_over_later():
+    from coordinator.bench import first_request_ratio
+
+    row = {"first_request_s": 3.0, "first_request_tokens": 10, "spec_s": 1.0, "tokens": 5}
+    assert first_request_ratio([row]) == pytest.approx(1.5)
+    assert first_request_ratio([{"spec_s": 1.0, "tokens": 5}]) is None
+    assert first_request_ratio([]) is None
