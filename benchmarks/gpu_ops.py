@@ -1,0 +1,109 @@
+"""Which operations make a forward of T tokens cost more than one of 1 token, per op class.
+
+Times chains of dependent operations at the embedded model's sizes (hidden 576, MLP 1536, 9 query
+heads over 3 KV heads of 64, a 512-token cache) for T = 1, 2, 4, 8, 16 rows: weight products as
+MLX picks the kernel (`x @ W.T`), the same rows as a batch of one-row products
+(`x[:, None] @ W.T`), 4-bit products (`quantized_matmul`, both ways), and attention through
+`mx.fast.scaled_dot_product_attention` (causal for T > 1) against the same written out. Prints
+microseconds per operation, the median of several chains.
+
+    python benchmarks/gpu_ops.py [--dtype float32] [--rows 1 2 4 8 16] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import mlx.core as mx
+
+HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM, CONTEXT = 576, 1536, 9, 3, 64, 512
+
+
+def _per_op_us(step, x, links: int = 30, repeats: int = 15) -> float:
+    """Median microseconds per link of a chain of `links` dependent calls of step."""
+    mx.eval(step(x))
+    samples = []
+    for _ in range(repeats):
+        y = x
+        start = time.perf_counter()
+        for _ in range(links):
+            y = step(y)
+        mx.eval(y)
+        samples.append((time.perf_counter() - start) / links)
+    return round(1e6 * statistics.median(samples), 1)
+
+
+def products(dtype, rows: int) -> dict:
+    up = mx.random.normal((MLP, HIDDEN)).astype(dtype) * 0.02
+    down = mx.random.normal((HIDDEN, MLP)).astype(dtype) * 0.02
+    qup, qdown = mx.quantize(up, 32, 4), mx.quantize(down, 32, 4)
+    x = mx.random.normal((rows, HIDDEN)).astype(dtype)
+    mx.eval(up, down, qup, qdown, x)
+
+    def plain(v):
+        return (v @ up.T) @ down.T
+
+    def one_row_each(v):
+        return ((v[:, None] @ up.T) @ down.T)[:, 0]
+
+    def quantized(v):
+        h = mx.quantized_matmul(v, *qup, transpose=True, group_size=32, bits=4)
+        return mx.quantized_matmul(h, *qdown, transpose=True, group_size=32, bits=4)
+
+    def quantized_one_row_each(v):
+        return quantized(v[:, None])[:, 0]
+
+    return {
+        name: _per_op_us(fn, x) / 2  # two products a link
+        for name, fn in (("matmul", plain), ("matmul_rowwise", one_row_each),
+                         ("qmm", quantized), ("qmm_rowwise", quantized_one_row_each))
+    }  # fmt: skip
+
+
+def attention(dtype, rows: int) -> dict:
+    keys = mx.random.normal((1, KV_HEADS, CONTEXT + rows, HEAD_DIM)).astype(dtype)
+    values = mx.random.normal((1, KV_HEADS, CONTEXT + rows, HEAD_DIM)).astype(dtype)
+    q = mx.random.normal((1, HEADS, rows, HEAD_DIM)).astype(dtype)
+    mx.eval(keys, values, q)
+    scale = HEAD_DIM**-0.5
+    mask = None if rows == 1 else "causal"
+
+    def fused(v):
+        return mx.fast.scaled_dot_product_attention(v, keys, values, scale=scale, mask=mask)
+
+    seen = mx.arange(CONTEXT + rows)[None] <= (CONTEXT + mx.arange(rows))[:, None]
+
+    def written(v):
+        g = (v * scale).reshape(1, KV_HEADS, HEADS // KV_HEADS * rows, HEAD_DIM)
+        s = (g @ keys.swapaxes(-1, -2)).reshape(1, KV_HEADS, HEADS // KV_HEADS, rows, -1)
+        s = mx.where(seen, s, -mx.inf)
+        p = mx.softmax(s, axis=-1, precise=True).reshape(1, KV_HEADS, -1, CONTEXT + rows)
+        return (p @ values).reshape(1, HEADS, rows, HEAD_DIM)
+
+    return {"sdpa": _per_op_us(fused, q), "sdpa_written": _per_op_us(written, q)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--json", dest="json_out")
+    args = parser.parse_args()
+    dtype = getattr(mx, args.dtype)
+    table = {}
+    for rows in args.rows:
+        table[rows] = products(dtype, rows) | attention(dtype, rows)
+        print(
+            f"{args.dtype} T={rows:>2}: "
+            + "  ".join(f"{k} {v:7.1f} us" for k, v in table[rows].items())
+        )
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"device": str(mx.default_device()), "dtype": args.dtype, "us": table}, f)
+
+
+if __name__ == "__main__":
+    main()
