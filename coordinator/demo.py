@@ -8,14 +8,8 @@ from pathlib import Path
 
 from coordinator.bench import plain_decode, service_memory
 
-DEMO_PROMPT = (
-    "Rewrite the following note so that it is polite and clear, keeping every fact:\n\n"
-    "hey team, the server migration is moved to friday 6pm because the database backup "
-    "took longer than planned. the old server stays online until sunday. if you have jobs "
-    "scheduled on the old server, move them to the new server before friday 6pm. the new "
-    "server address is build-02.internal and your old passwords still work. ask maria if "
-    "something breaks."
-)
+# answered cleanly by the embedded model: code it ends with EOS in ~150 tokens
+DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 
 
 def add_demo_args(p) -> None:
@@ -57,6 +51,12 @@ def run_demo(args) -> int:
             make_request(messages=messages, max_tokens=args.max_tokens),
             on_text=lambda t: print(t, end="", flush=True),
         )
+        # the same request with drafting off, through the same services: what the drafts add
+        plain_services = None
+        if drafter is not None:
+            plain_services = client.generate(
+                make_request(messages=messages, max_tokens=args.max_tokens, num_draft_tokens=0)
+            )
         memory = service_memory(client)
         info = client.info()
         client.close()
@@ -91,7 +91,16 @@ def run_demo(args) -> int:
         f"speed-up          {base.seconds / s['total_s']:.2f}x  (same model, "
         f"{info.verifier.dtype}, {info.verifier.device})"
     )
-    print(f"identical output  {spec.token_ids == base.token_ids}")
+    same = spec.token_ids == base.token_ids
+    if plain_services is not None:
+        off_s = plain_services.stats["total_s"]
+        print(
+            f"  from the drafts {off_s / s['total_s']:.2f}x  ({drafter} against drafting off "
+            f"through the same services, {len(plain_services.token_ids) / off_s:.2f} tok/s)"
+        )
+        print(f"  from the engine {base.seconds / off_s:.2f}x  (drafting off against plain mlx-lm)")
+        same = same and plain_services.token_ids == base.token_ids
+    print(f"identical output  {same}")
     print(
         f"peak RSS          verifier {_mib(memory['verifier'])}, drafter "
         f"{_mib(memory.get('drafter', 0))}, coordinator {_mib(memory['coordinator'])}; "
