@@ -174,7 +174,7 @@ def test_new_sessions_start_from_the_drafters_recent_acceptance():
     assert 0.1 < shared < 0.25
     later = AdaptiveK.for_session(costs, k_max=8)
     assert later.acceptance == pytest.approx(shared) and later.trials == 2.0
-    # with an EAGLE-3 round's costs measured here (docs/benchmarks.md, session 5) a fresh
+    # with an EAGLE-3 round's costs measured here (docs/benchmarks.md, 2026-11-30) a fresh
     # session of this drafter no longer drafts blindly
     for _ in range(5):
         costs.verify.observe(1, 0.059)

@@ -5,7 +5,7 @@ costs ~2.5 ms, most of it evaluating a dozen small graphs; a chain of four draft
 of a ~13 ms decode step, so adaptive speculation rarely found drafting worth it. The same step
 here reads each weight once (float16 where the checkpoint's values are float16) with the
 verifier's kernels (specd.models.row_products, specd.models.host_llama): docs/benchmarks.md,
-"Session 14".
+"The EAGLE-3 head off MLX" (2026-12-01).
 """
 
 from __future__ import annotations
