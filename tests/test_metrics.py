@@ -48,7 +48,9 @@ def test_metrics_after_requests_and_json_logs(tiny_model_dir, tmp_path):
     assert value(coordinator, "specd_verify_seconds_count") > 0
     assert value(coordinator, "specd_round_overhead_seconds_count") > 0
     assert value(verifier, 'specd_rpc_total{code="OK",method="Verify"}') > 0
-    assert value(drafter, 'specd_rpc_total{code="OK",method="Draft"}') >= 0
+    # each request opens a drafter session and drafts at least once (calls or a stream of them)
+    assert value(drafter, 'specd_rpc_total{code="OK",method="OpenSession"}') == 2
+    assert value(drafter, 'specd_rpc_total{code="OK",method="Draft') > 0
     assert "specd_open_sessions" in verifier
     records = [json.loads(line) for line in log_lines if line.startswith("{")]
     assert any("ready" in r["message"] for r in records)
