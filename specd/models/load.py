@@ -64,16 +64,17 @@ def resolve_dtype(requested: str) -> str:
 
 # What `auto` may choose on a GPU: the model as stored, and float32. Half precision is left
 # out: a verify of k tokens and k one-token steps round differently there, and greedy output
-# then flips where the top two logits tie to within half precision's rounding.
+# then flips where the top two logits tie to within half precision's rounding. A model stored
+# in half precision is therefore computed in float32 when that fits.
 GPU_CANDIDATES = ("native", "float32")
 # A round's two typical forwards: a decode step and a verify of 8 tokens, after this context.
-_PROBE_CONTEXT, _PROBE_SIZES, _PROBE_REPEATS = 256, (1, 8), 7
+_PROBE_CONTEXT, _PROBE_SIZES, _PROBE_REPEATS = 256, (1, 8), 9
 
 
 def _forward_ms(model) -> float:
-    """Median ms of the probe forwards (decode step + verify of 8) at the end of a cache,
-    after one untimed pass that compiles their kernels."""
-    import statistics
+    """ms of the probe forwards (decode step + verify of 8) at the end of a cache: the best of
+    several timings each (a shared device only ever adds time), after one untimed pass that
+    compiles their kernels."""
     import time
 
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
@@ -91,8 +92,19 @@ def _forward_ms(model) -> float:
             if i:  # the first compiles
                 samples.append(time.perf_counter() - start)
             trim_prompt_cache(cache, n)
-        total += statistics.median(samples)
+        total += min(samples)
     return 1000 * total
+
+
+def stored_in_half(model) -> bool:
+    """Whether the model as stored computes in float16 or bfloat16: unquantized half weights.
+    (A quantized model's products accumulate in float32; as stored it is a candidate.)"""
+    for _, module in model.named_modules():
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            return False
+        if isinstance(module, nn.Linear):
+            return module.weight.dtype in (mx.float16, mx.bfloat16)
+    return False
 
 
 def _fits_float32(model) -> bool:
@@ -110,16 +122,31 @@ def _fits_float32(model) -> bool:
 
 
 def fastest_exact_dtype(path: Path) -> tuple[str, dict[str, float]]:
-    """Time the GPU candidates on this device; the fastest and every candidate's ms (a decode
-    step plus a verify of 8 tokens). Small models are launch-bound on a GPU, so float32 can be
-    as fast as 4 bits there, and it rounds less."""
+    """The dtype `auto` computes in on a GPU, and every timed candidate's ms (a decode step
+    plus a verify of 8 tokens). Small models are launch-bound on a GPU, so float32 can be as
+    fast as 4 bits there. With one candidate left nothing is timed; a half-stored model too
+    large for float32 stays as stored, the one case where near-ties may flip (logged)."""
     from mlx_lm import load
 
+    model, _ = load(str(path), lazy=True)
+    fits, half = _fits_float32(model), stored_in_half(model)
+    candidates = [d for d in GPU_CANDIDATES if d != "float32" or fits]
+    if half and fits:
+        candidates.remove("native")
+    del model
+    if len(candidates) == 1:
+        if half and not fits:
+            import logging
+
+            logging.getLogger("specd.load").warning(
+                "dtype auto: %s is too large for float32 on this device; it runs as stored, "
+                "where a greedy near-tie may resolve unlike plain decoding",
+                path.name,
+            )
+        return candidates[0], {}
     timings: dict[str, float] = {}
-    for dtype in GPU_CANDIDATES:
+    for dtype in candidates:
         model, _ = load(str(path), lazy=True)
-        if dtype == "float32" and not _fits_float32(model):
-            continue
         convert_dtype(model, dtype)
         timings[dtype] = round(_forward_ms(model), 3)
         del model
