@@ -16,8 +16,6 @@ import numpy as np
 from drafter_svc.proposal import TreeShape
 from specd.v1 import common_pb2
 
-WARMUP_MODES = ("auto", "full", "minimal")
-
 
 def _row_width(proposer) -> int:
     cfg = proposer.drafter.cfg
@@ -61,12 +59,9 @@ def full_warmup(proposer, vocab_size: int, contexts=(64, 2112)) -> int:
 
 def warm_up_drafter(proposer, vocab_size: int, mode: str = "auto") -> tuple[str, int, float]:
     """(mode run, calls, seconds); auto: full for model drafters on a GPU, else nothing."""
-    from specd.models.load import device_kind
+    from specd.models.load import warmup_mode
 
-    if mode not in WARMUP_MODES:
-        raise ValueError(f"unknown warm-up {mode!r}; choose one of {', '.join(WARMUP_MODES)}")
-    if mode == "auto":
-        mode = "full" if device_kind() == "gpu" else "minimal"
+    mode = warmup_mode(mode)
     if mode == "minimal" or not proposer.capture_layers:
         return "minimal", 0, 0.0
     start = time.perf_counter()

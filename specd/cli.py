@@ -19,6 +19,7 @@ from specd.platform import ensure_fast_blas
 from specd.security import ClientSecurity, ServerSecurity
 
 DEFAULT_PORTS = {"coordinator": 50050, "verifier": 50051, "drafter": 50052}
+WARMUP_CHOICES = ["auto", "full", "minimal"]  # specd.models.load.WARMUP_MODES
 GEMV_HELP = (
     "forwards of at most N tokens (decode steps, verifies) run on numpy, float32 on the CPU "
     "only: whole layers for Llama-family targets, the weight products alone for others; "
@@ -126,7 +127,7 @@ def _add_serve(sub) -> None:
     v.add_argument(
         "--warmup",
         default="auto",
-        choices=["auto", "full", "minimal"],
+        choices=WARMUP_CHOICES,
         help="forwards run before health reports SERVING: full = every verify, tree and decode "
         "shape a round can use (a GPU compiles kernels per shape class), minimal = one round; "
         "auto = full on a GPU, minimal on a CPU",
@@ -181,7 +182,7 @@ def _add_serve(sub) -> None:
     d.add_argument(
         "--warmup",
         default="auto",
-        choices=["auto", "full", "minimal"],
+        choices=WARMUP_CHOICES,
         help="eagle3, dflash: full = run the drafter's forwards of every size before health "
         "reports SERVING (a GPU compiles kernels per shape class), minimal = none; auto = full "
         "on a GPU",

@@ -49,3 +49,10 @@ def test_modes(target):
     assert warm_up(target, 4, "auto").mode == "minimal"  # a CPU
     with pytest.raises(ValueError, match="unknown warm-up 'all'"):
         warm_up(target, 4, "all")
+
+
+def test_the_flags_offer_the_modes_warm_up_takes():
+    from specd.cli import WARMUP_CHOICES
+    from specd.models.load import WARMUP_MODES
+
+    assert tuple(WARMUP_CHOICES) == WARMUP_MODES

@@ -5,7 +5,7 @@ with MLX's CUDA build: about 15 s per kernel module; a 4-bit SmolLM2 met new one
 17 tokens per forward and at its first long prefill). Without a warm-up the first client pays
 for all of them. The full warm-up runs, at a short and at a long context: verifies of every size
 up to max_draft_tokens + 1, draft trees of every size, a decode burst, a sampled verify, with and
-without hidden-row capture. The compiled kernels are kept on disk (specd.kernel_cache), so a
+without hidden-row capture. The compiled kernels are kept on disk (specd.mlx_settings), so a
 restart on the same machine spends seconds here, not minutes. On a CPU nothing is compiled per
 shape and a token's round trip is all a warm-up needs.
 """
@@ -17,10 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specd.models.load import warmup_mode
 from verifier_svc.engine import PREFILL_CHUNK, Target, decode, prefill, verify, verify_tree
 from verifier_svc.sampling import SamplingConfig
-
-WARMUP_MODES = ("auto", "full", "minimal")
 
 
 @dataclass
@@ -67,12 +66,7 @@ def full_warmup(target: Target, max_draft_tokens: int, long_context: int = PREFI
 
 def warm_up(target: Target, max_draft_tokens: int, mode: str = "auto") -> WarmupReport:
     """mode auto: full on a GPU, minimal on a CPU."""
-    from specd.models.load import device_kind
-
-    if mode not in WARMUP_MODES:
-        raise ValueError(f"unknown warm-up {mode!r}; choose one of {', '.join(WARMUP_MODES)}")
-    if mode == "auto":
-        mode = "full" if device_kind() == "gpu" else "minimal"
+    mode = warmup_mode(mode)
     start = time.perf_counter()
     if mode == "full":
         calls = full_warmup(target, max_draft_tokens)

@@ -52,6 +52,20 @@ def device_kind() -> str:
     return "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
 
 
+WARMUP_MODES = ("auto", "full", "minimal")
+
+
+def warmup_mode(requested: str) -> str:
+    """`auto`: full on a GPU, which compiles kernels per class of shapes at first use; minimal
+    on a CPU, which does not."""
+    if requested not in WARMUP_MODES:
+        choices = ", ".join(WARMUP_MODES)
+        raise ValueError(f"unknown warm-up {requested!r}; choose one of {choices}")
+    if requested != "auto":
+        return requested
+    return "full" if device_kind() == "gpu" else "minimal"
+
+
 def resolve_dtype(requested: str) -> str:
     """`auto`: float32 on CPU (quantized and half matmuls are slow there); on a GPU `auto`
     stays until `load_target` measures (`fastest_exact_dtype`)."""
