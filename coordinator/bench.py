@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coordinator.rounds import leading_matches
-from specd.argtypes import int_between, non_negative_int, positive_int
+from specd.argtypes import int_between, non_negative_int, positive_float, positive_int
 
 # --drafter names -> drafter kind; "-tree" variants draft trees, the others chains; "-mlx"
 # variants run the head in MLX (--mlx-forwards); dflash-bN drafts blocks of N; a "-serial"
@@ -135,6 +135,13 @@ def add_bench_args(p) -> None:
         help="run every question this many times in each mode, in turn, and keep each mode's "
         "fastest run: a shared host's slow spells only add time (greedy output must match "
         "every time)",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=positive_float,
+        metavar="SECONDS",
+        help="start no new question after this long (services' start-up included) and report "
+        "the questions done: on a machine lent for a while, a partial table beats none",
     )
     p.add_argument("--json", dest="json_out", type=Path, help="write results here")
     p.add_argument("--log-dir", type=Path, help="service logs (default: a temp dir)")
@@ -465,6 +472,7 @@ def run_bench(args) -> int:
             file=sys.stderr,
         )
         return 1
+    started = time.perf_counter()
     target = load_target(args.target, args.dtype)
     if target.dtype_timings:  # auto measured once: every stack and the baseline use its choice
         timed = ", ".join(f"{d} {ms:.2f} ms" for d, ms in target.dtype_timings.items())
@@ -509,6 +517,10 @@ def run_bench(args) -> int:
                 in_process[d](prompts[0][:8])
         plain_decode(target.model, prompts[0], 8, eos)
         for i, (question, prompt_ids) in enumerate(zip(questions, prompts, strict=True)):
+            if i and args.time_limit and time.perf_counter() - started > args.time_limit:
+                print(f"bench: --time-limit {args.time_limit:g} s reached; reporting the "
+                      f"{i} of {len(questions)} questions done", file=sys.stderr)  # fmt: skip
+                break
             requests = {d: first_request(prompt_ids, args, d) for d in drafters}
             tries = {d: [] for d in drafters}
             bases = []
@@ -545,7 +557,7 @@ def run_bench(args) -> int:
         for d in drafters:
             memory[d] = service_memory(clients[d])
             clients[d].close()
-    results = {d: _result(args, target, d, rows[d], memory[d]) for d in drafters}
+    results = {d: _result(args, target, d, rows[d], memory[d], len(questions)) for d in drafters}
     for result in results.values():
         print(format_table(result))
     if args.json_out:
@@ -574,8 +586,9 @@ def first_request_ratio(rows: list[dict]) -> float | None:
     return first / (row["spec_s"] / row["tokens"])
 
 
-def _result(args, target, drafter: str, rows: list[dict], memory: dict) -> dict:
+def _result(args, target, drafter: str, rows: list[dict], memory: dict, asked: int) -> dict:
     return {
+        "questions_asked": asked,  # more than were run when --time-limit stopped the bench
         "first_request_vs_later": first_request_ratio(rows),
         "target": target.identity.name,
         "drafter": drafter,
@@ -661,9 +674,11 @@ def plot_chart(results: dict[str, dict], path: Path) -> None:
 
 
 def format_table(result: dict) -> str:
+    done, asked = len(result["questions"]), result.get("questions_asked", 0)
     lines = [
         f"target {result['target']} ({result['dtype']}), drafter {result['drafter']}, "
-        f"{result['max_tokens']} tokens, temperature {result['temperature']}",
+        f"{result['max_tokens']} tokens, temperature {result['temperature']}"
+        + (f"; {done} of {asked} questions (--time-limit)" if asked > done else ""),
         f"{'category':<16}{'n':>4}{'speedup':>9}{'tau':>7}{'identical':>11}"
         f"{'plain tok/s':>13}{'spec tok/s':>12}",
     ]

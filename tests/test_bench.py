@@ -203,3 +203,24 @@ def test_first_request_ratio_is_time_per_token_first_over_later():
     assert first_request_ratio([row]) == pytest.approx(1.5)
     assert first_request_ratio([{"spec_s": 1.0, "tokens": 5}]) is None
     assert first_request_ratio([]) is None
+
+
+def test_time_limit_reports_the_questions_done(tiny_model_dir, tmp_path):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(
+        "".join(
+            f'{{"question_id": {i}, "category": "a", "turns": ["abc abc {i}"]}}\n' for i in range(3)
+        )
+    )
+    out = tmp_path / "out.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "specd", "bench", "--questions", str(questions),
+         "--target", str(tiny_model_dir), "--max-tokens", "8", "--drafter", "none",
+         "--time-limit", "0.001", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "reporting the 1 of 3 questions done" in run.stderr
+    assert "1 of 3 questions (--time-limit)" in run.stdout
+    result = json.loads(out.read_text())
+    assert result["questions_asked"] == 3 and len(result["questions"]) == 1
