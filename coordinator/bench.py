@@ -510,7 +510,7 @@ def run_bench(args) -> int:
             # the first request after SERVING, timed: the services' warm-up must have compiled
             # every shape it meets; the main loop runs the same request again
             start = time.perf_counter()
-            spec = clients[d].generate(first_request(prompts[0], args, d))
+            spec = clients[d].generate(bench_request(prompts[0], args, d))
             first[d] = (time.perf_counter() - start, len(spec.token_ids))
             if args.in_process:
                 in_process[d] = in_process_runner(args, d)
@@ -521,7 +521,7 @@ def run_bench(args) -> int:
                 print(f"bench: --time-limit {args.time_limit:g} s reached; reporting the "
                       f"{i} of {len(questions)} questions done", file=sys.stderr)  # fmt: skip
                 break
-            requests = {d: first_request(prompt_ids, args, d) for d in drafters}
+            requests = {d: bench_request(prompt_ids, args, d) for d in drafters}
             tries = {d: [] for d in drafters}
             bases = []
             for _ in range(args.repeat):
@@ -565,7 +565,7 @@ def run_bench(args) -> int:
     return 0
 
 
-def first_request(prompt_ids, args, drafter: str):
+def bench_request(prompt_ids, args, drafter: str):
     from specd.client import make_request
 
     return make_request(

@@ -16,7 +16,6 @@ is launch-bound, so this costs no measurable time there.
 from __future__ import annotations
 
 import os
-from importlib import metadata
 from pathlib import Path
 
 KERNEL_CACHE_VARIABLE = "MLX_PTX_CACHE_DIR"
@@ -24,12 +23,10 @@ TF32_VARIABLE = "MLX_ENABLE_TF32"
 
 
 def default_kernel_cache() -> Path:
+    from specd.platform import mlx_version
+
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    try:
-        version = metadata.version("mlx")
-    except metadata.PackageNotFoundError:
-        version = "unknown"
-    return Path(base) / "specd" / "mlx-kernels" / version
+    return Path(base) / "specd" / "mlx-kernels" / (mlx_version() or "unknown")
 
 
 def use_persistent_kernel_cache() -> Path | None:

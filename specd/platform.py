@@ -191,7 +191,7 @@ def _installed(name: str) -> bool:
     return True
 
 
-def _mlx_version() -> str | None:
+def mlx_version() -> str | None:
     try:
         return metadata.version("mlx")
     except metadata.PackageNotFoundError:
@@ -257,7 +257,7 @@ def _use_cpu_build(version: str) -> bool:
 def install_mlx_cuda(choice: str = "auto") -> None:
     """Put MLX's CUDA build in where it applies (see the module docstring); says what it did or
     why not, and never raises: MLX's CPU build stays usable whatever happens."""
-    version = _mlx_version()
+    version = mlx_version()
     if version is None:
         print("MLX: mlx is not installed in this environment; nothing to set up")
         return

@@ -51,3 +51,16 @@ def test_a_half_model_too_large_for_float32_stays_as_stored_and_says_so(
     with caplog.at_level(logging.WARNING, logger="specd.load"):
         assert fastest_exact_dtype(half_model_dir) == ("native", {})
     assert "too large for float32" in caplog.text
+
+
+def test_load_target_keeps_the_timed_winner(tiny_model_dir, monkeypatch):
+    from specd.models.load import load_target
+
+    monkeypatch.setattr(load_module, "resolve_dtype", lambda requested: "auto")  # as on a GPU
+    loaded = load_target(str(tiny_model_dir), "auto")
+    assert set(loaded.dtype_timings) == {"native", "float32"}
+    assert loaded.dtype == min(loaded.dtype_timings, key=loaded.dtype_timings.get)
+    fresh = load_target(str(tiny_model_dir), loaded.dtype)
+    prompt = mx.array([[3, 40, 41, 42]])
+    assert mx.array_equal(loaded.model(prompt), fresh.model(prompt))
+    assert loaded.identity == fresh.identity

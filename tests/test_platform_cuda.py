@@ -192,7 +192,7 @@ def machine(monkeypatch, tmp_path):
             lambda name, *a, **k: "/usr/bin/nvidia-smi" if smi is not None else None,
         )
         monkeypatch.setattr(platform.subprocess, "run", fake.run)
-        monkeypatch.setattr(platform, "_mlx_version", lambda: "0.32.4")
+        monkeypatch.setattr(platform, "mlx_version", lambda: "0.32.4")
         monkeypatch.setattr(platform, "_installed", lambda name: name in fake.installed)
         monkeypatch.setattr(platform, "_libmlx_owner", fake.owner_of_libmlx)
         monkeypatch.setattr(platform, "_choice_file", lambda: tmp_path / "choice")

@@ -56,3 +56,19 @@ def test_the_flags_offer_the_modes_warm_up_takes():
     from specd.models.load import WARMUP_MODES
 
     assert tuple(WARMUP_CHOICES) == WARMUP_MODES
+
+
+def test_the_long_context_stays_inside_the_models_limit(target, monkeypatch):
+    import verifier_svc.warmup as warmup
+
+    prompts = []
+    real_prefill = warmup.prefill
+
+    def prefill(target, prompt_ids, *args, **kwargs):
+        prompts.append(len(prompt_ids))
+        return real_prefill(target, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(warmup, "prefill", prefill)
+    monkeypatch.setattr(target.loaded, "max_context", 120)
+    full_warmup(target, max_draft_tokens=5, long_context=2112)
+    assert max(prompts) == 120 - 4 * 6 - 8

@@ -43,10 +43,14 @@ def _capture_layers(target: Target) -> tuple[int, ...]:
 
 
 def full_warmup(target: Target, max_draft_tokens: int, long_context: int = PREFILL_CHUNK + 64):
-    """The forwards of every round shape; returns how many engine calls ran."""
+    """The forwards of every round shape; returns how many engine calls ran. The long context
+    stays clear of the model's limit by what the rounds below can commit (drafts are random
+    tokens: a verify commits about one)."""
     calls = 0
     sizes = range(1, max_draft_tokens + 2)
-    for context, capture, seed in ((64, (), 1), (long_context, _capture_layers(target), 2)):
+    long_context = min(long_context, target.loaded.max_context - 4 * len(sizes) - 8)
+    contexts = [(64, (), 1)] + [(long_context, _capture_layers(target), 2)] * (long_context > 64)
+    for context, capture, seed in contexts:
         session = prefill(target, _prompt(target, context, seed), capture).session
         drafts = _prompt(target, max_draft_tokens, seed + 10)
         for n in sizes:

@@ -140,6 +140,13 @@ def fastest_exact_dtype(path: Path) -> tuple[str, dict[str, float]]:
     plus a verify of 8 tokens). Small models are launch-bound on a GPU, so float32 can be as
     fast as 4 bits there. With one candidate left nothing is timed; a half-stored model too
     large for float32 stays as stored, the one case where near-ties may flip (logged)."""
+    dtype, timings, _ = _fastest_exact(path)
+    return dtype, timings
+
+
+def _fastest_exact(path: Path):
+    """`fastest_exact_dtype`, and the winner's (model, tokenizer) when candidates were timed
+    (None when not), so the caller need not load it again."""
     from mlx_lm import load
 
     model, _ = load(str(path), lazy=True)
@@ -157,15 +164,18 @@ def fastest_exact_dtype(path: Path) -> tuple[str, dict[str, float]]:
                 "where a greedy near-tie may resolve unlike plain decoding",
                 path.name,
             )
-        return candidates[0], {}
+        return candidates[0], {}, None
     timings: dict[str, float] = {}
+    best = None
     for dtype in candidates:
-        model, _ = load(str(path), lazy=True)
-        convert_dtype(model, dtype)
-        timings[dtype] = round(_forward_ms(model), 3)
-        del model
+        loaded = load(str(path), lazy=True)
+        convert_dtype(loaded[0], dtype)
+        timings[dtype] = round(_forward_ms(loaded[0]), 3)
+        if best is None or timings[dtype] < timings[best[0]]:
+            best = (dtype, loaded)  # the slower one is dropped here
+        del loaded
         mx.clear_cache()
-    return min(timings, key=timings.get), timings
+    return best[0], timings, best[1]
 
 
 def _float_module(module: nn.Module, dtype: mx.Dtype, half: bool = False) -> nn.Module:
@@ -259,10 +269,14 @@ def load_target(
     path = resolve_model(spec, cache_dir)
     dtype = resolve_dtype(dtype)
     dtype_timings: dict[str, float] = {}
+    timed = None
     if dtype == "auto":
-        dtype, dtype_timings = fastest_exact_dtype(path)
-    model, tokenizer = load(str(path), lazy=True)  # weights arrive as convert_dtype needs them
-    convert_dtype(model, dtype, half_weights)
+        dtype, dtype_timings, timed = _fastest_exact(path)
+    if timed is not None and not half_weights:  # converted as convert_dtype would: keep it
+        model, tokenizer = timed
+    else:
+        model, tokenizer = load(str(path), lazy=True)  # weights come as convert_dtype needs
+        convert_dtype(model, dtype, half_weights)
     config = _text_config(json.loads((path / "config.json").read_text()))
     identity = Identity(
         name=spec or path.name,
