@@ -8,7 +8,12 @@ forward is built), against two floors: an empty evaluation (one trivial kernel a
 host-device round trip) and the launch cost per kernel (a chain of small kernels, per kernel).
 
     python benchmarks/gpu_forwards.py [--model DIR] [--dtypes native float32]
-        [--contexts 512 2048] [--tokens 1 2 4 8 16 32 64] [--json OUT]
+        [--contexts 512 2048] [--tokens 1 2 4 8 16 32 64] [--variants mlx-lm rowwise]
+        [--json OUT]
+
+Variant rowwise: the same model with specd.models.rowwise installed (a few tokens computed as
+decode steps compute them); beside its cost, how far a forward of N tokens is from N decode
+steps (max |dlogit| and greedy choices that differ), for both variants.
 
 On a GPU this is what adaptive k needs to know: how much a verify of k+1 tokens costs over a
 decode step. Runs on a CPU too (slowly).
@@ -23,6 +28,7 @@ import time
 
 import mlx.core as mx
 
+from specd.models import rowwise
 from specd.models.load import device_kind, load_target
 
 
@@ -56,9 +62,8 @@ def _trim(cache: list, keep: int) -> None:
         trim_prompt_cache(cache, excess)
 
 
-def forward_costs(model, context: int, sizes: list[int], repeats: int) -> dict:
-    """Per size: median build and total ms of one forward at the end of `context` tokens,
-    and the first call's total (what a size costs the first time it is seen)."""
+def _prefilled(model, context: int) -> list:
+    """A cache holding `context` made-up tokens, filled in chunks of 512."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
@@ -66,6 +71,13 @@ def forward_costs(model, context: int, sizes: list[int], repeats: int) -> dict:
     for start in range(0, context, 512):
         model(tokens[None, start : start + 512], cache=cache)
         mx.eval([c.state for c in cache])
+    return cache
+
+
+def forward_costs(model, context: int, sizes: list[int], repeats: int) -> dict:
+    """Per size: median build and total ms of one forward at the end of `context` tokens,
+    and the first call's total (what a size costs the first time it is seen)."""
+    cache = _prefilled(model, context)
     out = {}
     for n in sizes:
         block = mx.array([(31 * i + 7) % 1000 + 100 for i in range(n)])
@@ -90,25 +102,38 @@ def forward_costs(model, context: int, sizes: list[int], repeats: int) -> dict:
     return out
 
 
+def rows_against_steps(model, context: int, sizes: list[int]) -> dict:
+    """Per size N: a forward of N tokens at the end of `context` against N decode steps over
+    the same tokens: max |dlogit|, and how many greedy choices differ."""
+    cache = _prefilled(model, context)
+    out = {}
+    for n in sizes:
+        block = mx.array([(29 * i + 11) % 1000 + 100 for i in range(n)])
+        steps = []
+        for i in range(n):
+            steps.append(model(block[None, i : i + 1], cache=cache)[0])
+        steps = mx.concatenate(steps)
+        mx.eval(steps)
+        _trim(cache, context)
+        whole = model(block[None], cache=cache)[0]
+        mx.eval(whole)
+        _trim(cache, context)
+        diff = mx.abs(whole.astype(mx.float32) - steps.astype(mx.float32)).max().item()
+        flips = (mx.argmax(whole, axis=-1) != mx.argmax(steps, axis=-1)).sum().item()
+        out[n] = {"max_dlogit": diff, "choices_differ": flips}
+    return out
+
+
 def decode_rates(model, context: int, steps: int = 128) -> dict:
     """Tokens/s of greedy decoding after `context` tokens: pipelined as mlx-lm does, and
     synchronous (each token read before the next forward is built)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    def prefilled():
-        cache = make_prompt_cache(model)
-        prompt = mx.array([(17 * i + 3) % 1000 + 100 for i in range(context)])
-        for start in range(0, context, 512):
-            model(prompt[None, start : start + 512], cache=cache)
-            mx.eval([c.state for c in cache])
-        return cache
 
     def step(token, cache):
         return mx.argmax(model(token[None], cache=cache)[0, -1:], axis=-1)
 
     rates = {}
     for mode in ("pipelined", "synchronous", "pipelined", "synchronous"):  # each twice
-        cache = prefilled()
+        cache = _prefilled(model, context)
         token = mx.array([42])
         start = time.perf_counter()
         if mode == "pipelined":
@@ -139,6 +164,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--decode-steps", type=int, default=128)
+    parser.add_argument("--variants", nargs="+", default=["mlx-lm", "rowwise"])
     parser.add_argument("--json", dest="json_out")
     args = parser.parse_args()
 
@@ -148,25 +174,36 @@ def main() -> None:
           f"{result['floor']['per_kernel_ms']} ms per kernel in a chain")  # fmt: skip
     result["dtypes"] = {}
     for dtype in args.dtypes:
-        loaded = load_target(args.model, dtype)
-        entry = {"contexts": {}, "decode": {}}
-        for context in args.contexts:
-            costs = forward_costs(loaded.model, context, args.tokens, args.repeats)
-            entry["contexts"][context] = costs
-            entry["decode"][context] = decode_rates(loaded.model, context, args.decode_steps)
-            one = costs[args.tokens[0]]["ms"]
-            cells = "  ".join(
-                f"{n}:{c['ms']:.2f} ({c['ms'] / one:.2f}x, build {c['build_ms']:.2f})"
-                for n, c in costs.items()
-            )
-            d = entry["decode"][context]
-            print(f"{loaded.dtype:>8} ctx {context:>5}: ms per forward of N tokens  {cells}")
-            print(f"{'':>8} ctx {context:>5}: decode {d['pipelined']} tok/s pipelined "
-                  f"({d['pipelined_ms_per_token']} ms), {d['synchronous']} tok/s synchronous "
-                  f"({d['synchronous_ms_per_token']} ms)")  # fmt: skip
-        result["dtypes"][loaded.dtype] = entry
-        del loaded
-        mx.clear_cache()
+        for variant in args.variants:
+            loaded = load_target(args.model, dtype)
+            if variant == "rowwise" and not rowwise.install(loaded.model):
+                print(f"{loaded.dtype}: rowwise does not apply to this model; skipped")
+                continue
+            name = f"{loaded.dtype}/{variant}"
+            entry = {"contexts": {}, "decode": {}, "rows_vs_steps": {}}
+            for context in args.contexts:
+                costs = forward_costs(loaded.model, context, args.tokens, args.repeats)
+                entry["contexts"][context] = costs
+                entry["decode"][context] = decode_rates(loaded.model, context, args.decode_steps)
+                exact = rows_against_steps(loaded.model, context, args.tokens[1:])
+                entry["rows_vs_steps"][context] = exact
+                one = costs[args.tokens[0]]["ms"]
+                cells = "  ".join(
+                    f"{n}:{c['ms']:.2f} ({c['ms'] / one:.2f}x, build {c['build_ms']:.2f})"
+                    for n, c in costs.items()
+                )
+                d = entry["decode"][context]
+                print(f"{name:>16} ctx {context:>5}: ms per forward of N tokens  {cells}")
+                print(f"{'':>16} ctx {context:>5}: decode {d['pipelined']} tok/s pipelined "
+                      f"({d['pipelined_ms_per_token']} ms), {d['synchronous']} tok/s "
+                      f"synchronous ({d['synchronous_ms_per_token']} ms)")  # fmt: skip
+                print(f"{'':>16} ctx {context:>5}: N tokens vs N steps, max |dlogit| (choices "
+                      "that differ)  " + "  ".join(
+                          f"{n}:{e['max_dlogit']:.2g} ({e['choices_differ']})"
+                          for n, e in exact.items()))  # fmt: skip
+            result["dtypes"][name] = entry
+            del loaded
+            mx.clear_cache()
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)

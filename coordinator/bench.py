@@ -4,6 +4,7 @@ same model, same dtype, same prompts, in one run."""
 from __future__ import annotations
 
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -84,6 +85,13 @@ def add_bench_args(p) -> None:
         "--float32-weights",
         action="store_true",
         help="the verifier's --float32-weights (and the in-process loop's)",
+    )
+    p.add_argument(
+        "--verifier-args",
+        default="",
+        metavar="FLAGS",
+        help="more flags for every stack's verifier, as one string "
+        '(e.g. "--look-ahead off --row-forwards off")',
     )
     p.add_argument("--limit", type=int_between(1), help="first N questions only")
     p.add_argument("--categories", help="comma-separated categories to keep")
@@ -498,6 +506,7 @@ def run_bench(args) -> int:
                     dtype=args.dtype,
                     gemv_rows=args.gemv_rows,
                     float32_weights=args.float32_weights,
+                    verifier_args=shlex.split(args.verifier_args),
                     drafter_args=_drafter_args(args, d),
                     coordinator_args=([] if args.adaptive else ["--no-adaptive"])
                     + (["--overlap-drafting"] if args.overlap else [])
@@ -594,6 +603,7 @@ def _result(args, target, drafter: str, rows: list[dict], memory: dict, asked: i
         "drafter": drafter,
         "dtype": target.dtype,
         "gemv_rows": args.gemv_rows,  # None: the verifier's default
+        "verifier_args": args.verifier_args,
         "max_tokens": args.max_tokens,
         "adaptive": adaptive_for(args, drafter),
         "decode_burst": args.decode_burst,

@@ -9,6 +9,7 @@ from drafter_svc.config import KINDS, DrafterConfig
 from drafter_svc.ngram import NgramProposer
 from drafter_svc.servicer import DrafterServicer
 from drafter_svc.warmup import warm_up_drafter
+from specd.models.load import device_kind
 from specd.service import MlxThread, Server, register
 from specd.v1 import drafter_pb2
 
@@ -64,7 +65,7 @@ async def serve(config: DrafterConfig) -> None:
 
         if not set_blas_threads(config.blas_threads):
             log.warning("--blas-threads %d ignored: OpenBLAS is not loaded", config.blas_threads)
-    mlx_thread = MlxThread()
+    mlx_thread = MlxThread(inline_rounds=device_kind() == "cpu")
     proposer = await mlx_thread.run(make_proposer, config)
     fingerprint, vocab_size = await mlx_thread.run(target_binding, config)
     mode, calls, seconds = await mlx_thread.run(

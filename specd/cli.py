@@ -20,6 +20,15 @@ from specd.security import ClientSecurity, ServerSecurity
 
 DEFAULT_PORTS = {"coordinator": 50050, "verifier": 50051, "drafter": 50052}
 WARMUP_CHOICES = ["auto", "full", "minimal"]  # specd.models.load.WARMUP_MODES
+GPU_OPTIONS = {  # the verifier's auto|on|off options whose auto is: on where MLX runs on a GPU
+    "--look-ahead": "after a greedy plain decode, queue the forward of the token just committed "
+    "before answering, so the device works while the answer travels (as mlx-lm's decode loop "
+    "keeps one step queued); auto = on on a GPU",
+    "--row-forwards": "compute verifies of 2-16 tokens row by row with the kernels of a decode "
+    "step (Llama-family models with unquantized weights): on a GPU one-row kernels cost a "
+    "fraction of the matrix products, and each row's logits are the decode step's; auto = on "
+    "on a GPU",
+}
 GEMV_HELP = (
     "forwards of at most N tokens (decode steps, verifies) run on numpy, float32 on the CPU "
     "only: whole layers for Llama-family targets, the weight products alone for others; "
@@ -132,6 +141,8 @@ def _add_serve(sub) -> None:
         "shape a round can use (a GPU compiles kernels per shape class), minimal = one round; "
         "auto = full on a GPU, minimal on a CPU",
     )
+    for flag, what in GPU_OPTIONS.items():
+        v.add_argument(flag, default="auto", choices=["auto", "on", "off"], help=what)
     d = kinds.choices["drafter"]
     d.add_argument("--kind", default="ngram", choices=["ngram", "eagle3", "dflash"])
     d.add_argument("--num-draft-tokens", type=int_between(1), help="default k per round")
@@ -305,6 +316,8 @@ def _service_config(args):
             max_context=args.max_context,
             max_draft_tokens=args.max_draft_tokens,
             warmup=args.warmup,
+            look_ahead=args.look_ahead,
+            row_forwards=args.row_forwards,
             cache_dir=args.cache_dir,
             session_idle_timeout_s=args.session_idle_timeout,
             security=_server_security(args),

@@ -328,7 +328,12 @@ class MlxThread:
     active exception", exit status 134).
     """
 
-    def __init__(self):
+    def __init__(self, inline_rounds: bool = True):
+        """inline_rounds: let `run_round` run on the caller's thread when the worker is idle
+        (a CPU). On a GPU keep it False: MLX's default stream and its cache of kernel graphs
+        are per thread, so work on a second thread meets cold graphs (the warm-up ran on the
+        worker) and waits across streams."""
+        self._inline = inline_rounds
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         # each written by one thread only: idle when every submitted job has finished
@@ -368,7 +373,7 @@ class MlxThread:
         order, even those whose caller gave up."""
         if self._closed:
             raise RuntimeError("the MLX thread is shut down")
-        if self._finished == self._submitted:
+        if self._inline and self._finished == self._submitted:
             return fn(*args)
         return await self.run(fn, *args)
 

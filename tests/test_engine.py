@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from specd.models.load import load_target
-from verifier_svc.engine import Target, decode, prefill, verify
+from verifier_svc.engine import Target, decode, prefill, verify, verify_tree
 from verifier_svc.sampling import SamplingConfig
 
 PROMPT = [3, 40, 41, 42, 43, 40, 41, 42, 50, 60, 70]
@@ -37,6 +37,14 @@ def run_rounds(target, prompt, n, propose):
         out.extend(r.committed)
         assert session.cache[0].offset == session.position - 1
     return out[:n] if not session.finished else out
+
+
+def assert_rows_of_one_forward(target, out, rows, layers):
+    """Rows sent round by round equal one forward over the prompt and the output. Decode
+    forwards may run on numpy (host_llama), the reference on MLX: float32 rounding only."""
+    got = mx.concatenate(rows, axis=0)
+    _, full = target.forward(mx.array((PROMPT + out)[: got.shape[0]]), target.new_cache(), layers)
+    assert mx.allclose(got, full, atol=5e-4).item()
 
 
 def test_verify_matches_plain_greedy_for_any_drafts(target):
@@ -121,10 +129,7 @@ def test_decode_bursts_equal_plain_greedy_and_keep_rows(target):
         if r.finished:
             break
     assert out[: len(reference)] == reference[: len(out)]
-    got = mx.concatenate(rows, axis=0)
-    _, full = target.forward(mx.array((PROMPT + out)[: got.shape[0]]), target.new_cache(), layers)
-    # decode forwards run on numpy (host_llama), the reference on MLX: float32 rounding only
-    assert mx.allclose(got, full, atol=5e-4).item()
+    assert_rows_of_one_forward(target, out, rows, layers)
 
 
 def test_decode_stops_after_eos_and_drops_the_queued_forward(tiny_model_dir):
@@ -170,3 +175,80 @@ def test_a_failing_sampled_burst_leaves_the_session_as_it_was(target, monkeypatc
     retried = decode(target, session, 5).committed
     fresh = prefill(target, PROMPT, sampling=config, seed=3).session
     assert retried == decode(target, fresh, 5).committed  # the same draws as if never tried
+
+
+def _offset_matches(session):
+    """The cache holds the committed tokens, and last_token too when a look-ahead is queued."""
+    return session.cache[0].offset == session.position - 1 + (session.ahead is not None)
+
+
+@pytest.mark.parametrize("gemv_rows", [None, 0], ids=["default", "mlx-forwards"])
+def test_look_ahead_rounds_equal_plain_greedy_and_keep_rows(tiny_model_dir, gemv_rows):
+    target = Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows)
+    layers = (0, 1)
+    n = 60
+    reference = plain_greedy(target, PROMPT, n)
+    result = prefill(target, PROMPT, capture=layers, rows_dtype=mx.float32)
+    session, out, rows = result.session, [result.first_token], [result.rows]
+    rng = random.Random(1)
+    vocab = target.identity.vocab_size
+    # bursts that leave a forward queued, then every kind of call that must take it up
+    for kind in ["burst", "drafts", "burst", "garbage", "one", "burst", "empty", "burst",
+                 "tree", "burst", "burst", "drafts"]:  # fmt: skip
+        done = len(out) - 1
+        if kind == "burst":
+            r = decode(target, session, rng.randint(1, 5), look_ahead=True)
+            assert session.ahead is not None or r.finished
+        elif kind == "one":
+            r = decode(target, session, 1)
+        elif kind == "empty":
+            r = verify(target, session, [])
+        elif kind == "tree":
+            ids = [reference[done + 1], rng.randrange(vocab), reference[done + 2]]
+            r = verify_tree(target, session, ids, [-1, -1, 0])
+        else:
+            drafts = reference[done + 1 : done + 4]
+            if kind == "garbage":
+                drafts = [rng.randrange(vocab) for _ in range(3)]
+            r = verify(target, session, drafts)
+        assert kind == "burst" or session.ahead is None
+        assert _offset_matches(session)
+        assert r.rows.shape[0] == len(r.committed)
+        out += r.committed
+        rows.append(r.rows)
+        if r.finished:
+            break
+    assert out[: len(reference)] == reference[: len(out)]
+    assert_rows_of_one_forward(target, out, rows, layers)
+
+
+def test_look_ahead_is_dropped_after_an_eos(tiny_model_dir):
+    target = Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0)
+    reference = plain_greedy(target, PROMPT, 30)
+    stop = next(i for i in range(4, 30) if reference[i] not in reference[:i])
+    target.eos_ids = frozenset({reference[stop]})
+    session = prefill(target, PROMPT).session
+    r = decode(target, session, 2, look_ahead=True)
+    assert session.ahead is not None and _offset_matches(session)
+    while not r.finished:
+        r = decode(target, session, 3, look_ahead=True)
+    assert session.ahead is None
+    assert session.cache[0].offset == session.position - 1 == len(PROMPT) + stop
+
+
+def test_a_failed_round_after_a_look_ahead_leaves_the_committed_tokens(target, monkeypatch):
+    reference = plain_greedy(target, PROMPT, 12)
+    session = prefill(target, PROMPT).session
+    decode(target, session, 3, look_ahead=True)
+    position = session.position
+
+    def boom(*a, **k):
+        raise RuntimeError("simulated failure in the middle of a round")
+
+    monkeypatch.setattr("verifier_svc.engine.accept_greedy", boom)
+    with pytest.raises(RuntimeError):
+        verify(target, session, reference[4:6])
+    assert session.position == position and session.ahead is None
+    assert session.cache[0].offset == position - 1
+    monkeypatch.undo()
+    assert decode(target, session, 4).committed == reference[4:8]

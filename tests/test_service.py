@@ -213,3 +213,13 @@ def test_a_stopping_service_refuses_new_calls_and_exits_once_its_streams_end(tmp
         assert "still running" not in drafter.log_path.read_text()  # drained, not timed out
     finally:
         drafter.stop()
+
+
+def test_without_inline_rounds_every_job_runs_on_the_worker():
+    async def main():
+        mlx = MlxThread(inline_rounds=False)
+        names = [await mlx.run_round(lambda: threading.current_thread().name) for _ in range(3)]
+        mlx.shutdown()
+        return names
+
+    assert set(asyncio.run(main())) == {"mlx"}

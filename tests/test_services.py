@@ -203,6 +203,30 @@ def test_verifier_plain_steps_decode_in_one_call(verifier_stub, plain):
     verifier_stub.CloseSession(common_pb2.CloseSessionRequest(session_id=sid), timeout=30)
 
 
+def test_look_ahead_keeps_greedy_identity_through_services(tiny_model_dir, plain, tmp_path):
+    """--look-ahead and --row-forwards on with MLX forwards (the GPU defaults): plain bursts
+    leave a forward queued, which drafted rounds, one-token rounds and the next burst take up."""
+    eos = set(plain.identity.eos_token_ids)
+    with Stack(
+        target=str(tiny_model_dir),
+        drafter="ngram",
+        verifier_args=["--look-ahead", "on", "--row-forwards", "on", "--gemv-rows", "0"],
+        coordinator_args=["--decode-burst", "3"],
+        startup_timeout_s=120,
+        log_dir=tmp_path,
+    ) as stack:
+        client = CoordinatorClient(stack.coordinator)
+        try:
+            for prompt in PROMPTS:
+                ids = plain.tokenizer.encode(prompt)
+                expected = plain_decode(plain.model, ids, 60, eos).token_ids
+                for k in (None, 0, 3):
+                    request = make_request(prompt_ids=ids, max_tokens=60, num_draft_tokens=k)
+                    assert client.generate(request).token_ids == expected, (prompt, k)
+        finally:
+            client.close()
+
+
 def test_drafter_rejects_malformed_arrays(drafter_stub):
     sid = drafter_stub.OpenSession(
         drafter_pb2.DraftOpenRequest(context_ids=[1, 2, 3]), timeout=30

@@ -5,6 +5,8 @@ from pathlib import Path
 
 from specd.security import ServerSecurity
 
+GPU_MODES = ("auto", "on", "off")  # auto: on where MLX runs the target on a GPU
+
 
 @dataclass
 class VerifierConfig:
@@ -19,6 +21,8 @@ class VerifierConfig:
     session_idle_timeout_s: float = 600.0  # sessions a dead coordinator left are freed after
     max_draft_tokens: int = 64  # a verify of more tokens costs more than it can save
     warmup: str = "auto"  # verifier_svc.warmup: full on a GPU, minimal on a CPU
+    look_ahead: str = "auto"  # GPU_MODES: queue the next forward after a plain decode
+    row_forwards: str = "auto"  # GPU_MODES: verifies of a few tokens as decode steps compute rows
     cache_dir: Path | None = None  # where the embedded model is materialized
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, token
     metrics_port: int | None = None  # Prometheus /metrics on this port; 0: the OS picks

@@ -13,6 +13,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
+from specd.models import rowwise
 from specd.models.capture import install_capture, install_tree_positions
 from specd.models.gemv import (
     check_max_rows,
@@ -56,11 +57,15 @@ def half_weights_pay(dtype: str, gemv_rows: int | None) -> bool:
 class Target:
     """An mlx-lm model whose forward can also return chosen decoder-layer outputs."""
 
-    def __init__(self, loaded: LoadedTarget, gemv_rows: int | None = None):
+    def __init__(
+        self, loaded: LoadedTarget, gemv_rows: int | None = None, row_forwards: bool = False
+    ):
         """gemv_rows: forwards of at most this many tokens run on numpy: whole layers for
         Llama-family models (specd.models.host_llama), else the weight products alone
         (specd.models.gemv); None: the default for the device, dtype and architecture.
-        Weights the target was loaded keeping as float16 (`half_weights_pay`) are read so."""
+        Weights the target was loaded keeping as float16 (`half_weights_pay`) are read so.
+        row_forwards: forwards of a few tokens computed row by row as decode steps compute
+        them (specd.models.rowwise), where the architecture allows."""
         self.loaded = loaded
         self.model = loaded.model
         device = device_kind()
@@ -86,7 +91,14 @@ class Target:
         self.identity = loaded.identity
         self.eos_ids = frozenset(loaded.identity.eos_token_ids)
         self._sink = install_capture(self.model)
+        self.row_forwards = row_forwards and rowwise.install(self.model)
         self._tree_ready: bool | None = None
+
+    @property
+    def forwards_queue(self) -> bool:
+        """Whether forwards are MLX graphs the device runs while Python goes on (the numpy
+        forwards compute before returning)."""
+        return self._host is None
 
     def supports_trees(self, cache: list) -> bool:
         """Tree verify needs wrappable RoPE and plain KV caches (rows can be moved)."""
@@ -155,6 +167,15 @@ class Session:
     finished: bool = False
     sampling: SamplingConfig = GREEDY
     rng: np.random.Generator | None = None  # per session: draws never depend on other sessions
+    # greedy sessions only: the forward of last_token, queued when the last call returned so
+    # the device works while the answer travels; its KV is in the cache (one past position-1)
+    ahead: Ahead | None = None
+
+
+@dataclass
+class Ahead:
+    choice: mx.array  # [1] the target's greedy choice after last_token
+    rows: mx.array | None  # [1, L*H] last_token's captured rows
 
 
 @dataclass
@@ -193,6 +214,13 @@ def _rollback(cache: list, keep: int) -> None:
     excess = _cache_len(cache) - keep
     if excess > 0:
         trim_prompt_cache(cache, excess)
+
+
+def drop_ahead(session: Session) -> None:
+    """Forget a queued look-ahead forward: the cache ends at the committed tokens again."""
+    if session.ahead is not None:
+        session.ahead = None
+        _rollback(session.cache, session.position - 1)
 
 
 def prefill(
@@ -239,11 +267,17 @@ def prefill(
     return PrefillResult(session, first, all_rows, time.perf_counter() - start)
 
 
-def _accept(target: Target, session: Session, draft_ids, draft_probs, logits, rows=None):
+def _accept(
+    target: Target, session: Session, draft_ids, draft_probs, logits, rows=None, first=None
+):
     """rows (cast for sending) are computed in the same evaluation as the greedy choices: one
-    wait for the device a round, not two."""
+    wait for the device a round, not two. first: the greedy choice after last_token when a
+    look-ahead forward made it; logits then cover the drafts alone (None: no drafts)."""
     if session.rng is None:
-        choices = _greedy_next(logits)
+        parts = [] if first is None else [first]
+        if logits is not None:
+            parts.append(_greedy_next(logits))
+        choices = mx.concatenate(parts) if len(parts) > 1 else parts[0]
         mx.eval(choices, *([rows] if rows is not None else []))
         return accept_greedy(draft_ids, choices.tolist(), target.eos_ids)
     rows = np.array(logits.astype(mx.float32))  # [k+1, V]
@@ -257,15 +291,24 @@ def _accept(target: Target, session: Session, draft_ids, draft_probs, logits, ro
 def verify(
     target: Target, session: Session, draft_ids: list[int], draft_probs: np.ndarray | None = None
 ) -> VerifyResult:
-    """One forward over [last, d1..dk] at the cache end; keep the accepted prefix's KV."""
+    """One forward over [last, d1..dk] at the cache end; keep the accepted prefix's KV.
+    After a look-ahead (last already forwarded) the forward covers the drafts alone."""
     start = time.perf_counter()
     base = session.position - 1  # cache length before this round
-    tokens = mx.array([session.last_token, *draft_ids], dtype=mx.int32)
+    ahead, session.ahead = session.ahead, None
+    tokens = [session.last_token, *draft_ids][ahead is not None :]
     try:
-        logits, rows = target.forward(tokens, session.cache, session.capture)
+        logits, rows = None, None
+        if tokens:
+            logits, rows = target.forward(
+                mx.array(tokens, dtype=mx.int32), session.cache, session.capture
+            )
+        if ahead is not None and ahead.rows is not None:
+            rows = ahead.rows if rows is None else mx.concatenate([ahead.rows, rows])
         if rows is not None:
             rows = rows.astype(session.rows_dtype)
-        acceptance = _accept(target, session, draft_ids, draft_probs, logits, rows)
+        first = ahead.choice if ahead is not None else None
+        acceptance = _accept(target, session, draft_ids, draft_probs, logits, rows, first)
         kept = 1 + acceptance.num_accepted
         _rollback(session.cache, base + kept)
         if rows is not None:
@@ -277,14 +320,16 @@ def verify(
     return _committed(session, acceptance, rows, start)
 
 
-def decode(target: Target, session: Session, steps: int) -> VerifyResult:
+def decode(target: Target, session: Session, steps: int, look_ahead: bool = False) -> VerifyResult:
     """Commit up to `steps` tokens by plain decoding, stopping after an EOS.
 
     Greedy sessions queue each next forward before reading the current token, as mlx-lm's
     decode loop does, so graph building overlaps compute; the same forwards and argmax keep
-    the output identical to `steps` verify rounds with no drafts.
+    the output identical to `steps` verify rounds with no drafts. look_ahead (greedy only):
+    leave the forward after the last token queued too, so the device keeps working while the
+    answer travels and the next call starts with it done (`Session.ahead`).
     """
-    if steps <= 1 or session.rng is not None:
+    if session.rng is not None or (steps <= 1 and not look_ahead and session.ahead is None):
         # all or nothing, like one round: a failure leaves the session (and its draws) as it was
         saved = (session.position, session.last_token, session.finished)
         draws = session.rng.bit_generator.state if session.rng is not None else None
@@ -303,6 +348,7 @@ def decode(target: Target, session: Session, steps: int) -> VerifyResult:
         return _merged(results)
     start = time.perf_counter()
     base = session.position - 1
+    steps = max(steps, 1)
     committed: list[int] = []
     row_parts = []
 
@@ -312,23 +358,32 @@ def decode(target: Target, session: Session, steps: int) -> VerifyResult:
         mx.async_eval(nxt, *([rows] if rows is not None else []))
         return nxt, rows
 
+    ahead, session.ahead = session.ahead, None
     try:
-        nxt, rows = queue(mx.array([session.last_token], dtype=mx.int32))
+        if ahead is not None:
+            nxt, rows = ahead.choice, ahead.rows
+        else:
+            nxt, rows = queue(mx.array([session.last_token], dtype=mx.int32))
         while True:
-            following = queue(nxt) if len(committed) + 1 < steps else None
+            wanted = len(committed) + 1 < steps or look_ahead
+            following = queue(nxt) if wanted else None
             token = nxt.item()
             committed.append(token)
             if rows is not None:
                 row_parts.append(rows)
-            if token in target.eos_ids or following is None:
+            if token in target.eos_ids or len(committed) == steps:
                 break
             nxt, rows = following
-        _rollback(session.cache, base + len(committed))  # a forward queued past an EOS
+        if following is not None and len(committed) == steps and token not in target.eos_ids:
+            session.ahead = Ahead(*following)
+        else:  # a forward queued past an EOS, or none
+            _rollback(session.cache, base + len(committed))
         all_rows = None
         if row_parts:
             all_rows = mx.concatenate(row_parts, axis=0).astype(session.rows_dtype)
             mx.eval(all_rows)
     except BaseException:
+        session.ahead = None
         _rollback(session.cache, base)
         raise
     session.position += len(committed)
@@ -380,6 +435,7 @@ def verify_tree(
     compacted into place, and return hidden rows for the committed positions only."""
     start = time.perf_counter()
     check_parents(parents, len(draft_ids))
+    drop_ahead(session)  # a tree forwards its root with the drafts
     base = session.position - 1
     tokens = mx.array([session.last_token, *draft_ids], dtype=mx.int32)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from specd.models.load import device_kind
 from specd.service import MlxThread, Server, register
 from specd.v1 import verifier_pb2
 from verifier_svc.config import VerifierConfig
@@ -16,7 +17,7 @@ SERVICE_NAME = SERVICE.full_name
 
 
 async def serve(config: VerifierConfig) -> None:
-    mlx_thread = MlxThread()
+    mlx_thread = MlxThread(inline_rounds=device_kind() == "cpu")
     servicer = VerifierServicer(config, mlx_thread)
     server = Server(config.host, config.port, [SERVICE_NAME], config.security, config.metrics_port)
     register(server.server, servicer, SERVICE)

@@ -22,7 +22,7 @@ from specd.service import (
     stream_of,
 )
 from specd.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from verifier_svc.config import VerifierConfig
+from verifier_svc.config import GPU_MODES, VerifierConfig
 from verifier_svc.engine import (
     Session,
     Target,
@@ -80,6 +80,13 @@ def check_draft_probs(tensor, drafts: list[int], vocab_size: int) -> np.ndarray 
     return q / q.sum(axis=1, keepdims=True)
 
 
+def on_gpu(mode: str, option: str) -> bool:
+    """An auto|on|off option whose auto means: where MLX runs the target on a GPU."""
+    if mode not in GPU_MODES:
+        raise ValueError(f"unknown {option} {mode!r}; choose one of {', '.join(GPU_MODES)}")
+    return device_kind() == "gpu" if mode == "auto" else mode == "on"
+
+
 INLINE_MAX_STEPS = 4  # the coordinator's default decode burst (~0.25 s of forwards)
 
 
@@ -89,6 +96,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.mlx = mlx_thread
         self.target: Target | None = None
         self.warmup: WarmupReport | None = None
+        self.look_ahead = False  # decided at load
         self.sessions = SessionTable(config.max_sessions, config.session_idle_timeout_s)
 
     async def load(self) -> None:
@@ -99,8 +107,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self.config.dtype, self.config.gemv_rows
         )
         loaded = load_target(self.config.model, self.config.dtype, self.config.cache_dir, half)
-        target = Target(loaded, self.config.gemv_rows)
+        rows = on_gpu(self.config.row_forwards, "row-forwards")
+        target = Target(loaded, self.config.gemv_rows, row_forwards=rows)
         self.warmup = warm_up(target, self.config.max_draft_tokens, self.config.warmup)
+        # a queued forward pays where the device runs it while Python goes on
+        self.look_ahead = on_gpu(self.config.look_ahead, "look-ahead") and target.forwards_queue
         return target
 
     def _ready(self) -> Target:
@@ -230,9 +241,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
         if session.position + len(drafts) > self.max_context:
             raise ResourceExhausted(f"context would exceed the limit of {self.max_context} tokens")
-        if plain_steps > 1:  # as many as fit in the context; at least one passed the check above
-            fits = self.max_context - session.position + 1
-            return decode(target, session, min(plain_steps, fits))
+        if plain_steps > 1 or (not drafts and parents is None and session.rng is None):
+            # as many as fit in the context; at least one passed the check above
+            steps = min(max(plain_steps, 1), self.max_context - session.position + 1)
+            ahead = self.look_ahead and session.position + steps < self.max_context
+            return decode(target, session, steps, look_ahead=ahead)
         if parents is None:
             return verify(target, session, drafts, probs)
         try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from specd.models.rowwise import ChunkedAttention
+
 
 class CaptureSink:
     """Shared by the wrapped layers: what to keep, and overrides for one tree forward."""
@@ -88,6 +90,8 @@ def install_tree_positions(model: nn.Module, sink: CaptureSink) -> bool:
     for layer in model.layers:
         inner = layer.inner if isinstance(layer, CapturingLayer) else layer
         attn = getattr(inner, "self_attn", None)
+        if isinstance(attn, ChunkedAttention):
+            attn = attn.inner
         if attn is None or not hasattr(attn, "rope"):
             return False
         attns.append(attn)

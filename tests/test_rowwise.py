@@ -1,0 +1,84 @@
+"""Row-by-row forwards (specd.models.rowwise) on a tiny random target: the same logits and rows
+as the model's own forward, the same greedy output through rounds and trees."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from test_engine import PROMPT, plain_greedy
+from test_half import quantized_dir  # noqa: F401  (fixture)
+from test_tree_verify import leaves, path_to, random_tree
+
+from specd.models import rowwise
+from specd.models.load import load_target
+from verifier_svc.engine import Target, decode, prefill, verify, verify_tree
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_model_dir):
+    """(the model's own forwards, row-by-row forwards), both in MLX."""
+    own = Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0)
+    rows = Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0, row_forwards=True)
+    assert rows.row_forwards and not own.row_forwards
+    return own, rows
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 7, 16, 17])
+def test_row_forwards_equal_the_models_own(targets, n):
+    layers = (0, 1)
+    block = mx.array([(7 * i + 5) % 90 + 3 for i in range(n)])
+    results = []
+    for target in targets:
+        cache = target.new_cache()
+        target.forward(mx.array(PROMPT), cache, layers)
+        logits, rows = target.forward(block, cache, layers)
+        assert cache[0].offset == len(PROMPT) + n
+        results.append((logits, rows))
+    (own_logits, own_rows), (got_logits, got_rows) = results
+    assert mx.allclose(got_logits, own_logits, atol=1e-5).item()
+    assert mx.allclose(got_rows, own_rows, atol=1e-5).item()
+
+
+def test_rounds_with_row_forwards_equal_plain_greedy(targets):
+    target = targets[1]
+    n = 60
+    reference = plain_greedy(target, PROMPT, n)
+    rng = random.Random(3)
+    vocab = target.identity.vocab_size
+    session = prefill(target, PROMPT).session
+    out = [session.last_token]
+    while len(out) < n and not session.finished:
+        done = len(out)
+        kind = rng.choice(["chain", "tree", "burst"])
+        if kind == "chain":
+            drafts = reference[done : done + rng.randint(1, 12)]
+            if drafts and rng.random() < 0.5:
+                drafts[rng.randrange(len(drafts))] = rng.randrange(vocab)
+            r = verify(target, session, drafts)
+        elif kind == "tree":
+            ids, parents = random_tree(rng, rng.randint(4, 12), vocab)
+            for depth, node in enumerate(path_to(parents, rng.choice(leaves(parents)))):
+                if done + depth < len(reference):
+                    ids[node] = reference[done + depth]
+            r = verify_tree(target, session, ids, parents)
+        else:
+            r = decode(target, session, rng.randint(2, 6), look_ahead=True)
+        out.extend(r.committed)
+    assert out[: len(reference)] == reference[: len(out)]
+
+
+def test_quantized_targets_keep_their_own_forward(quantized_dir):  # noqa: F811
+    target = Target(load_target(str(quantized_dir), dtype="native"), gemv_rows=0, row_forwards=True)
+    assert not target.row_forwards
+    assert not any(isinstance(m, rowwise.RowLinear) for _, m in target.model.named_modules())
+
+
+def test_install_is_idempotent(tiny_model_dir):
+    model = load_target(str(tiny_model_dir), dtype="float32").model
+    assert rowwise.install(model) and rowwise.install(model)
+    linears = [m for _, m in model.named_modules() if isinstance(m, rowwise.RowLinear)]
+    assert len(linears) == 7 * len(model.layers)
+    assert all(type(m.inner) is nn.Linear for m in linears)
