@@ -16,6 +16,7 @@ import time
 import mlx.core as mx
 
 from coordinator.bench import plain_decode
+from specd import mlx_settings
 from specd.models.load import device_kind, load_target
 from specd.service import MlxThread
 from verifier_svc.engine import Target, decode, prefill
@@ -41,6 +42,7 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    mlx_settings.apply()  # as the services run: full float32, specd's kernel cache
 
     loaded = load_target(args.model, args.dtype)
     prompt = [(17 * i + 3) % 1000 + 100 for i in range(args.context)]
