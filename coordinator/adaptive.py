@@ -205,7 +205,7 @@ class AdaptiveK:
     probe_every: int = 8  # rounds at k = 0 before drafting is tried again
     probe_every_max: int = 64  # the wait after many rejected probes in a row
     # drafts in such a probe: one, since on a CPU a verify of 3 tokens costs ~2.2x a decode
-    # step and of 2 tokens ~1.2x (docs/benchmarks.md, 2026-12-01)
+    # step and of 2 tokens ~1.2x (docs/history, 2026-12-01)
     probe_tokens: int = 1
     # after this many drafting rounds in a row, one round decodes without drafts, so the
     # price of a plain step stays measured (LinearCost.stale_after) and a spell that made

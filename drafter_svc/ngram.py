@@ -34,7 +34,7 @@ def propose_ngram(tokens, k: int, min_n: int, max_n: int) -> list[int]:
 
 @dataclass
 class NgramConfig:
-    # Chosen with benchmarks/sweep_ngram.py (docs/benchmarks.md): on CPU fp32 a rejected draft
+    # Chosen with benchmarks/sweep_ngram.py (docs/history): on CPU fp32 a rejected draft
     # token costs ~6 ms of verify next to a ~57 ms decode step, so precision matters.
     num_draft_tokens: int = 8  # long copies (input-grounded tasks) pay off; 4 and 12 measured
     min_n: int = 2  # 1-token matches were wrong too often: 1.05x vs 1.16x at k=8

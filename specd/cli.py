@@ -180,14 +180,14 @@ def _add_serve(sub) -> None:
         default=1,
         help="OpenBLAS threads for this drafter (0: the library's default, one per core). A "
         "drafter's products are small, and a second thread spins after each job on a core a "
-        "verifier on the same machine needs (docs/benchmarks.md)",
+        "verifier on the same machine needs (docs/history)",
     )
     d.add_argument(
         "--mlx-forwards",
         action="store_true",
         default=None,
         help="eagle3: run the head's chain forwards in MLX on a CPU too (default there: numpy "
-        "and the compiled kernels, several times faster; docs/benchmarks.md)",
+        "and the compiled kernels, several times faster; docs/history)",
     )
     d.add_argument("--tree-depth", type=int_between(1), help="eagle3: deepest tree path")
     d.add_argument(

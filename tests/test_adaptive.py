@@ -52,7 +52,7 @@ def test_expected_tokens():
 
 def chooser(acceptance: float, trials: float = 50.0) -> AdaptiveK:
     costs = SpeculationCosts()
-    for n in range(1, 10):  # the CPU measured in docs/benchmarks.md: 57 ms + ~6.5 ms a token
+    for n in range(1, 10):  # the CPU measured in docs/history: 57 ms + ~6.5 ms a token
         costs.verify.observe(n, 0.057 + 0.0065 * (n - 1))
     return AdaptiveK(costs, k_max=8, successes=acceptance * trials, trials=trials)
 
@@ -98,7 +98,7 @@ def test_rank_acceptance_follows_the_kept_path():
 
 def tree_chooser(p: list[float]) -> AdaptiveK:
     costs = SpeculationCosts()
-    # this CPU's concave verify: 4 tokens ~1.3x one, 16 tokens ~1.85x (docs/benchmarks.md)
+    # this CPU's concave verify: 4 tokens ~1.3x one, 16 tokens ~1.85x (docs/history)
     for n, seconds in ((1, 0.060), (2, 0.071), (3, 0.075), (4, 0.078), (5, 0.080), (17, 0.111)):
         for _ in range(3):
             costs.verify.observe(n, seconds)
@@ -174,7 +174,7 @@ def test_new_sessions_start_from_the_drafters_recent_acceptance():
     assert 0.1 < shared < 0.25
     later = AdaptiveK.for_session(costs, k_max=8)
     assert later.acceptance == pytest.approx(shared) and later.trials == 2.0
-    # with an EAGLE-3 round's costs measured here (docs/benchmarks.md, 2026-11-30) a fresh
+    # with an EAGLE-3 round's costs measured here (docs/history, 2026-11-30) a fresh
     # session of this drafter no longer drafts blindly
     for _ in range(5):
         costs.verify.observe(1, 0.059)

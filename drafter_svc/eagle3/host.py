@@ -4,7 +4,7 @@ The head is one decoder layer and a read-out, ~9 M weights. In MLX on a CPU a on
 costs ~2.5 ms, most of it evaluating a dozen small graphs; a chain of four drafts took ~10 ms
 of a ~13 ms decode step, so adaptive speculation rarely found drafting worth it. The same step
 here reads each weight once (float16 where the checkpoint's values are float16) with the
-verifier's kernels (specd.models.row_products, specd.models.host_llama): docs/benchmarks.md,
+verifier's kernels (specd.models.row_products, specd.models.host_llama): docs/history,
 "The EAGLE-3 head off MLX" (2026-12-01).
 """
 

@@ -4,7 +4,7 @@ MLX on CPU sends every Linear to one `cblas_sgemm`, and a general sgemm packs th
 weight matrix before multiplying: for a few input rows that packing costs more than the
 product. specd.models.row_products reads each weight once for one row or several (SmolLM2-135M,
 all 211 products of a step, one row: ~40 ms against MLX's ~76 ms on a 2-core x86 box;
-docs/benchmarks.md), on zero-copy views of the same weight buffers. Here the
+docs/history), on zero-copy views of the same weight buffers. Here the
 rest of the graph stays in MLX, and each product makes MLX evaluate its input first, which is
 why this pays only for a few rows; specd.models.host_llama runs whole Llama-family forwards
 on these products instead.

@@ -8,7 +8,7 @@ tokens run every layer here and touch MLX only to append their keys and values t
 own KV caches, in one evaluation at the end; draft trees come with their ancestor mask and
 depth positions. Bigger forwards and other architectures stay in MLX. That rest runs in the
 compiled kernels where they were built (numpy's dozen calls per part cost more than the
-arithmetic), else in numpy. docs/benchmarks.md, entries of 2026-12-01.
+arithmetic), else in numpy. docs/history, entries of 2026-12-01.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from specd.models.row_products import layer_kernels
 
 ROPE_BLOCK = 256  # positions per table of RoPE angles, made on first use
 # numpy beat MLX at every size measured up to 32 tokens, and tied at 33 (benchmarks/step_floor.py;
-# docs/benchmarks.md, 2026-12-01): a 16-token tree's verify is 17 tokens
+# docs/history, 2026-12-01): a 16-token tree's verify is 17 tokens
 DEFAULT_MAX_ROWS = 32
 
 

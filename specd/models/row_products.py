@@ -4,7 +4,7 @@ For a few rows a BLAS sgemm first packs the whole weight matrix (numpy's and MLX
 and a gemv per row reads it once per row; on a memory-bound CPU both cost about the rows
 times one gemv. The compiled kernels (specd/_row_kernels.c, built by pip with the package)
 walk the weight rows once and multiply each, while it is in cache, with one, two or four input
-rows at a time (docs/benchmarks.md). They also read float16 weights,
+rows at a time (docs/history). They also read float16 weights,
 converting as they go and summing in float32, for half the bytes (specd.models.gemv says
 when). Where they were not built (no C compiler), numpy's gemv and sgemm do the products.
 
