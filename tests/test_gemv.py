@@ -97,11 +97,20 @@ def test_numpy_really_does_the_few_row_products(pair, monkeypatch):
     assert calls == []
 
 
+def _holding(layer: nn.Module) -> nn.Module:
+    """A model whose one module is `layer` (modules are replaced in their parent)."""
+    model = nn.Module()
+    model.layer = layer
+    return model
+
+
 def test_a_bias_is_added():
-    layer = nn.Linear(8, 5, bias=True)
-    want = layer(mx.ones((1, 2, 8)))
-    assert use_gemv(layer, 2) == 1
-    assert np.allclose(np.array(layer(mx.ones((1, 2, 8)))), np.array(want), atol=1e-6)
+    model = _holding(nn.Linear(8, 5, bias=True))
+    want = model.layer(mx.ones((1, 2, 8)))
+    assert use_gemv(model, 2) == 1
+    assert isinstance(model.layer, GemvLinear)
+    got = model.layer(mx.ones((1, 2, 8)))
+    assert np.allclose(np.array(got), np.array(want), atol=1e-6)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
@@ -151,11 +160,11 @@ def test_row_products_keep_nan_and_inf():
 
 
 def test_weights_numpy_would_copy_are_left_to_mlx():
-    layer = nn.Linear(8, 5, bias=False)
-    layer.weight = mx.ones((8, 5)).T  # a transposed view: not row-contiguous
-    assert use_gemv(layer, 3) == 0
-    assert type(layer) is nn.Linear
-    half = nn.Linear(8, 5)
+    model = _holding(nn.Linear(8, 5, bias=False))
+    model.layer.weight = mx.ones((8, 5)).T  # a transposed view: not row-contiguous
+    assert use_gemv(model, 3) == 0
+    assert type(model.layer) is nn.Linear
+    half = _holding(nn.Linear(8, 5))
     half.set_dtype(mx.float16)
     assert use_gemv(half, 3) == 0
 

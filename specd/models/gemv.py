@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from specd.models.half import HalfEmbedding, HalfLinear
+from specd.models.half import HalfEmbedding, HalfLinear, rebuilt, replace_modules
 from specd.models.row_products import compiled, row_products
 
 DEFAULT_MAX_ROWS = 3  # products alone, MLX around them: 1-3 rows faster than MLX's sgemm here
@@ -104,26 +104,28 @@ def _weight_view(array: mx.array) -> np.ndarray | None:
 
 def use_gemv(model: nn.Module, max_rows: int) -> int:
     """Route products of at most `max_rows` rows in `model`'s float32 Linears (and tied
-    embedding heads, and those keeping float16 weights: specd.models.half) to numpy; the
-    weights must not be replaced afterwards. Returns how many modules were switched."""
+    embedding heads, and those keeping float16 weights: specd.models.half) to numpy, each
+    module replaced by one holding the same weights and their numpy views; the weights must
+    not be replaced afterwards. Returns how many modules were replaced."""
     if max_rows <= 0:
         return 0
-    switched = 0
-    for _, module in model.named_modules():
-        swap = _SWAPS.get(type(module))
-        if swap is None:
-            continue
-        if module.weight.dtype != mx.float32 and type(module) not in (HalfLinear, HalfEmbedding):
-            continue  # a model computing in half precision: MLX's
-        weight = _weight_view(module.weight)
-        bias = module.get("bias")
-        bias_view = None if bias is None else float32_view(bias)
-        if weight is None or (bias is not None and bias_view is None):
-            continue
-        module._gemv = GemvWeights(weight, bias_view, max_rows)
-        module.__class__ = swap
-        switched += 1
-    return switched
+    return replace_modules(model, lambda module: _with_products(module, max_rows))
+
+
+def _with_products(module: nn.Module, max_rows: int) -> nn.Module | None:
+    kind = _SWAPS.get(type(module))
+    if kind is None:
+        return None
+    if module.weight.dtype != mx.float32 and type(module) not in (HalfLinear, HalfEmbedding):
+        return None  # a model computing in half precision: MLX's
+    weight = _weight_view(module.weight)
+    bias = module.get("bias")
+    bias_view = None if bias is None else float32_view(bias)
+    if weight is None or (bias is not None and bias_view is None):
+        return None
+    new = rebuilt(kind, module, module.weight)
+    new._gemv = GemvWeights(weight, bias_view, max_rows)
+    return new
 
 
 def set_max_rows(model: nn.Module, max_rows: int) -> int:

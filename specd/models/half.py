@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_unflatten
 
 
 def exactly_half(weight: mx.array) -> mx.array | None:
@@ -53,18 +54,45 @@ class HalfEmbedding(nn.Embedding):
 _HALF = {nn.Linear: HalfLinear, nn.Embedding: HalfEmbedding}
 
 
-def store_half(module: nn.Module) -> bool:
-    """Keep a float32 Linear's or Embedding's weight as float16 if that loses nothing; the
-    float32 copy is freed once nothing else holds it."""
-    swap = _HALF.get(type(module))
-    if swap is None or "weight" not in module:
-        return False
+def rebuilt(kind: type, module: nn.Module, weight: mx.array) -> nn.Module:
+    """A `kind` module (a Linear or an Embedding class) holding `weight` and `module`'s bias;
+    the constructor's random weight is lazy and never computed."""
+    if issubclass(kind, nn.Embedding):
+        new = kind(*weight.shape)
+    else:
+        new = kind(weight.shape[1], weight.shape[0], bias="bias" in module)
+        if "bias" in module:
+            new.bias = module.bias
+    new.weight = weight
+    return new
+
+
+def replace_modules(model: nn.Module, make) -> int:
+    """Put make(module) in place of each module below `model` it returns one for (None: keep
+    the module); returns how many were replaced."""
+    pairs = []
+    for name, module in model.named_modules():
+        new = make(module) if name else None  # the root has no parent to hold a new one
+        if new is not None:
+            pairs.append((name, new))
+    if pairs:
+        model.update_modules(tree_unflatten(pairs))
+    return len(pairs)
+
+
+def half_copy(module: nn.Module) -> nn.Module | None:
+    """A float32 Linear or Embedding with its weight kept as float16, if that loses nothing;
+    else None. The float32 copy is freed once nothing else holds it."""
+    kind = _HALF.get(type(module))
+    if kind is None or "weight" not in module:
+        return None
     half = exactly_half(module.weight)
-    if half is None:
-        return False
-    module.weight = half
-    module.__class__ = swap
-    return True
+    return None if half is None else rebuilt(kind, module, half)
+
+
+def store_half(model: nn.Module) -> int:
+    """Keep every weight of `model` that float16 holds exactly as float16 (half_copy)."""
+    return replace_modules(model, half_copy)
 
 
 def stored_half_module(module: nn.Module) -> bool:

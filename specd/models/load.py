@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from specd.models.half import HalfEmbedding, HalfLinear, store_half, stored_half_module
+from specd.models.half import HalfEmbedding, HalfLinear, half_copy, store_half, stored_half_module
 
 DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
 _FLOAT = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -222,8 +222,8 @@ def convert_dtype(model: nn.Module, dtype: str, half_weights: bool = False) -> N
         for name in quantized:  # by name, so no list keeps replaced modules alive
             new = _float_module(modules.pop(name), target, half)
             mx.eval(new.parameters())
-            if half:
-                store_half(new)  # float32 scales: kept half only where that is exact
+            if half:  # float32 scales: kept half only where that is exact
+                new = half_copy(new) or new
             model.update_modules(tree_unflatten([(name, new)]))
         kept = {id(m.weight) for _, m in model.named_modules() if stored_half_module(m)}
 
@@ -234,8 +234,7 @@ def convert_dtype(model: nn.Module, dtype: str, half_weights: bool = False) -> N
 
         model.apply(cast)
         if half:  # weights that were stored unquantized
-            for _, module in model.named_modules():
-                store_half(module)
+            store_half(model)
     mx.eval(model.parameters())
     mx.clear_cache()  # the conversion's temporaries, else MLX keeps them for reuse
 
