@@ -271,7 +271,7 @@ async def run_rounds(
     stats.prefill_s = time.perf_counter() - start
     link = DrafterLink(drafter, stats, plan.drafter_retry_s) if drafter is not None else None
     try:
-        position = len(prompt_ids) + 1
+        request = _Request(verifier, link, opened.session_id, plan, stats, len(prompt_ids) + 1)
         stats.generated_tokens = 1
         finished = opened.finished or plan.max_tokens <= 1
         yield [opened.first_token], finished
@@ -280,96 +280,185 @@ async def run_rounds(
             await link.open([*prompt_ids, opened.first_token], opened.rows)
             stats.draft_s += time.perf_counter() - t
         while not finished:
-            round_start = time.perf_counter()
             remaining = plan.max_tokens - stats.generated_tokens
-            k = min(plan.num_draft_tokens, remaining - 1)
-            if plan.adaptive is not None:
-                k = plan.adaptive.choose(remaining - 1)
-            drafted, carried = Drafted([]), None
-            beside = 0  # tokens of a decode burst that runs beside the draft call
-            if link is not None and k == 0:
-                link.take_carried(0)  # drafts made for this position are stale after it
-            if link is not None and k > 0:
-                carried = link.take_carried(k)
-                if carried is not None:
-                    stats.predrafted_rounds += 1
-                tree = plan.tree
-                if plan.adaptive is not None and plan.adaptive.tree_shape is not None:
-                    tree = plan.adaptive.tree_shape
-                if carried is not None:
-                    drafted = carried
-                elif plan.draft_beside_decode and link.empty_answers and tree is None:
-                    # the last call found nothing; this one will likely find nothing too, so
-                    # decode meanwhile instead of waiting for it with one token to verify
-                    beside = min(plan.decode_burst, link.empty_answers, remaining)
-                else:
-                    drafted = await link.draft(position, k, plan.sampling, (), tree)
-            draft_done = time.perf_counter()
-            steps = beside or _plain_steps(plan, link, k, remaining)
-            guess = None
-            if beside:
-                verified, guess, decode_s, guess_s = await _decode_beside_draft(
-                    verifier, link, opened.session_id, position, beside,
-                    min(max(k, plan.num_draft_tokens), remaining - 1), plan.sampling,
-                )  # fmt: skip
-                stats.beside_calls += guess_s is not None
-                matched = link.carry_guess(guess, verified)
-            elif plan.overlap and link is not None and drafted.ids and not drafted.parents:
-                verified = await _verify_and_predraft(
-                    verifier, link, opened.session_id, position, drafted, plan.sampling
-                )
-            elif steps > 1:
-                verified = await verifier.verify(
-                    opened.session_id, position, [], None, None, plain_steps=steps
-                )
-            else:
-                verified = await verifier.verify(
-                    opened.session_id, position, drafted.ids, drafted.probs, drafted.parents
-                )
-            verify_done = time.perf_counter()
-            new = verified.committed[:remaining]
-            position += len(verified.committed)
+            played = await _play_round(request, remaining)
+            committed = played.verified.committed
+            new = committed[:remaining]
+            request.position += len(committed)
             if link is not None:
-                link.commit(verified.committed, verified.rows)
-            forwards = len(verified.committed) if steps > 1 or beside else 1
-            stats.rounds += forwards  # a round is one target forward: tau stays per forward
-            stats.drafted += len(drafted.ids)
-            stats.accepted += verified.num_accepted
-            stats.generated_tokens += len(new)
-            stats.draft_s += draft_done - round_start
-            stats.verify_s += verify_done - draft_done
-            stats.draft_compute_s += drafted.compute_s
-            stats.verify_compute_s += verified.compute_s
-            if plan.adaptive is not None and guess is not None:
-                _learn_beside(plan.adaptive, k, guess, verified, matched, decode_s, guess_s)
-            elif plan.adaptive is not None and steps > 1:
-                plan.adaptive.observe_plain(forwards)
-                plan.adaptive.costs.verify.observe(1, (verify_done - draft_done) / forwards)
-            elif plan.adaptive is not None:
-                _learn(
-                    plan.adaptive,
-                    k,
-                    drafted,
-                    verified,
-                    draft_done - round_start,
-                    verify_done - draft_done,
-                    called_drafter=link is not None and k > 0 and carried is None,
-                )
-            finished = verified.finished or stats.generated_tokens >= plan.max_tokens
+                link.commit(committed, played.verified.rows)
+            _record(stats, played, new)
+            if plan.adaptive is not None:
+                _learn_round(plan.adaptive, played)
+            finished = played.verified.finished or stats.generated_tokens >= plan.max_tokens
             stats.total_s = time.perf_counter() - start
             yield new, finished
-            stats.round_times.append(
-                RoundTime(
-                    draft_done - round_start,
-                    verify_done - draft_done,
-                    time.perf_counter() - round_start,
-                    drafted.compute_s,
-                    verified.compute_s,
-                )
-            )
+            stats.round_times.append(played.times(time.perf_counter()))
     finally:
         stats.total_s = time.perf_counter() - start
         await _close_sessions(verifier, opened.session_id, link)
+
+
+@dataclass
+class _Request:
+    """One generation's sessions and where it stands."""
+
+    verifier: VerifierPort
+    link: DrafterLink | None
+    session_id: str
+    plan: Plan
+    stats: RoundStats
+    position: int  # tokens in context, the last committed one included
+
+
+@dataclass
+class Round:
+    """One round: its kind, what was drafted and verified, and when each part ended.
+
+    Kinds: "verify" (drafts, carried drafts or none, in one verify call), "overlap" (the verify
+    beside a draft call for the block after it), "plain" (a decode burst, no drafts wanted),
+    "beside" (a decode burst beside a draft call, after calls that proposed nothing)."""
+
+    k: int
+    start: float
+    kind: str = "verify"
+    drafted: Drafted = field(default_factory=lambda: Drafted([]))
+    called_drafter: bool = False  # the drafts came from a call made for this round
+    tree: Any = None
+    steps: int = 1  # tokens the verifier may decode in the call (plain and beside)
+    verified: Verified | None = None
+    forwards: int = 1  # target forwards the round took
+    guess: Drafted | None = None  # beside: the draft call's answer
+    matched: int = 0  # beside: the guess's tokens the burst decoded, in a row
+    decode_s: float = 0.0  # beside: the burst's own wall time
+    guess_s: float | None = None  # beside: the call's own wall time; None: no call made
+    draft_done: float = 0.0
+    verify_done: float = 0.0
+
+    def times(self, now: float) -> RoundTime:
+        return RoundTime(
+            self.draft_done - self.start,
+            self.verify_done - self.draft_done,
+            now - self.start,
+            self.drafted.compute_s,
+            self.verified.compute_s,
+        )
+
+
+async def _play_round(request: _Request, remaining: int) -> Round:
+    plan = request.plan
+    k = min(plan.num_draft_tokens, remaining - 1)
+    if plan.adaptive is not None:
+        k = plan.adaptive.choose(remaining - 1)
+    played = Round(k, time.perf_counter())
+    played.kind = _round_kind(request, played, remaining)
+    if played.kind == "draft":
+        played.drafted = await request.link.draft(
+            request.position, k, plan.sampling, (), played.tree
+        )
+        played.called_drafter, played.kind = True, "verify"
+    played.draft_done = time.perf_counter()
+    drafts = played.drafted
+    if played.kind == "verify" and plan.overlap and drafts.ids and not drafts.parents:
+        played.kind = "overlap"
+    await _ROUNDS[played.kind](request, played, remaining)
+    played.verify_done = time.perf_counter()
+    return played
+
+
+def _round_kind(request: _Request, played: Round, remaining: int) -> str:
+    """The policy: which kind of round to play ("draft": a verify of drafts asked for now).
+    Takes up drafts carried from the last round."""
+    link, plan, k = request.link, request.plan, played.k
+    if link is None or k == 0:
+        if link is not None:
+            link.take_carried(0)  # drafts made for this position are stale after it
+        played.steps = _plain_steps(plan, link, k, remaining)
+        return "plain" if played.steps > 1 else "verify"
+    carried = link.take_carried(k)
+    played.tree = plan.tree
+    if plan.adaptive is not None and plan.adaptive.tree_shape is not None:
+        played.tree = plan.adaptive.tree_shape
+    if carried is not None:
+        request.stats.predrafted_rounds += 1
+        played.drafted = carried
+        return "verify"
+    if plan.draft_beside_decode and link.empty_answers and played.tree is None:
+        # the last call found nothing; this one will likely find nothing too, so decode
+        # meanwhile instead of waiting for it with one token to verify
+        played.steps = min(plan.decode_burst, link.empty_answers, remaining)
+        return "beside"
+    return "draft"
+
+
+async def _verify_round(request: _Request, played: Round, remaining: int) -> None:
+    drafts = played.drafted
+    played.verified = await request.verifier.verify(
+        request.session_id, request.position, drafts.ids, drafts.probs, drafts.parents
+    )
+
+
+async def _plain_round(request: _Request, played: Round, remaining: int) -> None:
+    played.verified = await request.verifier.verify(
+        request.session_id, request.position, [], None, None, plain_steps=played.steps
+    )
+    played.forwards = len(played.verified.committed)
+
+
+async def _overlap_round(request: _Request, played: Round, remaining: int) -> None:
+    played.verified = await _verify_and_predraft(
+        request.verifier, request.link, request.session_id, request.position, played.drafted,
+        request.plan.sampling,
+    )  # fmt: skip
+
+
+async def _beside_round(request: _Request, played: Round, remaining: int) -> None:
+    link, plan = request.link, request.plan
+    guess_k = min(max(played.k, plan.num_draft_tokens), remaining - 1)
+    played.verified, played.guess, played.decode_s, played.guess_s = await _decode_beside_draft(
+        request.verifier, link, request.session_id, request.position, played.steps, guess_k,
+        plan.sampling,
+    )  # fmt: skip
+    request.stats.beside_calls += played.guess_s is not None
+    played.matched = link.carry_guess(played.guess, played.verified)
+    played.forwards = len(played.verified.committed)
+
+
+_ROUNDS = {
+    "verify": _verify_round,
+    "plain": _plain_round,
+    "overlap": _overlap_round,
+    "beside": _beside_round,
+}
+
+
+def _record(stats: RoundStats, played: Round, new: list[int]) -> None:
+    stats.rounds += played.forwards  # a round is one target forward: tau stays per forward
+    stats.drafted += len(played.drafted.ids)
+    stats.accepted += played.verified.num_accepted
+    stats.generated_tokens += len(new)
+    stats.draft_s += played.draft_done - played.start
+    stats.verify_s += played.verify_done - played.draft_done
+    stats.draft_compute_s += played.drafted.compute_s
+    stats.verify_compute_s += played.verified.compute_s
+
+
+def _learn_round(adaptive: AdaptiveK, played: Round) -> None:
+    """What the round tells adaptive k: acceptance, and the cost of drafts and verifies."""
+    verify_s = played.verify_done - played.draft_done
+    if played.kind == "beside":
+        _learn_beside(
+            adaptive, played.k, played.guess, played.verified, played.matched, played.decode_s,
+            played.guess_s,
+        )  # fmt: skip
+    elif played.kind == "plain":
+        adaptive.observe_plain(played.forwards)
+        adaptive.costs.verify.observe(1, verify_s / played.forwards)
+    else:
+        _learn(
+            adaptive, played.k, played.drafted, played.verified, played.draft_done - played.start,
+            verify_s, played.called_drafter,
+        )  # fmt: skip
 
 
 def _plain_steps(plan: Plan, link: DrafterLink | None, k: int, remaining: int) -> int:
