@@ -75,6 +75,7 @@ class Eagle3Drafter:
         attn = head.midlayer.self_attn
         self.kv_shape = (attn.n_kv, attn.head_dim)
         self.d2t = np.asarray(head.d2t).astype(np.int64)
+        self._d2t: mx.array | None = None  # on the device, for chains drafted there
         self.t2d = np.full(self.cfg.vocab_size, -1, dtype=np.int64)
         self.t2d[np.arange(len(self.d2t)) + self.d2t] = np.arange(len(self.d2t))
         self.row_width = len(self.cfg.capture_layers) * self.cfg.feature_size
@@ -151,6 +152,8 @@ class Eagle3Drafter:
         its feature, as a chain's drafts are."""
         if not self.ready(state) or k <= 0:
             return Proposal([])
+        if self.host is None:
+            return self._chain_on_device(state, k, after)
         levels = self._levels(state, len(after) + k)
         position = state.entries  # of the first drafted entry
         hidden = state.last_hidden[None]
@@ -169,6 +172,35 @@ class Eagle3Drafter:
             if len(ids) == k:
                 return Proposal(self._to_target(ids))
             hidden = feed(self._to_target(ids[-1:])[0])
+
+    def _chain_on_device(self, state: Eagle3State, k: int, after: list[int]) -> Proposal:
+        """The chain as one MLX graph: each draft's argmax feeds the next step where it is
+        computed, and the host waits once, for all k, instead of after every step (on a GPU a
+        wait per step costs more than the step)."""
+        if self._d2t is None:
+            self._d2t = mx.array(self.d2t)
+        keys, values = _mlx_past(state)
+        position = state.entries
+        hidden = mx.array(state.last_hidden[None])  # [1, H]
+
+        def feed(target_id: mx.array) -> mx.array:
+            nonlocal keys, values, position
+            emb = self.embedding[target_id][None]
+            out, (k_new, v_new) = self.head.step(emb, hidden[None], position, (keys, values), None)
+            keys = mx.concatenate([keys, k_new], axis=2)
+            values = mx.concatenate([values, v_new], axis=2)
+            position += 1
+            return out[0]
+
+        for token in after:
+            hidden = feed(mx.array([token]))
+        drafts = []
+        while True:
+            drafts.append(mx.argmax(self.head.logits(hidden), axis=-1))  # a draft-vocab id
+            if len(drafts) == k:
+                break
+            hidden = feed(drafts[-1] + self._d2t[drafts[-1]])
+        return Proposal(self._to_target(mx.concatenate(drafts).tolist()))
 
     def _levels(self, state: Eagle3State, most: int) -> _HostLevels | _MlxLevels:
         """Where a proposal's drafted entries go: `most` of them at the most."""
