@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from drafter_svc.eagle3.data import to_messages
+from specd.progress import Progress
 
 
 @dataclass
@@ -102,7 +103,8 @@ def distill(opts: DistillOptions) -> dict:
     uids = generator.insert([ids for _, ids in chosen], [opts.max_new_tokens] * len(chosen))
     prompt_of = dict(zip(uids, (text for text, _ in chosen), strict=True))
     replies: dict[int, list[int]] = {uid: [] for uid in uids}
-    started, finished, tokens, shown = time.perf_counter(), 0, 0, 0.0
+    started, finished, tokens = time.perf_counter(), 0, 0
+    progress = Progress()
     with opts.out.open("a", encoding="utf-8") as sink:
         while responses := generator.next_generated():
             for r in responses:
@@ -120,13 +122,13 @@ def distill(opts: DistillOptions) -> dict:
                     ]}  # fmt: skip
                     sink.write(json.dumps(record, ensure_ascii=False) + "\n")
                     sink.flush()
-            now = time.perf_counter()
-            if now - shown > 1.0 or finished == len(chosen):
-                shown, rate = now, tokens / max(1e-9, now - started)
-                sys.stderr.write(f"\rreplies {finished}/{len(chosen)}  {tokens} tokens  "
-                                 f"{rate:.0f} tok/s   ")  # fmt: skip
+            rate = tokens / max(1e-9, time.perf_counter() - started)
+            progress.update(
+                f"replies {finished}/{len(chosen)}  {tokens} tokens  {rate:.0f} tok/s",
+                final=finished == len(chosen),
+            )
     generator.close()
-    sys.stderr.write("\n")
+    progress.close()
     return {
         "target": loaded.path.name,
         "out": str(opts.out),

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from specd.progress import Progress
 
 RECENT = 50  # steps the progress line and the summary average over
 
@@ -26,6 +27,7 @@ def run_steps(trainer, step: Callable[[int], object], checkpoint: Path, save_eve
     recent records into the progress line's figures. Returns (recent records, seconds)."""
     started, first = time.perf_counter(), trainer.step
     recent: list = []
+    progress = Progress()
     while trainer.step < trainer.total_steps:
         record = step(trainer.step)
         if record is not None:
@@ -34,13 +36,13 @@ def run_steps(trainer, step: Callable[[int], object], checkpoint: Path, save_eve
         rate = done / max(1e-9, time.perf_counter() - started)
         eta = (trainer.total_steps - trainer.step) / rate if rate > 0 else 0
         filled = int(24 * trainer.step / trainer.total_steps)
-        sys.stderr.write(
-            f"\r[{'#' * filled}{'.' * (24 - filled)}] {trainer.step}/{trainer.total_steps} "
-            f"{describe(recent)} {rate:.2f} it/s eta {eta / 60:.0f} min   "
+        progress.update(
+            f"[{'#' * filled}{'.' * (24 - filled)}] {trainer.step}/{trainer.total_steps} "
+            f"{describe(recent)} {rate:.2f} it/s eta {eta / 60:.0f} min",
+            final=trainer.step == trainer.total_steps,
         )
-        sys.stderr.flush()
         if trainer.step % save_every == 0:
             trainer.save_checkpoint(checkpoint)
-    sys.stderr.write("\n")
+    progress.close()
     trainer.save_checkpoint(checkpoint)
     return recent, time.perf_counter() - started

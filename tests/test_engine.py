@@ -39,9 +39,11 @@ def run_rounds(target, prompt, n, propose):
     return out[:n] if not session.finished else out
 
 
-def assert_rows_of_one_forward(target, out, rows, layers):
-    """Rows sent round by round equal one forward over the prompt and the output. Decode
-    forwards may run on numpy (host_llama), the reference on MLX: float32 rounding only."""
+def assert_plain_output_and_rows(target, out, reference, rows, layers):
+    """The output is plain greedy decoding's, and the rows sent round by round equal one
+    forward over the prompt and the output. Decode forwards may run on numpy (host_llama), the
+    reference on MLX: float32 rounding only."""
+    assert out[: len(reference)] == reference[: len(out)]
     got = mx.concatenate(rows, axis=0)
     _, full = target.forward(mx.array((PROMPT + out)[: got.shape[0]]), target.new_cache(), layers)
     assert mx.allclose(got, full, atol=5e-4).item()
@@ -128,8 +130,7 @@ def test_decode_bursts_equal_plain_greedy_and_keep_rows(target):
         rows.append(r.rows)
         if r.finished:
             break
-    assert out[: len(reference)] == reference[: len(out)]
-    assert_rows_of_one_forward(target, out, rows, layers)
+    assert_plain_output_and_rows(target, out, reference, rows, layers)
 
 
 def test_decode_stops_after_eos_and_drops_the_queued_forward(tiny_model_dir):
@@ -218,8 +219,7 @@ def test_look_ahead_rounds_equal_plain_greedy_and_keep_rows(tiny_model_dir, gemv
         rows.append(r.rows)
         if r.finished:
             break
-    assert out[: len(reference)] == reference[: len(out)]
-    assert_rows_of_one_forward(target, out, rows, layers)
+    assert_plain_output_and_rows(target, out, reference, rows, layers)
 
 
 def test_look_ahead_is_dropped_after_an_eos(tiny_model_dir):

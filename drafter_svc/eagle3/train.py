@@ -46,6 +46,7 @@ from drafter_svc.eagle3.model import (
     save_head,
 )
 from drafter_svc.training import epoch_order, run_steps
+from specd.progress import Progress
 
 NEG = -1e9
 DEFAULT_DRAFT_VOCAB = 6144
@@ -355,15 +356,18 @@ def prepare_features(opts: TrainOptions, loaded, capture) -> list[Features]:
     feats = _cached_prefix(cache_dir, suffix, partial, examples)
     extractor = TargetFeatures(loaded.model, capture)
     started, tokens = time.perf_counter(), 0
+    progress = Progress()
     for i in range(len(feats), len(examples)):
         feats.append(extractor(examples[i]))
         tokens += len(examples[i].ids)
         rate = tokens / (time.perf_counter() - started)
-        sys.stderr.write(f"\rtarget features {i + 1}/{len(examples)}  {tokens} tokens  "
-                         f"{rate:.0f} tok/s   ")  # fmt: skip
+        progress.update(
+            f"target features {i + 1}/{len(examples)}  {tokens} tokens  {rate:.0f} tok/s",
+            final=i + 1 == len(examples),
+        )
         if (i + 1) % FEATURE_SAVE_EVERY == 0 and i + 1 < len(examples):
             save_features(partial, feats)
-    sys.stderr.write("\n")
+    progress.close()
     save_features(path, feats)
     partial.unlink(missing_ok=True)
     return feats
