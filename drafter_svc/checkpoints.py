@@ -139,3 +139,68 @@ def make_optimizer(lr: float, warmup: int, total_steps: int) -> optim.Optimizer:
         [warmup],
     )
     return optim.AdamW(learning_rate=schedule, weight_decay=0.0)
+
+
+# ---------------------------------------------------------------- weights both drafters read
+
+
+def read_weights(directory: Path) -> dict[str, mx.array]:
+    """Every tensor of a drafter checkpoint directory's safetensors files."""
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        bins = sorted(directory.glob("*.bin"))
+        hint = " (PyTorch .bin files are not read: convert them to safetensors)" if bins else ""
+        raise CheckpointError(f"no .safetensors weights in {directory}{hint}")
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        weights.update(mx.load(str(f)))
+    return weights
+
+
+def strip_prefix(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    # some exports nest everything under "model."
+    if weights and all(k.startswith("model.") or k in ("d2t", "t2d") for k in weights):
+        return {k.removeprefix("model."): v for k, v in weights.items()}
+    return weights
+
+
+def _read_subset(directory: Path, names: tuple[str, ...]) -> dict[str, mx.array]:
+    """Only the tensors asked for, from an mlx-lm/HF directory (lazy mx.load, one file each)."""
+    found: dict[str, mx.array] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        arrays = mx.load(str(f))
+        for name in names:
+            for suffix in ("weight", "scales", "biases"):
+                key = f"{name}.{suffix}"
+                if key in arrays:
+                    found[key] = arrays[key]
+    return found
+
+
+def target_matrix(target_dir: Path, names: tuple[str, ...]) -> mx.array:
+    """A [V, H] matrix of the target (embedding or lm_head) in float32, dequantized, read
+    without loading the rest of the model."""
+    config = json.loads((target_dir / "config.json").read_text())
+    quant = config.get("quantization") or config.get("quantization_config") or {}
+    for name in names:
+        found = _read_subset(target_dir, (name,))
+        if f"{name}.weight" in found:
+            break
+    else:
+        raise CheckpointError(f"{target_dir} has none of the tensors {', '.join(names)}")
+    weight = found[f"{name}.weight"]
+    if f"{name}.scales" in found:
+        q = quant.get(name) or quant.get(name.removeprefix("model.")) or quant
+        weight = mx.dequantize(weight, found[f"{name}.scales"], found.get(f"{name}.biases"),
+                               q.get("group_size", 64), q.get("bits", 4))  # fmt: skip
+    weight = weight.astype(mx.float32)
+    mx.eval(weight)
+    return weight
+
+
+def target_embedding(target_dir: Path) -> mx.array:
+    """The target's input embedding [V, H] in float32."""
+    return target_matrix(
+        target_dir,
+        ("model.embed_tokens", "model.language_model.embed_tokens", "embed_tokens"),
+    )

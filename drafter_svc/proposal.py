@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
 import numpy as np
 
 
@@ -21,3 +22,14 @@ class TreeShape:
     total_tokens: int = 16  # drafts sent for verification
     depth: int = 5  # longest root-to-leaf path
     top_k: int = 4  # children per expanded node, and nodes expanded per depth
+
+
+def joined_rows(rows):
+    """Hidden rows as a proposer takes them: one array, or None. In one process the round loop
+    hands over a list of arrays (some empty); over gRPC they arrive joined."""
+    if rows is None:
+        return None
+    if isinstance(rows, list):  # in-process: the round loop hands over a list of arrays
+        rows = [r for r in rows if r is not None and len(r)]
+        return mx.concatenate(rows) if rows else None
+    return rows

@@ -18,8 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from drafter_svc.checkpoints import CheckpointError
-from drafter_svc.eagle3.model import MLP
+from drafter_svc.checkpoints import CheckpointError, read_weights, strip_prefix
+from drafter_svc.layers import MLP
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -106,7 +106,7 @@ class Layer(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
@@ -190,13 +190,11 @@ def read_drafter_config(directory: Path) -> DFlashConfig:
 
 
 def load_drafter(directory: str | Path) -> DFlashDrafter:
-    from drafter_svc.eagle3.model import _read_weights, _strip_prefix
-
     directory = Path(directory)
     if not (directory / CONFIG).is_file():
         raise CheckpointError(f"{directory} has no {CONFIG}")
     cfg = read_drafter_config(directory)
-    weights = _strip_prefix(_read_weights(directory))
+    weights = strip_prefix(read_weights(directory))
     model = DFlashDrafter(cfg)
     from mlx.utils import tree_flatten
 

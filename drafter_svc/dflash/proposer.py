@@ -10,7 +10,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from drafter_svc.checkpoints import CheckpointError, check_target, shipped_or_given
+from drafter_svc.checkpoints import (
+    CheckpointError,
+    check_target,
+    shipped_or_given,
+    target_embedding,
+    target_matrix,
+)
 from drafter_svc.dflash.draft import BlockDrafter, DFlashState
 from drafter_svc.dflash.model import (
     DRAFT_VOCAB,
@@ -18,8 +24,7 @@ from drafter_svc.dflash.model import (
     load_drafter,
     read_drafter_config,
 )
-from drafter_svc.eagle3.proposer import _rows, target_embedding, target_matrix
-from drafter_svc.proposal import Proposal
+from drafter_svc.proposal import Proposal, joined_rows
 
 # drafters this package ships, each found by the target its config.json says it was made for
 SHIPPED_DIR = Path(__file__).resolve().parent / "drafters"
@@ -66,10 +71,10 @@ class DFlashProposer:
         self.rng = np.random.default_rng()
 
     def open(self, context_ids, hidden_rows=None) -> DFlashState:
-        return self.drafter.open(list(context_ids), _rows(hidden_rows))
+        return self.drafter.open(list(context_ids), joined_rows(hidden_rows))
 
     def extend(self, state, new_ids, hidden_rows=None) -> None:
-        self.drafter.extend(state, list(new_ids), _rows(hidden_rows))
+        self.drafter.extend(state, list(new_ids), joined_rows(hidden_rows))
 
     def propose(self, state, k: int, sampling=None, speculative=(), tree=None) -> Proposal:
         temperature = float(getattr(sampling, "temperature", 0.0) or 0.0)

@@ -16,7 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from drafter_svc.checkpoints import CheckpointError
+from drafter_svc.checkpoints import CheckpointError, read_weights, strip_prefix
+from drafter_svc.layers import MLP
 
 EAGLE_CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -106,17 +107,6 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: Eagle3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class MidLayer(nn.Module):
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
@@ -125,7 +115,7 @@ class MidLayer(nn.Module):
         self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def inputs(self, emb: mx.array, feature: mx.array) -> tuple[mx.array, mx.array]:
         """(attention input [.., 2H], residual [.., H])."""
@@ -218,25 +208,6 @@ def _config_from_llama(d: dict, **extra) -> Eagle3Config:
     )
 
 
-def _read_weights(directory: Path) -> dict[str, mx.array]:
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        bins = sorted(directory.glob("*.bin"))
-        hint = " (PyTorch .bin files are not read: convert them to safetensors)" if bins else ""
-        raise CheckpointError(f"no .safetensors weights in {directory}{hint}")
-    weights: dict[str, mx.array] = {}
-    for f in files:
-        weights.update(mx.load(str(f)))
-    return weights
-
-
-def _strip_prefix(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    # some exports nest everything under "model."
-    if weights and all(k.startswith("model.") or k in ("d2t", "t2d") for k in weights):
-        return {k.removeprefix("model."): v for k, v in weights.items()}
-    return weights
-
-
 def detect_format(directory: Path) -> str:
     cfg = json.loads((directory / EAGLE_CONFIG).read_text())
     return (
@@ -263,7 +234,7 @@ def load_head(directory: str | Path) -> tuple[Eagle3Head, dict[str, mx.array]]:
     if not (directory / EAGLE_CONFIG).is_file():
         raise CheckpointError(f"{directory} has no {EAGLE_CONFIG}")
     raw = json.loads((directory / EAGLE_CONFIG).read_text())
-    weights = _strip_prefix(_read_weights(directory))
+    weights = strip_prefix(read_weights(directory))
     if detect_format(directory) == "speculators":
         cfg, weights = _from_speculators(raw, weights)
     else:

@@ -3,16 +3,15 @@ defaults; the head is checked against the target it is paired with."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 
-from drafter_svc.checkpoints import CheckpointError, check_target, shipped_or_given
+from drafter_svc.checkpoints import check_target, shipped_or_given, target_embedding
 from drafter_svc.eagle3.draft import Eagle3Drafter, Eagle3State
 from drafter_svc.eagle3.model import load_head, read_head_config
-from drafter_svc.proposal import Proposal, TreeShape
+from drafter_svc.proposal import Proposal, TreeShape, joined_rows
 
 # heads this package ships, each found by the target its config.json says it was made for
 SHIPPED_DIR = Path(__file__).resolve().parent / "heads"
@@ -32,48 +31,6 @@ class Eagle3Options:
     tree: TreeShape | None = None  # default shape; None: from the head's config; total 0: chain
     host_forwards: bool = True  # chains on numpy and the compiled kernels where they can run
     extra: dict = field(default_factory=dict)
-
-
-def _read_safetensors_subset(directory: Path, names: tuple[str, ...]) -> dict[str, mx.array]:
-    """Only the tensors asked for, from an mlx-lm/HF directory (lazy mx.load, one file each)."""
-    found: dict[str, mx.array] = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        arrays = mx.load(str(f))
-        for name in names:
-            for suffix in ("weight", "scales", "biases"):
-                key = f"{name}.{suffix}"
-                if key in arrays:
-                    found[key] = arrays[key]
-    return found
-
-
-def target_matrix(target_dir: Path, names: tuple[str, ...]) -> mx.array:
-    """A [V, H] matrix of the target (embedding or lm_head) in float32, dequantized, read
-    without loading the rest of the model."""
-    config = json.loads((target_dir / "config.json").read_text())
-    quant = config.get("quantization") or config.get("quantization_config") or {}
-    for name in names:
-        found = _read_safetensors_subset(target_dir, (name,))
-        if f"{name}.weight" in found:
-            break
-    else:
-        raise CheckpointError(f"{target_dir} has none of the tensors {', '.join(names)}")
-    weight = found[f"{name}.weight"]
-    if f"{name}.scales" in found:
-        q = quant.get(name) or quant.get(name.removeprefix("model.")) or quant
-        weight = mx.dequantize(weight, found[f"{name}.scales"], found.get(f"{name}.biases"),
-                               q.get("group_size", 64), q.get("bits", 4))  # fmt: skip
-    weight = weight.astype(mx.float32)
-    mx.eval(weight)
-    return weight
-
-
-def target_embedding(target_dir: Path) -> mx.array:
-    """The target's input embedding [V, H] in float32."""
-    return target_matrix(
-        target_dir,
-        ("model.embed_tokens", "model.language_model.embed_tokens", "embed_tokens"),
-    )
 
 
 class Eagle3Proposer:
@@ -99,10 +56,10 @@ class Eagle3Proposer:
         self.source = source
 
     def open(self, context_ids: list[int], hidden_rows=None) -> Eagle3State:
-        return self.drafter.open(list(context_ids), _rows(hidden_rows))
+        return self.drafter.open(list(context_ids), joined_rows(hidden_rows))
 
     def extend(self, state: Eagle3State, new_ids: list[int], hidden_rows=None) -> None:
-        self.drafter.extend(state, list(new_ids), _rows(hidden_rows))
+        self.drafter.extend(state, list(new_ids), joined_rows(hidden_rows))
 
     def propose(self, state, k: int, sampling=None, speculative=(), tree=None) -> Proposal:
         """A chain of k drafts, or a tree when `tree` (or the default shape) asks for one, at most
@@ -132,15 +89,6 @@ class Eagle3Proposer:
             "tree": f"total={t.total_tokens} depth={t.depth} top_k={t.top_k}"
             if t.total_tokens > 0 else "chain",
         }  # fmt: skip
-
-
-def _rows(rows):
-    if rows is None:
-        return None
-    if isinstance(rows, list):  # in-process: the round loop hands over a list of arrays
-        rows = [r for r in rows if r is not None and len(r)]
-        return mx.concatenate(rows) if rows else None
-    return rows
 
 
 def load_eagle3(options: Eagle3Options, target_dir: Path, target_identity) -> Eagle3Proposer:
