@@ -23,6 +23,8 @@ from specd.service import (
     InvalidArgument,
     ServiceError,
     Unavailable,
+    check_sampling_params,
+    check_tree_request,
     process_stats,
     rpc,
     rpc_stream,
@@ -161,13 +163,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if max_tokens < 0:
             raise InvalidArgument(f"max_tokens must be positive, got {request.max_tokens}")
         sampling = request.sampling
-        if (
-            sampling.temperature < 0
-            or not 0 <= sampling.top_p <= 1
-            or sampling.top_k < 0
-            or not 0 <= sampling.min_p <= 1
-        ):
-            raise InvalidArgument("need temperature >= 0, top_k >= 0, top_p and min_p in [0, 1]")
+        check_sampling_params(sampling)
         pinned = request.HasField("num_draft_tokens")
         if pinned and request.num_draft_tokens < 0:
             raise InvalidArgument(f"num_draft_tokens must be >= 0, got {request.num_draft_tokens}")
@@ -181,19 +177,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         # seed must give the same output
         seeded = sampling.temperature > 0 and sampling.HasField("seed")
         tree = request.tree if request.HasField("tree") else None
-        if tree is not None and min(tree.total_tokens, tree.depth, tree.top_k) < 0:
-            raise InvalidArgument("tree total_tokens, depth and top_k must be >= 0")
-        if tree is not None and tree.total_tokens > 0:
-            if not info.drafts_trees:
-                raise InvalidArgument(
-                    f"the {info.kind} drafter drafts chains only; leave tree unset "
-                    "(or total_tokens 0)"
-                )
-            if tree.total_tokens > info.max_tree_tokens:
-                raise InvalidArgument(
-                    f"tree of {tree.total_tokens} tokens exceeds the drafter's limit "
-                    f"{info.max_tree_tokens}"
-                )
+        if tree is not None:
+            check_tree_request(tree, info.kind, info.drafts_trees, info.max_tree_tokens)
         shape = tree if tree is not None else info.default_tree
         adaptive = None
         if self.config.adaptive and k > 0 and not pinned and not seeded:

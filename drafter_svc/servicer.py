@@ -14,6 +14,7 @@ from specd.service import (
     ResourceExhausted,
     SessionTable,
     check_token_ids,
+    check_tree_request,
     process_stats,
     rpc,
     stream_of,
@@ -155,15 +156,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         if not request.HasField("tree"):
             return None
         t = request.tree
-        if t.total_tokens < 0 or t.depth < 0 or t.top_k < 0:
-            raise InvalidArgument("tree total_tokens, depth and top_k must be >= 0")
-        if t.total_tokens and not _drafts_trees(self.proposer):
-            raise InvalidArgument(f"the {self.proposer.kind} drafter drafts chains only")
-        if t.total_tokens > self.config.max_tree_tokens:
-            raise InvalidArgument(
-                f"tree of {t.total_tokens} tokens exceeds the drafter's limit "
-                f"{self.config.max_tree_tokens}"
-            )
+        drafts_trees = _drafts_trees(self.proposer)
+        check_tree_request(t, self.proposer.kind, drafts_trees, self.config.max_tree_tokens)
         return TreeShape(t.total_tokens, t.depth, t.top_k)
 
     def _extend_and_propose(

@@ -8,6 +8,7 @@ import functools
 import inspect
 import json
 import logging
+import math
 import queue
 import resource
 import signal
@@ -67,6 +68,29 @@ def check_token_ids(ids, vocab_size: int, what: str) -> list[int]:
     if bad:
         raise InvalidArgument(f"{what} has ids outside [0, {vocab_size}): {bad[:5]}")
     return ids
+
+
+def check_sampling_params(params) -> None:
+    """A SamplingParams message's values, as every service that takes one checks them."""
+    values = (params.temperature, params.top_p, params.min_p)
+    if not all(math.isfinite(v) for v in values) or params.temperature < 0:
+        raise InvalidArgument(f"temperature must be a finite number >= 0, got {params.temperature}")
+    if not 0 <= params.top_p <= 1 or not 0 <= params.min_p <= 1 or params.top_k < 0:
+        raise InvalidArgument("top_p and min_p must be in [0, 1] and top_k >= 0")
+
+
+def check_tree_request(tree, kind: str, drafts_trees: bool, max_tree_tokens: int) -> None:
+    """A TreeShape message asked of a drafter (total_tokens 0: a chain)."""
+    if min(tree.total_tokens, tree.depth, tree.top_k) < 0:
+        raise InvalidArgument("tree total_tokens, depth and top_k must be >= 0")
+    if tree.total_tokens and not drafts_trees:
+        raise InvalidArgument(
+            f"the {kind} drafter drafts chains only; leave tree unset (or total_tokens 0)"
+        )
+    if tree.total_tokens > max_tree_tokens:
+        raise InvalidArgument(
+            f"tree of {tree.total_tokens} tokens exceeds the drafter's limit {max_tree_tokens}"
+        )
 
 
 def _status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:

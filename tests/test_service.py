@@ -223,3 +223,29 @@ def test_without_inline_rounds_every_job_runs_on_the_worker():
         return names
 
     assert set(asyncio.run(main())) == {"mlx"}
+
+
+def test_sampling_and_tree_checks_every_service_shares():
+    from specd.service import InvalidArgument, check_sampling_params, check_tree_request
+    from specd.v1 import common_pb2
+
+    check_sampling_params(common_pb2.SamplingParams(temperature=0.7, top_p=0.9, top_k=5))
+    for bad in (
+        common_pb2.SamplingParams(temperature=float("nan")),
+        common_pb2.SamplingParams(temperature=-1),
+        common_pb2.SamplingParams(top_p=1.5),
+        common_pb2.SamplingParams(min_p=-0.1),
+        common_pb2.SamplingParams(top_k=-2),
+    ):
+        with pytest.raises(InvalidArgument):
+            check_sampling_params(bad)
+    tree = common_pb2.TreeShape
+    check_tree_request(tree(total_tokens=8, depth=4, top_k=2), "eagle3", True, 16)
+    check_tree_request(tree(total_tokens=0), "ngram", False, 0)  # a chain
+    for shape, trees, limit, reason in (
+        (tree(total_tokens=-1), True, 16, ">= 0"),
+        (tree(total_tokens=8), False, 16, "chains only"),
+        (tree(total_tokens=32, depth=4, top_k=2), True, 16, "exceeds"),
+    ):
+        with pytest.raises(InvalidArgument, match=reason):
+            check_tree_request(shape, "x", trees, limit)

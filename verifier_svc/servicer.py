@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 import numpy as np
 
@@ -16,6 +14,7 @@ from specd.service import (
     ResourceExhausted,
     SessionTable,
     Unavailable,
+    check_sampling_params,
     check_token_ids,
     process_stats,
     rpc,
@@ -55,11 +54,7 @@ def check_layers(layers, num_layers: int) -> tuple[int, ...]:
 
 
 def check_sampling(params) -> SamplingConfig:
-    values = (params.temperature, params.top_p, params.min_p)
-    if not all(math.isfinite(v) for v in values) or params.temperature < 0:
-        raise InvalidArgument(f"temperature must be a finite number >= 0, got {params.temperature}")
-    if not 0 <= params.top_p <= 1 or not 0 <= params.min_p <= 1 or params.top_k < 0:
-        raise InvalidArgument("top_p and min_p must be in [0, 1] and top_k >= 0")
+    check_sampling_params(params)
     return SamplingConfig.from_proto(params)
 
 
