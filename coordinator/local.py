@@ -53,7 +53,7 @@ class LocalDrafter:
     def __init__(self, proposer):
         self.proposer = proposer
         self.capture_layers = tuple(proposer.capture_layers)
-        self.accepts_speculative_ids = getattr(proposer, "accepts_speculative_ids", False)
+        self.accepts_speculative_ids = proposer.accepts_speculative_ids
         self.sessions = {}
 
     async def open(self, context_ids, rows) -> str:

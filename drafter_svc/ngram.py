@@ -49,6 +49,7 @@ class NgramProposer:
     capture_layers: tuple[int, ...] = ()
     sends_draft_probs = False
     accepts_speculative_ids = True  # needs no hidden rows for assumed tokens
+    default_tree = None  # chains only
 
     def __init__(self, config: NgramConfig | None = None):
         self.config = config or NgramConfig()

@@ -1,8 +1,10 @@
-"""What a proposer returns: a chain of drafts, or a tree of them."""
+"""What every drafter is to its servicer (Proposer), and what it returns: a chain of drafts, or
+a tree of them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +24,26 @@ class TreeShape:
     total_tokens: int = 16  # drafts sent for verification
     depth: int = 5  # longest root-to-leaf path
     top_k: int = 4  # children per expanded node, and nodes expanded per depth
+
+
+class Proposer(Protocol):
+    """A drafting method (n-gram, EAGLE-3, DFlash): per-session state from the committed
+    context, and drafts from it."""
+
+    kind: str
+    capture_layers: tuple[int, ...]  # target layers whose hidden rows it reads; () none
+    sends_draft_probs: bool  # proposals carry q rows when sampling
+    accepts_speculative_ids: bool  # can draft past tokens not verified yet
+    default_draft_tokens: int
+    max_draft_tokens: int
+    default_tree: TreeShape | None  # None: it drafts chains only
+
+    def open(self, context_ids: list[int], hidden_rows=None) -> Any: ...
+    def extend(self, state: Any, new_ids: list[int], hidden_rows=None) -> None: ...
+    def propose(
+        self, state: Any, k: int, sampling=None, speculative=(), tree: TreeShape | None = None
+    ) -> Proposal: ...
+    def params(self) -> dict[str, str]: ...
 
 
 def joined_rows(rows):

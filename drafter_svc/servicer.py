@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from drafter_svc.proposal import TreeShape
+from drafter_svc.proposal import Proposer, TreeShape
 from specd import wire
 from specd.service import (
     FailedPrecondition,
@@ -67,7 +67,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             params=self.proposer.params(),
             vocab_size=self.vocab_size,
             accepts_speculative_ids=proposer.accepts_speculative_ids,
-            default_tree=_tree_proto(getattr(proposer, "default_tree", None)),
+            default_tree=_tree_proto(proposer.default_tree),
             drafts_trees=_drafts_trees(proposer),
             max_tree_tokens=self.config.max_tree_tokens if _drafts_trees(proposer) else 0,
         )
@@ -173,8 +173,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return common_pb2.CloseSessionResponse()
 
 
-def _drafts_trees(proposer) -> bool:
-    return hasattr(proposer, "default_tree")
+def _drafts_trees(proposer: Proposer) -> bool:
+    return proposer.default_tree is not None
 
 
 def _tree_proto(shape) -> common_pb2.TreeShape | None:

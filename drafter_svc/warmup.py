@@ -37,7 +37,7 @@ def full_warmup(proposer, vocab_size: int, contexts=(64, 2112)) -> int:
 
     top = proposer.max_draft_tokens
     sampled = common_pb2.SamplingParams(temperature=1.0)
-    tree = getattr(proposer, "default_tree", None)
+    tree = proposer.default_tree
     calls = 0
     for context in contexts:
         state = proposer.open(ids(context), rows(context - 1))  # the last row comes later
@@ -46,7 +46,7 @@ def full_warmup(proposer, vocab_size: int, contexts=(64, 2112)) -> int:
             proposer.extend(state, ids(k + 1), rows(k + 1))  # what a round of k brings back
         proposer.propose(state, proposer.default_draft_tokens, sampled)
         calls += top + 1
-        if getattr(proposer, "accepts_speculative_ids", False):
+        if proposer.accepts_speculative_ids:
             for s in range(1, top + 1):
                 proposer.propose(state, proposer.default_draft_tokens, None, ids(s))
             calls += top

@@ -59,6 +59,7 @@ class DFlashProposer:
     capture_layers: tuple[int, ...] = ()
     accepts_speculative_ids = False
     sends_draft_probs = True  # when sampling: drafts drawn from q, q sent
+    default_tree = None  # blocks: chains only
 
     def __init__(self, drafter: BlockDrafter, options: DFlashOptions, source: str):
         self.drafter = drafter
