@@ -23,8 +23,8 @@ import numpy as np
 
 from drafter_svc.checkpoints import shipped_or_given
 from drafter_svc.config import DrafterConfig
+from drafter_svc.eagle3.cpu_head import CpuHead
 from drafter_svc.eagle3.draft import Eagle3Drafter
-from drafter_svc.eagle3.host import HostHead
 from drafter_svc.eagle3.model import load_head
 from drafter_svc.eagle3.proposer import SHIPPED_DIR, head_config, target_embedding
 from drafter_svc.proposal import TreeShape
@@ -42,7 +42,7 @@ def main() -> None:
                                "eagle3")  # fmt: skip
     head, _ = load_head(weights)
     embedding = target_embedding(target_dir)
-    host = HostHead.attach(head, embedding)
+    host = CpuHead.attach(head, embedding)
     if host is None:
         raise SystemExit("the head cannot run on the host here (no compiled kernels?)")
     drafters = {"mlx": Eagle3Drafter(head, embedding), "host": Eagle3Drafter(head, embedding, host)}

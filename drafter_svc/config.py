@@ -63,7 +63,7 @@ def drafter_options(
     if not 1 <= ngram.min_n <= ngram.max_n:
         raise ValueError("need 1 <= --ngram-min-n <= --ngram-max-n")
     eagle3 = Eagle3Options(
-        weights=weights, num_draft_tokens=num_draft_tokens or 0, host_forwards=not mlx_forwards
+        weights=weights, num_draft_tokens=num_draft_tokens or 0, cpu_forwards=not mlx_forwards
     )
     shape = (tree_total_tokens, tree_depth, tree_top_k)
     if any(v is not None and v < 0 for v in shape):

@@ -11,7 +11,7 @@
  * first, kept one per calling thread, and two on two cores made every forward slower. Its
  * workers spin briefly between products and then sleep, so they do not hold a core that
  * the other services need between two forwards.
- * The rest of a few-token layer of specd.models.host_llama is here too (attention over the KV
+ * The rest of a few-token layer of specd.models.cpu_llama is here too (attention over the KV
  * cache, RMSNorm, RoPE, SwiGLU), one call each, on the calling thread.
  */
 #define PY_SSIZE_T_CLEAN
@@ -516,7 +516,7 @@ static PyObject *products(PyObject *self, PyObject *args) {
     return finish(v, 3, 1, NULL);
 }
 
-/* ---- Attention of a few new tokens over the KV cache (specd.models.host_llama) ----
+/* ---- Attention of a few new tokens over the KV cache (specd.models.cpu_llama) ----
  * numpy spent ~150 us a layer on it for one token, nearly all of it in the dozen calls it
  * takes; the arithmetic is a few microseconds. */
 

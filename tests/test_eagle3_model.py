@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from drafter_svc.eagle3.cpu_head import CpuHead
 from drafter_svc.eagle3.draft import Eagle3Drafter
-from drafter_svc.eagle3.host import HostHead
 from drafter_svc.eagle3.model import (
     CheckpointError,
     Eagle3Config,
@@ -57,7 +57,7 @@ def make_drafter(request):
     def make(head, embedding):
         if request.param == "mlx":
             return Eagle3Drafter(head, embedding)
-        host = HostHead.attach(head, embedding)
+        host = CpuHead.attach(head, embedding)
         if host is None:
             pytest.skip("the compiled kernels were not built")
         return Eagle3Drafter(head, embedding, host)
@@ -258,13 +258,13 @@ def test_tree_nodes_match_a_plain_chain_along_each_path(make_drafter):
 
 
 @pytest.mark.parametrize("norm_before_residual", [False, True])
-def test_host_forwards_match_mlx(norm_before_residual):
+def test_cpu_forwards_match_mlx(norm_before_residual):
     """The head on numpy and the compiled kernels: the same entries, hidden rows and drafts as
     in MLX, for a long open (MLX's sgemm either way), extends of a few rows, chains and
     trees."""
     head = tiny_head(norm_before_residual=norm_before_residual)
     embedding, rows, tokens = sample_inputs(t=40)
-    host = HostHead.attach(head, embedding)
+    host = CpuHead.attach(head, embedding)
     if host is None:
         pytest.skip("the compiled kernels were not built")
     on_mlx, on_host = Eagle3Drafter(head, embedding), Eagle3Drafter(head, embedding, host)
@@ -285,8 +285,8 @@ def test_host_forwards_match_mlx(norm_before_residual):
         assert trees[0].ids == trees[1].ids and trees[0].parents == trees[1].parents
 
 
-def test_host_forwards_need_a_head_size_the_kernels_take():
+def test_cpu_forwards_need_a_head_size_the_kernels_take():
     cfg = tiny_head().config
     cfg.num_attention_heads, cfg.num_key_value_heads = 8, 4  # head size 4
     embedding, _, _ = sample_inputs()
-    assert HostHead.attach(Eagle3Head(cfg), embedding) is None
+    assert CpuHead.attach(Eagle3Head(cfg), embedding) is None

@@ -10,8 +10,8 @@ from mlx.utils import tree_flatten
 from tiny import make_tiny_model_dir
 
 from specd.models import gemv
+from specd.models.cpu_llama import DEFAULT_MAX_ROWS as CPU_MAX_ROWS
 from specd.models.gemv import GemvEmbedding, GemvLinear, check_max_rows, use_gemv
-from specd.models.host_llama import DEFAULT_MAX_ROWS as HOST_MAX_ROWS
 from specd.models.load import load_target
 from specd.models.row_products import compiled, row_products
 from specd.platform import limit_numpy_blas_threads
@@ -22,7 +22,7 @@ PROMPT = [3, 40, 41, 42, 43, 40, 41, 42, 50, 60, 70]
 
 @pytest.fixture(scope="module")
 def products_only_dir(tmp_path_factory):
-    """A target whose layers stay in MLX (sliding-window attention is not host_llama's), so
+    """A target whose layers stay in MLX (sliding-window attention is not cpu_llama's), so
     only its weight products go to numpy: the path of every non-Llama architecture."""
     return make_tiny_model_dir(
         tmp_path_factory.mktemp("sliding") / "model",
@@ -175,8 +175,8 @@ def test_settings_that_cannot_apply_are_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="--gemv-rows 0"):
         Target(load_target(str(tiny_model_dir), dtype="float16"), gemv_rows=2)
     assert Target(load_target(str(tiny_model_dir), dtype="float16")).gemv_rows == 0
-    # a Llama-family target runs whole forwards on numpy (specd.models.host_llama)
-    assert Target(load_target(str(tiny_model_dir), dtype="float32")).gemv_rows == HOST_MAX_ROWS
+    # a Llama-family target runs whole forwards on numpy (specd.models.cpu_llama)
+    assert Target(load_target(str(tiny_model_dir), dtype="float32")).gemv_rows == CPU_MAX_ROWS
 
 
 def test_numpy_blas_runs_one_thread_beside_the_kernels(tiny_model_dir):
@@ -326,7 +326,7 @@ def test_weights_float16_holds_exactly_are_stored_half(half_exact_dir, tiny_mode
     assert full.half_weights == 0 and inexact.half_weights == 0
     assert all(m.weight.dtype == mx.float16 for m in _products(half.model))
     # MLX's own forwards (beyond the numpy rows, e.g. prefill) are the float32 ones, bit for bit
-    tokens = list(range(3, 3 + HOST_MAX_ROWS + 4))
+    tokens = list(range(3, 3 + CPU_MAX_ROWS + 4))
     got = half.forward(mx.array(tokens), half.new_cache(), (0, 1))
     want = full.forward(mx.array(tokens), full.new_cache(), (0, 1))
     assert np.array_equal(np.array(got[0]), np.array(want[0]))

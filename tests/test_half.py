@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
-from test_host_llama import decode_in_bursts
+from test_cpu_llama import decode_in_bursts
 from tiny import make_tiny_model_dir
 
 from specd.models.half import HalfEmbedding, HalfLinear, stored_half

@@ -15,6 +15,8 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from specd.models import rowwise
 from specd.models.capture import install_capture, install_tree_positions
+from specd.models.cpu_llama import DEFAULT_MAX_ROWS as CPU_MAX_ROWS
+from specd.models.cpu_llama import CpuLlama
 from specd.models.gemv import (
     check_max_rows,
     default_max_rows,
@@ -22,8 +24,6 @@ from specd.models.gemv import (
     use_gemv,
 )
 from specd.models.half import stored_half
-from specd.models.host_llama import DEFAULT_MAX_ROWS as HOST_MAX_ROWS
-from specd.models.host_llama import HostLlama
 from specd.models.load import LoadedTarget, device_kind, resolve_dtype
 from specd.models.row_products import compiled as row_kernels_compiled
 from specd.platform import limit_numpy_blas_threads
@@ -61,7 +61,7 @@ class Target:
         self, loaded: LoadedTarget, gemv_rows: int | None = None, row_forwards: bool = False
     ):
         """gemv_rows: forwards of at most this many tokens run on numpy: whole layers for
-        Llama-family models (specd.models.host_llama), else the weight products alone
+        Llama-family models (specd.models.cpu_llama), else the weight products alone
         (specd.models.gemv); None: the default for the device, dtype and architecture.
         Weights the target was loaded keeping as float16 (`half_weights_pay`) are read so.
         row_forwards: forwards of a few tokens computed row by row as decode steps compute
@@ -72,13 +72,13 @@ class Target:
         products_rows = default_max_rows(device, loaded.dtype)
         if gemv_rows is None:
             gemv_rows = products_rows
-            if gemv_rows and HostLlama.supports(self.model):
-                gemv_rows = HOST_MAX_ROWS
+            if gemv_rows and CpuLlama.supports(self.model):
+                gemv_rows = CPU_MAX_ROWS
         check_max_rows(gemv_rows, device, loaded.dtype)
         if use_gemv(self.model, gemv_rows) and row_kernels_compiled():
             limit_numpy_blas_threads(1)  # see specd.models.row_products
-        self._host = HostLlama.attach(self.model) if gemv_rows else None
-        if self._host is None and gemv_rows == HOST_MAX_ROWS > products_rows:
+        self._host = CpuLlama.attach(self.model) if gemv_rows else None
+        if self._host is None and gemv_rows == CPU_MAX_ROWS > products_rows:
             gemv_rows = set_max_rows(self.model, products_rows)  # the default it could not use
         self.gemv_rows = gemv_rows
         products = "compiled products" if row_kernels_compiled() else "numpy's products"
@@ -116,7 +116,7 @@ class Target:
         tree = ancestor_mask(parents)
         if self._host is not None and self._host.can_run(token_ids.size, cache):
             positions = np.array([base, *[base + d for d in depths(parents)]])
-            return self._on_host(token_ids, cache, capture, positions, tree)
+            return self._on_cpu(token_ids, cache, capture, positions, tree)
         mask = np.concatenate([np.ones((len(tree), base), dtype=bool), tree], axis=1)
         self._sink.mask = mx.array(mask)
         self._sink.rope_groups = rope_groups(parents, base)
@@ -137,7 +137,7 @@ class Target:
             and self._sink.mask is None
             and self._host.can_run(token_ids.size, cache)
         ):
-            return self._on_host(token_ids, cache, capture)
+            return self._on_cpu(token_ids, cache, capture)
         self._sink.wanted = frozenset(capture)
         self._sink.outputs = {}
         try:
@@ -149,7 +149,7 @@ class Target:
             self._sink.wanted, self._sink.outputs = frozenset(), {}
         return logits, rows
 
-    def _on_host(self, token_ids, cache, capture, positions=None, sees=None):
+    def _on_cpu(self, token_ids, cache, capture, positions=None, sees=None):
         logits, outputs = self._host.forward(
             np.asarray(token_ids), cache, frozenset(capture), positions, sees
         )

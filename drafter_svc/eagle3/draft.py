@@ -17,7 +17,7 @@ from drafter_svc.eagle3.model import Eagle3Head
 from drafter_svc.proposal import Proposal, TreeShape
 
 if TYPE_CHECKING:  # its imports (mlx-lm) cost an n-gram drafter ~34 MiB
-    from drafter_svc.eagle3.host import HostHead
+    from drafter_svc.eagle3.cpu_head import CpuHead
 
 KV_STEP = 256  # the cache grows by this many entries at a time, not one call at a time
 
@@ -66,11 +66,11 @@ class Eagle3State:
 
 
 class Eagle3Drafter:
-    def __init__(self, head: Eagle3Head, embedding: mx.array, host: HostHead | None = None):
-        """host: the head's forwards of a few rows on numpy (CPU); None: all in MLX."""
+    def __init__(self, head: Eagle3Head, embedding: mx.array, cpu_head: CpuHead | None = None):
+        """cpu_head: the head's forwards of a few rows on numpy (CPU); None: all in MLX."""
         self.head = head
         self.embedding = embedding  # the target's [V, H]
-        self.host = host
+        self.cpu_head = cpu_head
         self.cfg = head.config
         attn = head.midlayer.self_attn
         self.kv_shape = (attn.n_kv, attn.head_dim)
@@ -117,10 +117,10 @@ class Eagle3Drafter:
         state.pending_rows = state.pending_rows[count:] if have > count else None
         next_ids = state.tokens[start + 1 : start + 1 + count]
         state.reserve(count)
-        if self.host is not None and count <= self.host.max_rows:
-            hidden, k, v = self.host.step(
-                self.host.embed(next_ids),
-                self.host.features(np.asarray(rows_now)),
+        if self.cpu_head is not None and count <= self.cpu_head.max_rows:
+            hidden, k, v = self.cpu_head.step(
+                self.cpu_head.embed(next_ids),
+                self.cpu_head.features(np.asarray(rows_now)),
                 np.arange(start, start + count),
                 state.key_buffer,
                 state.value_buffer,
@@ -152,7 +152,7 @@ class Eagle3Drafter:
         its feature, as a chain's drafts are."""
         if not self.ready(state) or k <= 0:
             return Proposal([])
-        if self.host is None:
+        if self.cpu_head is None:
             return self._chain_on_device(state, k, after)
         levels = self._levels(state, len(after) + k)
         position = state.entries  # of the first drafted entry
@@ -175,7 +175,7 @@ class Eagle3Drafter:
 
     def _chain_on_device(self, state: Eagle3State, k: int, after: list[int]) -> Proposal:
         """The chain as one MLX graph: each draft's argmax feeds the next step where it is
-        computed, and the host waits once, for all k, instead of after every step (on a GPU a
+        computed, and Python waits once, for all k, instead of after every step (on a GPU a
         wait per step costs more than the step)."""
         if self._d2t is None:
             self._d2t = mx.array(self.d2t)
@@ -202,10 +202,10 @@ class Eagle3Drafter:
             hidden = feed(drafts[-1] + self._d2t[drafts[-1]])
         return Proposal(self._to_target(mx.concatenate(drafts).tolist()))
 
-    def _levels(self, state: Eagle3State, most: int) -> _HostLevels | _MlxLevels:
+    def _levels(self, state: Eagle3State, most: int) -> _CpuLevels | _MlxLevels:
         """Where a proposal's drafted entries go: `most` of them at the most."""
-        if self.host is not None:
-            return _HostLevels(self.host, state, most)
+        if self.cpu_head is not None:
+            return _CpuLevels(self.cpu_head, state, most)
         return _MlxLevels(self, state)
 
     def tree(self, state: Eagle3State, shape: TreeShape) -> Proposal:
@@ -302,13 +302,13 @@ class _MlxLevels:
 _SEES_ALL_BEFORE = np.ones((1, 1), dtype=bool)  # one new entry, every cached one visible
 
 
-class _HostLevels:
-    """A proposal's drafted entries on the host, in the cache's scratch rows past the
+class _CpuLevels:
+    """A proposal's drafted entries on the CPU, in the cache's scratch rows past the
     committed ones, where the next commit overwrites them."""
 
-    def __init__(self, host: HostHead, state: Eagle3State, most: int):
+    def __init__(self, cpu_head: CpuHead, state: Eagle3State, most: int):
         state.reserve(most)
-        self.host, self.state = host, state
+        self.cpu_head, self.state = cpu_head, state
         self.columns = 0
 
     def forward(self, target_ids, feats: np.ndarray, position: int, mask: np.ndarray | None):
@@ -319,8 +319,8 @@ class _HostLevels:
             mask = _SEES_ALL_BEFORE
         elif mask[:, :past].all():  # every earlier entry seen: the compiled kernel's form
             mask = np.ascontiguousarray(mask[:, past:])
-        hidden, k, v = self.host.step(
-            self.host.embed(target_ids), feats, np.full(n, position), state.key_buffer,
+        hidden, k, v = self.cpu_head.step(
+            self.cpu_head.embed(target_ids), feats, np.full(n, position), state.key_buffer,
             state.value_buffer, past, mask,
         )  # fmt: skip
         state.key_buffer[:, past : past + n] = k
@@ -329,7 +329,7 @@ class _HostLevels:
         return hidden
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
-        return self.host.logits(hidden)
+        return self.cpu_head.logits(hidden)
 
     def logp(self, hidden: np.ndarray) -> np.ndarray:
         logits = self.logits(hidden)

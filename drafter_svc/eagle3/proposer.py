@@ -29,7 +29,7 @@ class Eagle3Options:
     num_draft_tokens: int = 0  # chain length; 0: from the head's config or 6
     max_draft_tokens: int = 16
     tree: TreeShape | None = None  # default shape; None: from the head's config; total 0: chain
-    host_forwards: bool = True  # chains on numpy and the compiled kernels where they can run
+    cpu_forwards: bool = True  # chains on numpy and the compiled kernels where they can run
     extra: dict = field(default_factory=dict)
 
 
@@ -85,7 +85,7 @@ class Eagle3Proposer:
             "weights": self.source,
             "capture_layers": ",".join(map(str, self.capture_layers)),
             "draft_vocab": str(self.drafter.cfg.draft_vocab_size),
-            "chain_forwards": "numpy" if self.drafter.host is not None else "mlx",
+            "chain_forwards": "numpy" if self.drafter.cpu_head is not None else "mlx",
             "tree": f"total={t.total_tokens} depth={t.depth} top_k={t.top_k}"
             if t.total_tokens > 0 else "chain",
         }  # fmt: skip
@@ -100,10 +100,10 @@ def load_eagle3(options: Eagle3Options, target_dir: Path, target_identity) -> Ea
     embedding = extras.get("embed_tokens")
     embedding = embedding.astype(mx.float32) if embedding is not None else target_embedding(
         target_dir)  # fmt: skip
-    from drafter_svc.eagle3.host import HostHead  # mlx-lm: not for drafters of other kinds
+    from drafter_svc.eagle3.cpu_head import CpuHead  # mlx-lm: not for drafters of other kinds
     from specd.models.load import device_kind
 
     # on a GPU MLX's own forwards are the fast ones
-    on_cpu = options.host_forwards and device_kind() == "cpu"
-    host = HostHead.attach(head, embedding) if on_cpu else None
-    return Eagle3Proposer(Eagle3Drafter(head, embedding, host), options, str(weights))
+    on_cpu = options.cpu_forwards and device_kind() == "cpu"
+    cpu_head = CpuHead.attach(head, embedding) if on_cpu else None
+    return Eagle3Proposer(Eagle3Drafter(head, embedding, cpu_head), options, str(weights))

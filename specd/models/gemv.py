@@ -6,7 +6,7 @@ product. specd.models.row_products reads each weight once for one row or several
 all 211 products of a step, one row: ~40 ms against MLX's ~76 ms on a 2-core x86 box;
 docs/history), on zero-copy views of the same weight buffers. Here the
 rest of the graph stays in MLX, and each product makes MLX evaluate its input first, which is
-why this pays only for a few rows; specd.models.host_llama runs whole Llama-family forwards
+why this pays only for a few rows; specd.models.cpu_llama runs whole Llama-family forwards
 on these products instead.
 
 Weights kept as float16 (specd.models.half) are read as such: the compiled products convert

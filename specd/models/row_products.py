@@ -31,7 +31,7 @@ def compiled() -> bool:
 
 def layer_kernels():
     """The compiled module, whose attention, rms_norm, rope and swiglu serve
-    specd.models.host_llama; None where it was not built."""
+    specd.models.cpu_llama; None where it was not built."""
     return _row_kernels
 
 

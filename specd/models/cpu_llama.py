@@ -97,9 +97,9 @@ class RopeTables:
         return self._blocks[index]
 
 
-class HostLlama:
+class CpuLlama:
     """numpy forwards of at most `max_rows` tokens for an mlx-lm `llama` model whose products
-    were switched to gemv; build with `HostLlama.attach`, which says None when it cannot."""
+    were switched to gemv; build with `CpuLlama.attach`, which says None when it cannot."""
 
     def __init__(self, layers, embed, final_norm, head, eps, heads, kv_heads, head_dim, rope):
         self.layers: list[_Layer] = layers
@@ -130,7 +130,7 @@ class HostLlama:
         )
 
     @classmethod
-    def attach(cls, model: nn.Module) -> HostLlama | None:
+    def attach(cls, model: nn.Module) -> CpuLlama | None:
         """None unless `supports(model)` and its products were switched to gemv."""
         if not cls.supports(model):
             return None

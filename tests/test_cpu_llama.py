@@ -1,13 +1,13 @@
-"""Decode-sized Llama forwards on numpy (specd.models.host_llama) against MLX's own."""
+"""Decode-sized Llama forwards on numpy (specd.models.cpu_llama) against MLX's own."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from tiny import make_tiny_model_dir
 
-from specd.models import host_llama
-from specd.models.host_llama import DEFAULT_MAX_ROWS as HOST_MAX_ROWS
-from specd.models.host_llama import ROPE_BLOCK, HostLlama
+from specd.models import cpu_llama
+from specd.models.cpu_llama import DEFAULT_MAX_ROWS as CPU_MAX_ROWS
+from specd.models.cpu_llama import ROPE_BLOCK, CpuLlama
 from specd.models.load import load_target
 from verifier_svc.engine import Target, _rollback, decode, prefill, verify_tree
 
@@ -33,8 +33,8 @@ def layer_parts(request, monkeypatch):
     """Every test twice: the layers' attention, norms, RoPE and SwiGLU in the compiled
     kernels, and in numpy (as where no C compiler built them)."""
     if request.param == "numpy":
-        monkeypatch.setattr(host_llama, "layer_kernels", lambda: None)
-    elif host_llama.layer_kernels() is None:
+        monkeypatch.setattr(cpu_llama, "layer_kernels", lambda: None)
+    elif cpu_llama.layer_kernels() is None:
         pytest.fail("the compiled kernels were not built")
     return request.param
 
@@ -112,27 +112,27 @@ def test_tree_forwards_match_mlx(pair, parents):
 def test_small_forwards_and_trees_run_on_numpy(tiny_model_dir, monkeypatch):
     _, fast = _pair(tiny_model_dir)
     sizes = []
-    real = HostLlama.forward
+    real = CpuLlama.forward
     monkeypatch.setattr(
-        HostLlama, "forward", lambda self, ids, *a: sizes.append(len(ids)) or real(self, ids, *a)
+        CpuLlama, "forward", lambda self, ids, *a: sizes.append(len(ids)) or real(self, ids, *a)
     )
     session = prefill(fast, PROMPT).session
     assert sizes == [10, 1]  # prefill: all but the last token, then the last, as mlx-lm does
     sizes.clear()
     base = session.cache[0].offset
-    for n in (1, 3, HOST_MAX_ROWS, HOST_MAX_ROWS + 1):
+    for n in (1, 3, CPU_MAX_ROWS, CPU_MAX_ROWS + 1):
         fast.forward(mx.array([7] * n), session.cache)
         _rollback(session.cache, base)
-    assert sizes == [1, 3, HOST_MAX_ROWS]
+    assert sizes == [1, 3, CPU_MAX_ROWS]
     verify_tree(fast, session, [7, 8], [-1, -1])
     verify_tree(fast, session, [7, 8, 9], [-1, -1, -1])
-    assert sizes == [1, 3, HOST_MAX_ROWS, 3, 4]
+    assert sizes == [1, 3, CPU_MAX_ROWS, 3, 4]
 
 
 def test_models_it_cannot_run_stay_in_mlx(tiny_model_dir, tmp_path):
     assert Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0)._host is None
     # weights not on numpy's gemv: nothing to read them with
-    assert HostLlama.attach(load_target(str(tiny_model_dir), dtype="float32").model) is None
+    assert CpuLlama.attach(load_target(str(tiny_model_dir), dtype="float32").model) is None
     sliding = make_tiny_model_dir(
         tmp_path / "sliding",
         config_overrides={
@@ -145,7 +145,7 @@ def test_models_it_cannot_run_stay_in_mlx(tiny_model_dir, tmp_path):
 
 
 def test_a_default_it_could_not_use_falls_back_to_products(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(HostLlama, "attach", classmethod(lambda cls, model: None))
+    monkeypatch.setattr(CpuLlama, "attach", classmethod(lambda cls, model: None))
     target = Target(load_target(str(tiny_model_dir), dtype="float32"))
     assert target._host is None and target.gemv_rows == 3
     assert target.model.layers[0].inner.self_attn.q_proj._gemv.max_rows == 3

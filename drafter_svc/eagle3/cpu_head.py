@@ -4,7 +4,7 @@ The head is one decoder layer and a read-out, ~9 M weights. In MLX on a CPU a on
 costs ~2.5 ms, most of it evaluating a dozen small graphs; a chain of four drafts took ~10 ms
 of a ~13 ms decode step, so adaptive speculation rarely found drafting worth it. The same step
 here reads each weight once (float16 where the checkpoint's values are float16) with the
-verifier's kernels (specd.models.row_products, specd.models.host_llama): docs/history,
+verifier's kernels (specd.models.row_products, specd.models.cpu_llama): docs/history,
 "The EAGLE-3 head off MLX" (2026-12-01).
 """
 
@@ -15,9 +15,9 @@ import mlx.nn as nn
 import numpy as np
 
 from drafter_svc.eagle3.model import Eagle3Head
+from specd.models.cpu_llama import RopeTables, attend_numpy, rms_norm, turns_pairs
 from specd.models.gemv import GemvWeights, float32_view
 from specd.models.half import exactly_half
-from specd.models.host_llama import RopeTables, attend_numpy, rms_norm, turns_pairs
 from specd.models.row_products import layer_kernels
 
 MAX_ROWS = 64  # faster than MLX at every size measured to 64 rows; a prompt goes to MLX
@@ -35,9 +35,10 @@ def _norm(norm: nn.RMSNorm) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(norm.weight.astype(mx.float32)))
 
 
-class HostHead:
-    """A head's forwards on the host; build with `HostHead.attach`, which says None when it
-    cannot (kernels not built, a head size not a multiple of 8, a RoPE it does not know)."""
+class CpuHead:
+    """A head's forwards on the CPU (numpy and the compiled kernels); build with
+    `CpuHead.attach`, which says None when it cannot (kernels not built, a head size not a
+    multiple of 8, a RoPE it does not know)."""
 
     max_rows = MAX_ROWS
 
@@ -62,7 +63,7 @@ class HostHead:
         self.rope = RopeTables(attn.rope)
 
     @classmethod
-    def attach(cls, head: Eagle3Head, embedding: mx.array) -> HostHead | None:
+    def attach(cls, head: Eagle3Head, embedding: mx.array) -> CpuHead | None:
         attn = head.midlayer.self_attn
         if layer_kernels() is None or attn.head_dim % 8 or not turns_pairs(attn.rope):
             return None
