@@ -21,10 +21,12 @@ def epoch_order(count: int, epochs: float, seed: int) -> np.ndarray:
 
 
 def run_steps(trainer, step: Callable[[int], object], checkpoint: Path, save_every: int,
-              describe: Callable[[list], str]) -> tuple[list, float]:  # fmt: skip
-    """Call step(trainer.step) until trainer.total_steps, checkpointing every save_every steps.
-    step returns a record (or None when it had nothing to learn from); describe turns the
-    recent records into the progress line's figures. Returns (recent records, seconds)."""
+              describe: Callable[[list], str],
+              at_checkpoint: Callable[[], None] | None = None) -> tuple[list, float]:  # fmt: skip
+    """Call step(trainer.step) until trainer.total_steps, checkpointing every save_every steps
+    (and then calling at_checkpoint, e.g. a held-out evaluation, and at the end). step returns
+    a record (or None when it had nothing to learn from); describe turns the recent records
+    into the progress line's figures. Returns (recent records, seconds)."""
     started, first = time.perf_counter(), trainer.step
     recent: list = []
     progress = Progress()
@@ -43,6 +45,10 @@ def run_steps(trainer, step: Callable[[int], object], checkpoint: Path, save_eve
         )
         if trainer.step % save_every == 0:
             trainer.save_checkpoint(checkpoint)
+            if at_checkpoint is not None and trainer.step < trainer.total_steps:
+                at_checkpoint()
     progress.close()
     trainer.save_checkpoint(checkpoint)
+    if at_checkpoint is not None:
+        at_checkpoint()
     return recent, time.perf_counter() - started

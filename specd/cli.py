@@ -733,6 +733,13 @@ def _add_common_train_args(p, what: str) -> None:
         help="conversations per step (on a GPU many per step use the device; steps per epoch "
         "fall by this factor)",
     )
+    p.add_argument(
+        "--held-out",
+        type=int_between(0),
+        default=0,
+        help="conversations kept out of training; their agreement with the target is "
+        "printed at every checkpoint and written to training.json",
+    )
     p.add_argument("--lr", type=positive_float, default=6e-4)
     p.add_argument("--warmup", type=non_negative_int, default=50, help="warm-up steps")
     p.add_argument(

@@ -104,6 +104,31 @@ def test_dflash_training_packs_conversations_per_step(tiny_model_dir, data, tmp_
     load_drafter(tmp_path / "dflash")
 
 
+def test_held_out_agreement_is_measured_at_every_checkpoint(tiny_model_dir, data, tmp_path,
+                                                             capsys):  # fmt: skip
+    eagle = train_eagle3(
+        TrainOptions(target=str(tiny_model_dir), out=tmp_path / "head", conversations=6,
+                     max_len=64, draft_vocab=100, save_every=2, warmup=1, data=data, epochs=1,
+                     held_out=2)
+    )  # fmt: skip
+    assert eagle["conversations"] == 4 and eagle["held_out_conversations"] == 2
+    curve = eagle["held_out_curve"]
+    assert [point["step"] for point in curve] == [0, 2, 4]  # the start, checkpoints, the end
+    assert all(len(p["agreement_per_pass"]) == 3 for p in curve)
+    assert all(0 <= a <= 1 for p in curve for a in p["agreement_per_pass"])
+    assert "held-out" in capsys.readouterr().err
+    dflash = train_dflash(
+        DFlashOptions(target=str(tiny_model_dir), out=tmp_path / "dflash", conversations=6,
+                      max_len=64, block_size=4, layers=1, anchors=4, epochs=1, warmup=1,
+                      save_every=2, data=data, draft_vocab=20, held_out=2)
+    )  # fmt: skip
+    assert [p["step"] for p in dflash["held_out_curve"]] == [0, 2, 4]
+    assert all(1 <= p["tau_estimate"] <= 4 for p in dflash["held_out_curve"])
+    with pytest.raises(ValueError, match="--held-out"):
+        train_eagle3(TrainOptions(target=str(tiny_model_dir), out=tmp_path / "x",
+                                  conversations=6, max_len=64, data=data, held_out=6))  # fmt: skip
+
+
 def test_training_continues_from_a_given_model(tiny_model_dir, data, tmp_path):
     first = tmp_path / "first"
     common = dict(target=str(tiny_model_dir), conversations=6, max_len=64, draft_vocab=100,

