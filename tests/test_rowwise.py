@@ -38,8 +38,10 @@ def test_row_forwards_equal_the_models_own(targets, n):
         assert cache[0].offset == len(PROMPT) + n
         results.append((logits, rows))
     (own_logits, own_rows), (got_logits, got_rows) = results
-    assert mx.allclose(got_logits, own_logits, atol=1e-5).item()
-    assert mx.allclose(got_rows, own_rows, atol=1e-5).item()
+    # float32 rounding only (sums in another order, with another BLAS): the same choices
+    assert mx.allclose(got_logits, own_logits, rtol=1e-5, atol=1e-4).item()
+    assert mx.allclose(got_rows, own_rows, rtol=1e-5, atol=1e-4).item()
+    assert mx.array_equal(mx.argmax(got_logits, -1), mx.argmax(own_logits, -1)).item()
 
 
 def test_rounds_with_row_forwards_equal_plain_greedy(targets):
