@@ -9,40 +9,24 @@ import mlx.core as mx
 import numpy as np
 
 from drafter_svc.dflash.model import DFlashDrafter
+from drafter_svc.kv import EntryBuffers
 from drafter_svc.proposal import Proposal
-
-KV_STEP = 256
 
 
 @dataclass
 class DFlashState:
     tokens: list[int] = field(default_factory=list)
-    buffers: list[list[mx.array]] | None = None  # per layer [keys, values], grown by KV_STEP
-    entries: int = 0  # context positions with keys (rows received)
+    kv: EntryBuffers = field(default_factory=EntryBuffers)  # per layer, MLX [1, kv, cap, D]
 
-    def context(self) -> list[tuple[mx.array, mx.array] | None]:
-        if self.buffers is None:
-            return []
-        return [(k[..., : self.entries, :], v[..., : self.entries, :]) for k, v in self.buffers]
+    @property
+    def entries(self) -> int:  # context positions with keys (rows received)
+        return self.kv.entries
+
+    def context(self) -> list[tuple[mx.array, mx.array]]:
+        return self.kv.committed()
 
     def append(self, kvs: list[tuple[mx.array, mx.array]]) -> None:
-        n = kvs[0][0].shape[2]
-        if self.buffers is None or self.entries + n > self.buffers[0][0].shape[2]:
-            capacity = -(-(self.entries + n) // KV_STEP) * KV_STEP
-            grown = []
-            for i, (k, v) in enumerate(kvs):
-                pair = []
-                for j, new in enumerate((k, v)):
-                    buf = mx.zeros((*new.shape[:2], capacity, new.shape[3]), dtype=new.dtype)
-                    if self.buffers is not None:
-                        buf[..., : self.entries, :] = self.buffers[i][j][..., : self.entries, :]
-                    pair.append(buf)
-                grown.append(pair)
-            self.buffers = grown
-        for (kb, vb), (k, v) in zip(self.buffers, kvs, strict=True):
-            kb[..., self.entries : self.entries + n, :] = k
-            vb[..., self.entries : self.entries + n, :] = v
-        self.entries += n
+        self.kv.append(kvs)
 
 
 class BlockDrafter:
@@ -88,7 +72,7 @@ class BlockDrafter:
             )
         kvs = self.model.context_kv(rows.astype(mx.float32)[None], state.entries)
         state.append(kvs)
-        mx.eval([b for pair in state.buffers for b in pair])
+        mx.eval([b for pair in state.kv.layers for b in pair])
 
     def ready(self, state: DFlashState) -> bool:
         return state.entries > 0 and state.entries == len(state.tokens) - 1

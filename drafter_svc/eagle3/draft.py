@@ -14,55 +14,49 @@ import mlx.core as mx
 import numpy as np
 
 from drafter_svc.eagle3.model import Eagle3Head
+from drafter_svc.kv import EntryBuffers
 from drafter_svc.proposal import Proposal, TreeShape
 
 if TYPE_CHECKING:  # its imports (mlx-lm) cost an n-gram drafter ~34 MiB
     from drafter_svc.eagle3.cpu_head import CpuHead
-
-KV_STEP = 256  # the cache grows by this many entries at a time, not one call at a time
 
 
 @dataclass
 class Eagle3State:
     kv_shape: tuple[int, int]  # (kv heads, head dim) of the head's cache
     tokens: list[int] = field(default_factory=list)
-    # [n_kv, capacity, head_dim]; past `entries` the rows are a proposal's scratch space
-    key_buffer: np.ndarray | None = None
-    value_buffer: np.ndarray | None = None
+    kv: EntryBuffers = field(default_factory=EntryBuffers)  # one layer, numpy [n_kv, cap, D]
     pending_rows: mx.array | None = None  # target rows of positions without an entry yet
-    entries: int = 0
     last_hidden: np.ndarray | None = None  # output of the newest entry [H]
 
     @property
+    def entries(self) -> int:
+        return self.kv.entries
+
+    @property
+    def key_buffer(self) -> np.ndarray | None:
+        return None if self.kv.layers is None else self.kv.layers[0][0]
+
+    @property
+    def value_buffer(self) -> np.ndarray | None:
+        return None if self.kv.layers is None else self.kv.layers[0][1]
+
+    @property
     def keys(self) -> np.ndarray:
-        return self.key_buffer[:, : self.entries]
+        return self.kv.committed()[0][0]
 
     @property
     def values(self) -> np.ndarray:
-        return self.value_buffer[:, : self.entries]
+        return self.kv.committed()[0][1]
 
     def reserve(self, more: int) -> None:
         """Room for `more` entries past the committed ones."""
-        have = 0 if self.key_buffer is None else self.key_buffer.shape[1]
-        if self.entries + more <= have:
-            return
-        capacity = -(-(self.entries + more) // KV_STEP) * KV_STEP
-        kv_heads, head_dim = self.kv_shape
-        grown = []
-        for old in (self.key_buffer, self.value_buffer):
-            buf = np.zeros((kv_heads, capacity, head_dim), np.float32)
-            if old is not None:
-                buf[:, : self.entries] = old[:, : self.entries]
-            grown.append(buf)
-        self.key_buffer, self.value_buffer = grown
+        empty = np.empty((self.kv_shape[0], 0, self.kv_shape[1]), np.float32)
+        self.kv.reserve(more, [(empty, empty)])
 
     def append(self, k: np.ndarray, v: np.ndarray) -> None:
-        """Entries [kv, T, D] after the committed ones (room reserved first)."""
-        n = k.shape[1]
-        self.reserve(n)
-        self.key_buffer[:, self.entries : self.entries + n] = k
-        self.value_buffer[:, self.entries : self.entries + n] = v
-        self.entries += n
+        """Entries [kv, T, D] after the committed ones."""
+        self.kv.append([(k, v)])
 
 
 class Eagle3Drafter:
