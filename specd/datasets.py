@@ -183,3 +183,23 @@ def sharegpt_conversations() -> list[dict]:
             break  # truncated tail
         records.append(obj)
     return records
+
+
+BENCHMARK_KEY_CHARS = 200  # a turn is matched by its first characters, whitespace and case aside
+
+
+def benchmark_key(text: str) -> str:
+    return " ".join(text.split()).lower()[:BENCHMARK_KEY_CHARS]
+
+
+def benchmark_keys() -> frozenset[str]:
+    """Keys of every turn of every builtin question set that is installed: text a drafter must
+    never train on, or its benchmark figures would measure memory."""
+    keys = set()
+    for load in _BUILTIN.values():
+        try:
+            questions = load()
+        except FileNotFoundError:  # a set that is not installed cannot leak either
+            continue
+        keys.update(benchmark_key(turn) for q in questions for turn in q.turns)
+    return frozenset(keys)

