@@ -406,7 +406,8 @@ def prepare_features(opts: TrainOptions, loaded, capture) -> list[Features]:
     cache_dir.mkdir(parents=True, exist_ok=True)
     layers = "_".join(map(str, capture))
     source = "" if opts.data is None else f"-{Path(opts.data).stem}"
-    suffix = f"-len{opts.max_len}-seed{opts.seed}-layers{layers}{source}"
+    # "clean": benchmark prompts left out (read_conversations); caches made before are not reused
+    suffix = f"-len{opts.max_len}-seed{opts.seed}-layers{layers}{source}-clean"
     path = cache_dir / f"n{opts.conversations}{suffix}.npz"
     if path.is_file():
         print(f"features: {path} (cached)", file=sys.stderr)
