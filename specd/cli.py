@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import signal
 import sys
@@ -83,6 +84,32 @@ def _client_security(args, prefix: str = "") -> ClientSecurity:
     )
 
 
+# flags whose config field has another name (the others: the flag's dest, or dest + "_s")
+_CONFIG_FIELDS = {"verifier_recovery_timeout": "verifier_recovery_s"}
+
+
+def _defaults_from_configs(kinds) -> None:
+    """Each service flag that sets a config field defaults to that field's default, so each
+    default is written once, in the service's config dataclass."""
+    from coordinator.config import CoordinatorConfig
+    from drafter_svc.config import DrafterConfig
+    from verifier_svc.config import VerifierConfig
+
+    configs = {"verifier": VerifierConfig, "drafter": DrafterConfig,
+               "coordinator": CoordinatorConfig}  # fmt: skip
+    for name, config_type in configs.items():
+        parser = kinds.choices[name]
+        fields = {f.name: f for f in dataclasses.fields(config_type)}
+        defaults = {}
+        for action in parser._actions:
+            for candidate in (_CONFIG_FIELDS.get(action.dest), action.dest, action.dest + "_s"):
+                field = fields.get(candidate) if candidate else None
+                if field is not None and field.default is not dataclasses.MISSING:
+                    defaults[action.dest] = field.default
+                    break
+        parser.set_defaults(**defaults)
+
+
 def _add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="run one service")
     kinds = serve.add_subparsers(dest="service", required=True)
@@ -93,11 +120,10 @@ def _add_serve(sub) -> None:
             type=Path,
             help=f"deployment TOML: its [{name}] table sets defaults; flags win",
         )
-        p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+        p.add_argument("--host", help="address to bind (default loopback)")
         p.add_argument(
             "--port",
             type=port,
-            default=DEFAULT_PORTS[name],
             help=f"port (default {DEFAULT_PORTS[name]}; 0 picks a free one)",
         )
         p.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
@@ -116,35 +142,32 @@ def _add_serve(sub) -> None:
             p.add_argument(
                 "--session-idle-timeout",
                 type=positive_float,
-                default=600.0,
                 help="seconds after which an unused session is freed",
             )
     v = kinds.choices["verifier"]
     v.add_argument("--model", help="mlx-lm dir, .gguf file or hub id (default: embedded)")
     v.add_argument(
         "--dtype",
-        default="auto",
         choices=["auto", "native", "float32", "float16", "bfloat16"],
         help="compute dtype; auto = float32 on CPU; on a GPU the faster of the model as stored "
         "and float32, timed at start-up (half precision is never chosen: it flips near-ties)",
     )
     v.add_argument("--gemv-rows", type=int_between(0), metavar="N", help=GEMV_HELP)
     v.add_argument("--float32-weights", action="store_true", help=FLOAT32_WEIGHTS_HELP)
-    v.add_argument("--max-sessions", type=int_between(1), default=64)
-    v.add_argument("--max-context", type=int_between(0), default=0, help="0: the model's own limit")
-    v.add_argument("--max-draft-tokens", type=int_between(1), default=64)
+    v.add_argument("--max-sessions", type=int_between(1))
+    v.add_argument("--max-context", type=int_between(0), help="0: the model's own limit")
+    v.add_argument("--max-draft-tokens", type=int_between(1))
     v.add_argument(
         "--warmup",
-        default="auto",
         choices=WARMUP_CHOICES,
         help="forwards run before health reports SERVING: full = every verify, tree and decode "
         "shape a round can use (a GPU compiles kernels per shape class), minimal = one round; "
         "auto = full on a GPU, minimal on a CPU",
     )
     for flag, what in GPU_OPTIONS.items():
-        v.add_argument(flag, default="auto", choices=["auto", "on", "off"], help=what)
+        v.add_argument(flag, choices=["auto", "on", "off"], help=what)
     d = kinds.choices["drafter"]
-    d.add_argument("--kind", default="ngram", choices=["ngram", "eagle3", "dflash"])
+    d.add_argument("--kind", choices=["ngram", "eagle3", "dflash"])
     d.add_argument("--num-draft-tokens", type=int_between(1), help="default k per round")
     d.add_argument("--ngram-min-n", type=int_between(1), help="shortest suffix n-gram to match")
     d.add_argument("--ngram-max-n", type=int_between(1), help="longest suffix n-gram to match")
@@ -177,7 +200,6 @@ def _add_serve(sub) -> None:
     d.add_argument(
         "--blas-threads",
         type=non_negative_int,
-        default=1,
         help="OpenBLAS threads for this drafter (0: the library's default, one per core). A "
         "drafter's products are small, and a second thread spins after each job on a core a "
         "verifier on the same machine needs (docs/history)",
@@ -192,7 +214,6 @@ def _add_serve(sub) -> None:
     d.add_argument("--tree-depth", type=int_between(1), help="eagle3: deepest tree path")
     d.add_argument(
         "--warmup",
-        default="auto",
         choices=WARMUP_CHOICES,
         help="eagle3, dflash: full = run the drafter's forwards of every size before health "
         "reports SERVING (a GPU compiles kernels per shape class), minimal = none; auto = full "
@@ -205,13 +226,11 @@ def _add_serve(sub) -> None:
     _add_client_security(c, "upstream-")
     c.add_argument(
         "--verifier",
-        default=f"127.0.0.1:{DEFAULT_PORTS['verifier']}",
         help="verifier address; several, comma-separated, take over from each other",
     )
     c.add_argument(
         "--verifier-recovery-timeout",
         type=positive_float,
-        default=60.0,
         help="seconds a request waits for a lost verifier to come back",
     )
     c.add_argument("--http-port", type=port, help="also serve the OpenAI-compatible API here")
@@ -224,21 +243,18 @@ def _add_serve(sub) -> None:
     c.add_argument(
         "--verify-timeout",
         type=positive_float,
-        default=60.0,
         help="deadline of one verify call, seconds",
     )
     c.add_argument(
         "--draft-timeout",
         type=positive_float,
-        default=5.0,
         help="deadline of one draft call; past it the round goes on without drafts",
     )
     c.add_argument(
         "--drafter",
-        default=f"127.0.0.1:{DEFAULT_PORTS['drafter']}",
         help="drafter address, or 'none' for plain decoding through the verifier",
     )
-    c.add_argument("--default-max-tokens", type=int_between(1), default=256)
+    c.add_argument("--default-max-tokens", type=int_between(1))
     c.add_argument(
         "--no-adaptive",
         dest="adaptive",
@@ -248,7 +264,6 @@ def _add_serve(sub) -> None:
     c.add_argument(
         "--decode-burst",
         type=positive_int,
-        default=4,
         help="tokens one verifier call may decode when no drafts are wanted (no drafter, or "
         "adaptive k at 0): fewer round trips; streamed output arrives in chunks of this size. "
         "1: a call per token",
@@ -261,6 +276,7 @@ def _add_serve(sub) -> None:
         "before the verify as usual, instead of beside a decode burst of up to --decode-burst "
         "tokens whose tokens it must then match",
     )
+    _defaults_from_configs(kinds)
 
 
 def _serve(args) -> int:

@@ -190,3 +190,18 @@ def test_flags_of_another_drafter_kind_and_empty_addresses_are_refused(tmp_path)
 def test_a_host_that_does_not_resolve_is_named_as_such():
     out = _specd("serve", "drafter", "--host", "nosuchhost.invalid", "--port", "0")
     assert out.returncode == 1 and "does not resolve" in out.stderr
+
+
+@pytest.mark.parametrize("service", ["verifier", "drafter", "coordinator"])
+def test_each_service_default_is_its_config_dataclass_default(service):
+    """Flags take their defaults from the config dataclass (written once): a service started
+    with no flags runs with exactly the dataclass's configuration."""
+    from coordinator.config import CoordinatorConfig
+    from drafter_svc.config import DrafterConfig
+    from specd.cli import _service_config, build_parser
+    from verifier_svc.config import VerifierConfig
+
+    config_type = {"verifier": VerifierConfig, "drafter": DrafterConfig,
+                   "coordinator": CoordinatorConfig}[service]  # fmt: skip
+    config, _ = _service_config(build_parser().parse_args(["serve", service]))
+    assert config == config_type()
