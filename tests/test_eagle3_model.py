@@ -50,17 +50,17 @@ def tiny_head(seed: int = 0, norm_before_residual: bool = False) -> Eagle3Head:
     return head
 
 
-@pytest.fixture(params=["mlx", "host"])
+@pytest.fixture(params=["mlx", "cpu"])
 def make_drafter(request):
-    """Eagle3Drafter with the head's forwards in MLX, or on the host where they can run."""
+    """Eagle3Drafter with the head's forwards in MLX, or on the CPU kernels where they run."""
 
     def make(head, embedding):
         if request.param == "mlx":
             return Eagle3Drafter(head, embedding)
-        host = CpuHead.attach(head, embedding)
-        if host is None:
+        cpu_head = CpuHead.attach(head, embedding)
+        if cpu_head is None:
             pytest.skip("the compiled kernels were not built")
-        return Eagle3Drafter(head, embedding, host)
+        return Eagle3Drafter(head, embedding, cpu_head)
 
     return make
 
@@ -264,24 +264,24 @@ def test_cpu_forwards_match_mlx(norm_before_residual):
     trees."""
     head = tiny_head(norm_before_residual=norm_before_residual)
     embedding, rows, tokens = sample_inputs(t=40)
-    host = CpuHead.attach(head, embedding)
-    if host is None:
+    cpu_head = CpuHead.attach(head, embedding)
+    if cpu_head is None:
         pytest.skip("the compiled kernels were not built")
-    on_mlx, on_host = Eagle3Drafter(head, embedding), Eagle3Drafter(head, embedding, host)
-    # 20 rows open past MAX_ROWS (MLX either way); the extends run on the host
-    states = [d.open(tokens[:21], rows[:20]) for d in (on_mlx, on_host)]
+    on_mlx, on_cpu = Eagle3Drafter(head, embedding), Eagle3Drafter(head, embedding, cpu_head)
+    # 20 rows open past MAX_ROWS (MLX either way); the extends run on the CPU kernels
+    states = [d.open(tokens[:21], rows[:20]) for d in (on_mlx, on_cpu)]
     for start, stop in ((21, 24), (24, 25), (25, 41)):
-        for drafter, state in zip((on_mlx, on_host), states, strict=True):
+        for drafter, state in zip((on_mlx, on_cpu), states, strict=True):
             drafter.extend(state, tokens[start:stop], rows[start - 1 : stop - 1])
         a, b = states
         assert a.entries == b.entries == stop - 1
         assert np.allclose(a.keys, b.keys, atol=1e-5) and np.allclose(a.values, b.values, atol=1e-5)
         assert np.allclose(a.last_hidden, b.last_hidden, atol=1e-4)
-        assert on_mlx.chain(a, 6).ids == on_host.chain(b, 6).ids
+        assert on_mlx.chain(a, 6).ids == on_cpu.chain(b, 6).ids
         past = on_mlx.chain(a, 2).ids
-        assert on_mlx.chain(a, 4, after=past).ids == on_host.chain(b, 4, after=past).ids
+        assert on_mlx.chain(a, 4, after=past).ids == on_cpu.chain(b, 4, after=past).ids
         shape = TreeShape(total_tokens=12, depth=4, top_k=3)
-        trees = on_mlx.tree(a, shape), on_host.tree(b, shape)
+        trees = on_mlx.tree(a, shape), on_cpu.tree(b, shape)
         assert trees[0].ids == trees[1].ids and trees[0].parents == trees[1].parents
 
 

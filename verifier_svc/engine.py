@@ -77,8 +77,8 @@ class Target:
         check_max_rows(gemv_rows, device, loaded.dtype)
         if use_gemv(self.model, gemv_rows) and row_kernels_compiled():
             limit_numpy_blas_threads(1)  # see specd.models.row_products
-        self._host = CpuLlama.attach(self.model) if gemv_rows else None
-        if self._host is None and gemv_rows == CPU_MAX_ROWS > products_rows:
+        self._cpu = CpuLlama.attach(self.model) if gemv_rows else None
+        if self._cpu is None and gemv_rows == CPU_MAX_ROWS > products_rows:
             gemv_rows = set_max_rows(self.model, products_rows)  # the default it could not use
         self.gemv_rows = gemv_rows
         products = "compiled products" if row_kernels_compiled() else "numpy's products"
@@ -86,7 +86,7 @@ class Target:
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         stored = f", {self.half_weights} weights stored float16" if self.half_weights else ""
         self.numpy_part = (
-            f"{'whole layers' if self._host else 'weight products'}, {products}{stored}"
+            f"{'whole layers' if self._cpu else 'weight products'}, {products}{stored}"
         )
         self.identity = loaded.identity
         self.eos_ids = frozenset(loaded.identity.eos_token_ids)
@@ -98,7 +98,7 @@ class Target:
     def forwards_queue(self) -> bool:
         """Whether forwards are MLX graphs the device runs while Python goes on (the numpy
         forwards compute before returning)."""
-        return self._host is None
+        return self._cpu is None
 
     def supports_trees(self, cache: list) -> bool:
         """Tree verify needs wrappable RoPE and plain KV caches (rows can be moved)."""
@@ -114,7 +114,7 @@ class Target:
             raise TreeUnsupported("this target's architecture or cache cannot verify draft trees")
         base = _cache_len(cache)
         tree = ancestor_mask(parents)
-        if self._host is not None and self._host.can_run(token_ids.size, cache):
+        if self._cpu is not None and self._cpu.can_run(token_ids.size, cache):
             positions = np.array([base, *[base + d for d in depths(parents)]])
             return self._on_cpu(token_ids, cache, capture, positions, tree)
         mask = np.concatenate([np.ones((len(tree), base), dtype=bool), tree], axis=1)
@@ -133,9 +133,9 @@ class Target:
     ) -> tuple[mx.array, mx.array | None]:
         """token_ids [T] appended at the cache end -> (logits [T, V], rows [T, L*H] or None)."""
         if (
-            self._host is not None
+            self._cpu is not None
             and self._sink.mask is None
-            and self._host.can_run(token_ids.size, cache)
+            and self._cpu.can_run(token_ids.size, cache)
         ):
             return self._on_cpu(token_ids, cache, capture)
         self._sink.wanted = frozenset(capture)
@@ -150,7 +150,7 @@ class Target:
         return logits, rows
 
     def _on_cpu(self, token_ids, cache, capture, positions=None, sees=None):
-        logits, outputs = self._host.forward(
+        logits, outputs = self._cpu.forward(
             np.asarray(token_ids), cache, frozenset(capture), positions, sees
         )
         rows = np.concatenate([outputs[i] for i in capture], axis=-1) if capture else None
@@ -216,7 +216,7 @@ def _rollback(cache: list, keep: int) -> None:
         trim_prompt_cache(cache, excess)
 
 
-def drop_ahead(session: Session) -> None:
+def _drop_ahead(session: Session) -> None:
     """Forget a queued look-ahead forward: the cache ends at the committed tokens again."""
     if session.ahead is not None:
         session.ahead = None
@@ -435,7 +435,7 @@ def verify_tree(
     compacted into place, and return hidden rows for the committed positions only."""
     start = time.perf_counter()
     check_parents(parents, len(draft_ids))
-    drop_ahead(session)  # a tree forwards its root with the drafts
+    _drop_ahead(session)  # a tree forwards its root with the drafts
     base = session.position - 1
     tokens = mx.array([session.last_token, *draft_ids], dtype=mx.int32)
     try:
