@@ -1,23 +1,25 @@
 """Plain decoding rung by rung, from mlx-lm's loop to the three services, in one run.
 
 Drafting off must cost nothing over plain mlx-lm; where it does, this says which layer adds the
-time (tokens over the time from the request, prompt included; the best of --repeats; the same
-greedy tokens on every rung):
-  1. mlx-lm's generate_step in this process (again after the services are up: an idle process
-     holding the device beside it)
-  2. the verifier engine's decode bursts in this process
-  3. a verifier service called directly over gRPC (Verify with plain_steps), no coordinator; with
-     the verifier's own compute time per token
+time (tokens over the time from the request, prompt included; the same greedy tokens on every
+rung). Every rung is set up first and then all are measured in turn, --rounds times in a
+rotating order, so a host that speeds up or slows down over the run moves every rung alike:
+  1. mlx-lm's generate_step on this process's main thread
+  1w. the same on an MLX worker thread, as the services run it on a GPU
+  2. the verifier engine's decode bursts in this process, with the verifier's GPU options
+  3. a verifier service called directly over gRPC (Verify with plain_steps), no coordinator;
+     with the verifier's own compute time per token
   4. the three services through the coordinator, drafting off
 
     python benchmarks/service_ladder.py [--target DIR] [--dtype auto] [--context 512]
-        [--tokens 200] [--burst 4] [--repeats 3] [--verifier-args "--look-ahead off"]
+        [--tokens 200] [--burst 4] [--rounds 5] [--verifier-args "--look-ahead off"]
 """
 
 from __future__ import annotations
 
 import argparse
 import shlex
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +31,7 @@ from specd import mlx_settings
 from specd.client import CoordinatorClient, make_request
 from specd.launch import Stack, spawn
 from specd.models.load import device_kind, load_target, resolve_dtype
-from specd.service import channel_options
+from specd.service import MlxThread, channel_options
 from specd.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_svc.engine import Target, decode, prefill
 
@@ -65,7 +67,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="prompt tokens (made up)")
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--burst", type=int, default=4, help="tokens per verifier call")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5, help="measurements of each rung")
     parser.add_argument("--verifier-args", default="", metavar="FLAGS")
     args = parser.parse_args()
     mlx_settings.apply()  # as the services run: full float32, specd's kernel cache
@@ -75,72 +77,86 @@ def main() -> None:
     dtype = loaded.dtype
     prompt = [(17 * i + 3) % 1000 + 100 for i in range(args.context)]
     eos = set(loaded.identity.eos_token_ids)
-    rows: list[tuple[str, float, str]] = []
-
-    def best(fn):
-        results = [fn() for _ in range(args.repeats)]
-        return max(results, key=lambda r: r[0])
+    extra = shlex.split(args.verifier_args)
+    on_gpu = device_kind() == "gpu"
+    look_ahead = on_gpu and "--look-ahead" not in extra
+    target = Target(loaded, gemv_rows=0 if on_gpu else None, row_forwards=on_gpu)
+    worker = MlxThread(inline_rounds=False)
 
     def mlx_lm():
         base = plain_decode(loaded.model, prompt, args.tokens, eos)
-        return len(base.token_ids) / base.seconds, base.token_ids
-
-    rate, reference = best(mlx_lm)
-    rows.append(("1. mlx-lm generate_step, this process", rate, ""))
-
-    target = Target(loaded, gemv_rows=0 if device_kind() == "gpu" else None)
+        return len(base.token_ids) / base.seconds, base.token_ids, ""
 
     def engine():
         start = time.perf_counter()
         session = prefill(target, prompt).session
         ids = [session.last_token]
         while len(ids) < args.tokens and not session.finished:
-            ids += decode(target, session, min(args.burst, args.tokens - len(ids))).committed
-        return len(ids) / (time.perf_counter() - start), ids
-
-    rate, ids = best(engine)
-    rows.append(("2. verifier engine, this process", rate, _same(ids, reference)))
+            steps = min(args.burst, args.tokens - len(ids))
+            more = look_ahead and len(ids) + steps < args.tokens
+            ids += decode(target, session, steps, look_ahead=more).committed
+        return len(ids) / (time.perf_counter() - start), ids, ""
 
     logs = Path(tempfile.mkdtemp(prefix="ladder-"))
-    extra = shlex.split(args.verifier_args)
     verifier = spawn("verifier", ["--dtype", dtype, *extra] + _model(args), log_dir=logs)
-    try:
-        verifier.wait_healthy(900)
-        rate, ids, compute = best(
-            lambda: direct_verifier(verifier.address, prompt, args.tokens, args.burst)
-        )
-        note = f"{_same(ids, reference)}; verifier compute {1000 * compute:.2f} ms/token"
-        rows.append(("3. verifier over gRPC, no coordinator", rate, note))
-    finally:
-        verifier.stop()
-
-    with Stack(
+    stack = Stack(
         target=args.target,
         drafter=None,
         dtype=dtype,
         verifier_args=extra,
         coordinator_args=["--decode-burst", str(args.burst)],
         log_dir=logs / "stack",
-    ) as stack:
+    )
+    try:
+        verifier.wait_healthy(900)
+        stack.start()
         client = CoordinatorClient(stack.coordinator)
+
+        def direct():
+            rate, ids, compute = direct_verifier(verifier.address, prompt, args.tokens, args.burst)
+            return rate, ids, f"verifier compute {1000 * compute:.2f} ms/token"
 
         def services():
             request = make_request(prompt_ids=prompt, max_tokens=args.tokens, num_draft_tokens=0)
             start = time.perf_counter()
             got = client.generate(request)
-            return len(got.token_ids) / (time.perf_counter() - start), got.token_ids
+            return len(got.token_ids) / (time.perf_counter() - start), got.token_ids, ""
 
-        rate, ids = best(services)
-        rows.append(("4. the three services, drafting off", rate, _same(ids, reference)))
-        rate, _ = best(mlx_lm)
-        rows.append(("1'. mlx-lm again, the services idle beside it", rate, ""))
+        rungs = [
+            ("1. mlx-lm generate_step, main thread", mlx_lm),
+            ("1w. mlx-lm generate_step, MLX worker thread",
+             lambda: worker.submit(mlx_lm).result()),
+            ("2. verifier engine, this process", engine),
+            ("3. verifier over gRPC, no coordinator", direct),
+            ("4. the three services, drafting off", services),
+        ]  # fmt: skip
+        rates = {name: [] for name, _ in rungs}
+        ratios = {name: [] for name, _ in rungs}
+        notes: dict[str, str] = {}
+        reference = None
+        for turn in range(args.rounds):
+            this_round = {}
+            for name, run in rungs[turn % len(rungs) :] + rungs[: turn % len(rungs)]:
+                rate, ids, note = run()
+                reference = reference or ids
+                this_round[name] = rate
+                rates[name].append(rate)
+                notes[name] = " ".join(x for x in (_same(ids, reference), note) if x)
+            for name in rates:
+                ratios[name].append(this_round[name] / this_round[rungs[0][0]])
         client.close()
+    finally:
+        stack.stop()
+        verifier.stop()
+        worker.shutdown()
 
-    first = rows[0][1]
     print(f"device {device_kind()}, {dtype}, {args.context}-token prompt, {args.tokens} tokens, "
-          f"bursts of {args.burst}, best of {args.repeats}; logs in {logs}")  # fmt: skip
-    for name, rate, note in rows:
-        print(f"  {name:<48} {rate:8.1f} tok/s  {rate / first:5.2f}x  {note}")
+          f"bursts of {args.burst}, {args.rounds} rounds; logs in {logs}")  # fmt: skip
+    print(f"  {'rung':<46} {'median tok/s':>12} {'range':>13}  {'vs 1, same round':>16}")
+    for name, values in rates.items():
+        low, high = min(values), max(values)
+        print(f"  {name:<46} {statistics.median(values):12.1f} {low:6.1f}-{high:<6.1f} "
+              f"{statistics.median(ratios[name]):9.2f}x      {notes[name]}")  # fmt: skip
 
 
 def _model(args) -> list[str]:

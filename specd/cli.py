@@ -746,8 +746,8 @@ def _add_common_train_args(p, what: str) -> None:
         "--batch-size",
         type=int_between(1),
         default=1,
-        help="conversations per step (on a GPU many per step use the device; steps per epoch "
-        "fall by this factor)",
+        help="conversations per training step and per target forward of the features (on a "
+        "GPU many at once use the device; steps per epoch fall by this factor)",
     )
     p.add_argument(
         "--held-out",

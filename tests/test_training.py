@@ -231,9 +231,9 @@ def test_features_reuse_a_smaller_cache_and_a_partial_run(tiny_model_dir, data, 
         return eagle3_train.prepare_features(opts, loaded, (0, 1))
 
     computed = []
-    real = eagle3_train.TargetFeatures.__call__
-    monkeypatch.setattr(eagle3_train.TargetFeatures, "__call__",
-                        lambda self, ex: computed.append(1) or real(self, ex))  # fmt: skip
+    real = eagle3_train.TargetFeatures.many
+    monkeypatch.setattr(eagle3_train.TargetFeatures, "many",
+                        lambda self, exs: computed.extend(exs) or real(self, exs))  # fmt: skip
     small = features(2)
     assert len(computed) == 2
     full = features(6)
@@ -243,23 +243,24 @@ def test_features_reuse_a_smaller_cache_and_a_partial_run(tiny_model_dir, data, 
 
     # a run cut off after a partial save resumes from it
     monkeypatch.setattr(eagle3_train, "FEATURE_SAVE_EVERY", 2)
+    monkeypatch.setattr(eagle3_train, "FEATURE_SAVE_SECONDS", 0)
     for f in cache.glob("*.npz"):
         f.unlink()
     calls = {"n": 0}
 
-    def dies_after_three(self, ex):
-        calls["n"] += 1
+    def dies_after_three(self, exs):
+        calls["n"] += len(exs)
         if calls["n"] > 3:
             raise KeyboardInterrupt
-        return real(self, ex)
+        return real(self, exs)
 
-    monkeypatch.setattr(eagle3_train.TargetFeatures, "__call__", dies_after_three)
+    monkeypatch.setattr(eagle3_train.TargetFeatures, "many", dies_after_three)
     with pytest.raises(KeyboardInterrupt):
         features(6)
     assert len(list(cache.glob("*.partial.npz"))) == 1
     computed.clear()
-    monkeypatch.setattr(eagle3_train.TargetFeatures, "__call__",
-                        lambda self, ex: computed.append(1) or real(self, ex))  # fmt: skip
+    monkeypatch.setattr(eagle3_train.TargetFeatures, "many",
+                        lambda self, exs: computed.extend(exs) or real(self, exs))  # fmt: skip
     again = features(6)
     assert len(computed) == 4  # two were saved before the cut
     assert not list(cache.glob("*.partial.npz"))
@@ -267,6 +268,55 @@ def test_features_reuse_a_smaller_cache_and_a_partial_run(tiny_model_dir, data, 
     assert all(
         (a.ids == b.ids).all() and (a.lse == b.lse).all() for a, b in zip(again, full, strict=True)
     )
+
+
+def test_features_of_a_padded_batch_equal_those_of_each_conversation_alone(tiny_model_dir,
+                                                                           data):  # fmt: skip
+    from drafter_svc.eagle3.data import TargetFeatures, build_examples
+    from drafter_svc.eagle3.train import read_conversations
+    from specd.models.load import load_target
+
+    loaded = load_target(str(tiny_model_dir), "float32")
+    examples = build_examples(loaded.tokenizer, read_conversations(data), 6, 4096, seed=0)
+    assert len({len(ex.ids) for ex in examples}) > 1  # padding is exercised
+    extractor = TargetFeatures(loaded.model, (0, 1))
+    batched = extractor.many(examples)
+    for ex, got in zip(examples, batched, strict=True):
+        alone = extractor(ex)
+        assert got.rows.shape == alone.rows.shape == (len(ex.ids), alone.rows.shape[1])
+        np.testing.assert_allclose(got.rows, alone.rows, atol=2e-3, rtol=2e-3)
+        np.testing.assert_allclose(got.final, alone.final, atol=2e-3, rtol=2e-3)
+        np.testing.assert_allclose(got.lse, alone.lse, atol=1e-4, rtol=1e-5)
+        assert (got.argmax == alone.argmax).all()
+
+
+def test_features_in_batches_save_and_resume_like_one_at_a_time(tiny_model_dir, data, tmp_path,
+                                                                monkeypatch):  # fmt: skip
+    from drafter_svc.eagle3 import train as eagle3_train
+    from specd.models.load import load_target
+
+    loaded = load_target(str(tiny_model_dir), "float32")
+    monkeypatch.setattr(eagle3_train, "FEATURE_SAVE_EVERY", 3)
+    monkeypatch.setattr(eagle3_train, "FEATURE_SAVE_SECONDS", 0)
+    opts = TrainOptions(target=str(tiny_model_dir), out=tmp_path, conversations=6, max_len=64,
+                        data=data, cache_dir=tmp_path / "f", batch_size=4)  # fmt: skip
+    real = eagle3_train.TargetFeatures.many
+    sizes = []
+
+    def dies_on_second_batch(self, exs):
+        sizes.append(len(exs))
+        if len(sizes) == 2:
+            raise KeyboardInterrupt
+        return real(self, exs)
+
+    monkeypatch.setattr(eagle3_train.TargetFeatures, "many", dies_on_second_batch)
+    with pytest.raises(KeyboardInterrupt):
+        eagle3_train.prepare_features(opts, loaded, (0, 1))
+    assert sizes == [4, 2]  # the first batch crossed a save point, so it was kept
+    monkeypatch.setattr(eagle3_train.TargetFeatures, "many",
+                        lambda self, exs: sizes.append(len(exs)) or real(self, exs))  # fmt: skip
+    feats = eagle3_train.prepare_features(opts, loaded, (0, 1))
+    assert sizes[2:] == [2] and len(feats) == 6
 
 
 def test_a_checkpoint_of_another_run_is_refused(tiny_model_dir, data, tmp_path):

@@ -305,6 +305,7 @@ def train(opts: DFlashOptions) -> dict:
     feature_opts = TrainOptions(
         target=opts.target, out=opts.out, conversations=opts.conversations,
         max_len=opts.max_len, seed=opts.seed, cache_dir=opts.cache_dir, data=opts.data,
+        batch_size=opts.batch_size,
     )  # fmt: skip
     t0 = time.perf_counter()
     feats = prepare_features(feature_opts, loaded, layer_ids)

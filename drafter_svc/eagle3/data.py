@@ -100,7 +100,7 @@ class Features:
 
 
 class TargetFeatures:
-    """Runs the target once over an example and keeps what the drafter trains on."""
+    """Runs the target over examples and keeps what the drafter trains on."""
 
     def __init__(self, model, capture_layers: tuple[int, ...]):
         self.model = model
@@ -108,26 +108,35 @@ class TargetFeatures:
         self.sink = install_capture(model)
 
     def __call__(self, ex: Example) -> Features:
+        return self.many([ex])[0]
+
+    def many(self, examples: list[Example]) -> list[Features]:
+        """One forward over the examples, right-padded to the longest: under the causal mask a
+        real position sees no padding, so each gets the features it would get alone."""
+        longest = max(len(ex.ids) for ex in examples)
+        ids = np.zeros((len(examples), longest), dtype=np.int32)
+        for row, ex in enumerate(examples):
+            ids[row, : len(ex.ids)] = ex.ids
         self.sink.wanted = frozenset(self.capture)
         self.sink.outputs = {}
         try:
-            inner = self.model.model
-            final = inner(mx.array(ex.ids)[None])[0]  # mlx-lm models end with the final norm
-            rows = mx.concatenate([self.sink.outputs[i][0] for i in self.capture], axis=-1)
+            final = self.model.model(mx.array(ids))  # mlx-lm models end with the final norm
+            rows = mx.concatenate([self.sink.outputs[i] for i in self.capture], axis=-1)
         finally:
             self.sink.wanted, self.sink.outputs = frozenset(), {}
         logits = head_logits(self.model, final)
         lse = mx.logsumexp(logits, axis=-1)
         argmax = mx.argmax(logits, axis=-1)
+        rows, final = rows.astype(mx.float16), final.astype(mx.float16)
         mx.eval(final, rows, lse, argmax)
-        return Features(
-            ex.ids,
-            ex.loss_mask,
-            np.array(rows.astype(mx.float16)),
-            np.array(final.astype(mx.float16)),
-            np.array(lse),
-            np.array(argmax).astype(np.int32),
-        )
+        rows, final, lse = np.array(rows), np.array(final), np.array(lse)
+        argmax = np.array(argmax).astype(np.int32)
+        out = []
+        for row, ex in enumerate(examples):
+            n = len(ex.ids)
+            out.append(Features(ex.ids, ex.loss_mask, rows[row, :n], final[row, :n],
+                                lse[row, :n], argmax[row, :n]))  # fmt: skip
+        return out
 
 
 def head_logits(model, hidden: mx.array) -> mx.array:

@@ -392,7 +392,10 @@ def _json(text: str, where: str):
         raise ValueError(f"{where}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
 
 
-FEATURE_SAVE_EVERY = 300  # conversations between partial saves: a kill loses at most these
+# a partial save rewrites every feature so far: at most once per interval of computing, and
+# only at a multiple of these conversations (on a GPU a whole selection takes about a minute)
+FEATURE_SAVE_EVERY = 300
+FEATURE_SAVE_SECONDS = 120.0
 
 
 def prepare_features(opts: TrainOptions, loaded, capture) -> list[Features]:
@@ -423,17 +426,27 @@ def prepare_features(opts: TrainOptions, loaded, capture) -> list[Features]:
     feats = _cached_prefix(cache_dir, suffix, partial, examples)
     extractor = TargetFeatures(loaded.model, capture)
     started, tokens = time.perf_counter(), 0
+    saved = started
     progress = Progress()
-    for i in range(len(feats), len(examples)):
-        feats.append(extractor(examples[i]))
-        tokens += len(examples[i].ids)
+    size = max(1, opts.batch_size)
+    while len(feats) < len(examples):
+        done = len(feats)
+        chunk = examples[done : done + size]
+        feats += extractor.many(chunk)
+        tokens += sum(len(ex.ids) for ex in chunk)
         rate = tokens / (time.perf_counter() - started)
         progress.update(
-            f"target features {i + 1}/{len(examples)}  {tokens} tokens  {rate:.0f} tok/s",
-            final=i + 1 == len(examples),
+            f"target features {len(feats)}/{len(examples)}  {tokens} tokens  {rate:.0f} tok/s",
+            final=len(feats) == len(examples),
         )
-        if (i + 1) % FEATURE_SAVE_EVERY == 0 and i + 1 < len(examples):
+        crossed = len(feats) // FEATURE_SAVE_EVERY > done // FEATURE_SAVE_EVERY
+        if (
+            crossed
+            and len(feats) < len(examples)
+            and time.perf_counter() - saved >= (FEATURE_SAVE_SECONDS)
+        ):
             save_features(partial, feats)
+            saved = time.perf_counter()
     progress.close()
     save_features(path, feats)
     partial.unlink(missing_ok=True)
