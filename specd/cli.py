@@ -703,7 +703,8 @@ def _add_train(sub) -> None:
         "--draft-vocab",
         type=int_between(1),
         help="reduced draft vocabulary (default 6144; with --init-from, the start point's: a "
-        "larger N adds the N - size most frequent tokens it lacks)",
+        "larger N adds the N - size most frequent tokens it lacks, a smaller one keeps its N "
+        "most frequent)",
     )
     e3.add_argument(
         "--ttt-steps", type=int_between(1), default=3, help="unrolled training-time-test passes"

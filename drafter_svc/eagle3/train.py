@@ -110,6 +110,12 @@ def choose_draft_vocab(
     return np.sort(chosen) if sort else chosen
 
 
+def _coverage(feats: list[Features], ids: np.ndarray) -> float:
+    """The share of the target's next tokens on assistant positions that are among `ids`."""
+    predicted = np.concatenate([f.argmax[f.loss_mask] for f in feats])
+    return float(np.isin(predicted, ids).mean()) if len(predicted) else 0.0
+
+
 def _shift(x: mx.array, by: int) -> mx.array:
     """x[..., i - by, :] at position i along axis -2 (zeros where i < by)."""
     if by == 0:
@@ -218,33 +224,36 @@ class Trainer:
         self.draft_ids = np.arange(cfg.draft_vocab_size) + np.asarray(head.d2t)
         wanted = self.opts.draft_vocab
         if wanted is not None and wanted != cfg.draft_vocab_size:
-            head = self._grow_vocab(head, loaded, wanted)
+            head = self._resize_vocab(head, loaded, wanted)
         return head
 
-    def _grow_vocab(self, head: Eagle3Head, loaded, size: int) -> Eagle3Head:
-        """The start point's draft vocabulary plus the most frequent tokens it lacks, up to
-        `size`; a new token reads out through the target's own row, as a new head starts."""
+    def _resize_vocab(self, head: Eagle3Head, loaded, size: int) -> Eagle3Head:
+        """Grow: the start point's draft vocabulary plus the most frequent tokens it lacks, a
+        new token reading out through the target's own row, as a new head starts. Shrink: the
+        `size` of its tokens the target predicts most often here (a smaller weight file)."""
         cfg = self.cfg
-        if size < cfg.draft_vocab_size:
-            raise ValueError(
-                f"--draft-vocab {size} is smaller than the start point's "
-                f"{cfg.draft_vocab_size}; a vocabulary can grow, not shrink"
-            )
         size = min(size, cfg.vocab_size)
         old_ids = self.draft_ids
         ranked = choose_draft_vocab(self.feats, cfg.vocab_size, cfg.vocab_size, sort=False)
-        extra = ranked[~np.isin(ranked, old_ids)][: size - len(old_ids)]
-        ids = np.sort(np.concatenate([old_ids, extra]))
+        if size < len(old_ids):
+            ids = np.sort(ranked[np.isin(ranked, old_ids)][:size])
+            print(f"draft vocabulary {len(old_ids)} -> {size}: covers "
+                  f"{_coverage(self.feats, ids):.2%} of the target's predictions in the data "
+                  f"({_coverage(self.feats, old_ids):.2%} before)", file=sys.stderr)  # fmt: skip
+        else:
+            extra = ranked[~np.isin(ranked, old_ids)][: size - len(old_ids)]
+            ids = np.sort(np.concatenate([old_ids, extra]))
         rows = head_matrix(loaded.model).astype(mx.float32)[mx.array(ids)]
-        kept = np.searchsorted(ids, old_ids)
-        rows[mx.array(kept)] = head.lm_head.weight.astype(mx.float32)
+        kept_new = np.flatnonzero(np.isin(ids, old_ids))
+        kept_old = np.searchsorted(old_ids, ids[kept_new])
+        rows[mx.array(kept_new)] = head.lm_head.weight.astype(mx.float32)[mx.array(kept_old)]
         cfg.draft_vocab_size = len(ids)
-        grown = Eagle3Head(cfg)
-        grown.update(head.parameters())  # every weight but the read-out keeps its shape
-        grown.lm_head.weight = rows
-        grown.d2t = mx.array(ids - np.arange(len(ids)), dtype=mx.int64)
+        resized = Eagle3Head(cfg)
+        resized.update(head.parameters())  # every weight but the read-out keeps its shape
+        resized.lm_head.weight = rows
+        resized.d2t = mx.array(ids - np.arange(len(ids)), dtype=mx.int64)
         self.draft_ids = ids
-        return grown
+        return resized
 
     def _loss(self, emb_next, rows, target_logp, valid):
         loss, logits = ttt_loss(
