@@ -72,11 +72,14 @@ def check_token_ids(ids, vocab_size: int, what: str) -> list[int]:
 
 def check_sampling_params(params) -> None:
     """A SamplingParams message's values, as every service that takes one checks them."""
-    values = (params.temperature, params.top_p, params.min_p)
-    if not all(math.isfinite(v) for v in values) or params.temperature < 0:
+    if not math.isfinite(params.temperature) or params.temperature < 0:
         raise InvalidArgument(f"temperature must be a finite number >= 0, got {params.temperature}")
-    if not 0 <= params.top_p <= 1 or not 0 <= params.min_p <= 1 or params.top_k < 0:
-        raise InvalidArgument("top_p and min_p must be in [0, 1] and top_k >= 0")
+    for name in ("top_p", "min_p"):
+        value = getattr(params, name)
+        if not 0 <= value <= 1:  # NaN fails this too
+            raise InvalidArgument(f"{name} must be in [0, 1], got {value}")
+    if params.top_k < 0:
+        raise InvalidArgument(f"top_k must be >= 0, got {params.top_k}")
 
 
 def check_tree_request(tree, kind: str, drafts_trees: bool, max_tree_tokens: int) -> None:

@@ -230,14 +230,16 @@ def test_sampling_and_tree_checks_every_service_shares():
     from specd.v1 import common_pb2
 
     check_sampling_params(common_pb2.SamplingParams(temperature=0.7, top_p=0.9, top_k=5))
-    for bad in (
-        common_pb2.SamplingParams(temperature=float("nan")),
-        common_pb2.SamplingParams(temperature=-1),
-        common_pb2.SamplingParams(top_p=1.5),
-        common_pb2.SamplingParams(min_p=-0.1),
-        common_pb2.SamplingParams(top_k=-2),
+    for bad, named in (
+        (common_pb2.SamplingParams(temperature=float("nan")), "temperature"),
+        (common_pb2.SamplingParams(temperature=-1), "temperature"),
+        (common_pb2.SamplingParams(top_p=1.5), "top_p"),
+        (common_pb2.SamplingParams(top_p=float("nan")), "top_p"),
+        (common_pb2.SamplingParams(min_p=-0.1), "min_p"),
+        (common_pb2.SamplingParams(min_p=float("inf")), "min_p"),
+        (common_pb2.SamplingParams(top_k=-2), "top_k"),
     ):
-        with pytest.raises(InvalidArgument):
+        with pytest.raises(InvalidArgument, match=f"^{named} must"):
             check_sampling_params(bad)
     tree = common_pb2.TreeShape
     check_tree_request(tree(total_tokens=8, depth=4, top_k=2), "eagle3", True, 16)
