@@ -4,6 +4,11 @@ A draft model is scored on how often it predicts what the target will say. Share
 written by other models; a drafter trained only on them learns a text the target does not
 produce. This regenerates the replies with the target itself (greedy, batched with mlx-lm) and
 writes ShareGPT-format records, for `specd train eagle3|dflash --data FILE`.
+
+Replies are generated in waves of --batch-size prompts of similar length, left-padded into one
+batch: one prefill, then one forward per step for the whole wave until every reply has ended.
+No prompt joins a wave under way and no finished row is cut out of it, so the device runs
+large, steady forwards with nothing copied between them.
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from drafter_svc.eagle3.data import to_messages
+import mlx.core as mx
+import numpy as np
+
+from drafter_svc.eagle3.data import head_logits, to_messages
 from specd.progress import Progress
 
 
@@ -69,9 +77,47 @@ def _done_prompts(path: Path) -> set[str]:
     return done
 
 
-def distill(opts: DistillOptions) -> dict:
-    from mlx_lm.generate import BatchGenerator
+def _greedy_step(model, ids: mx.array, cache: list) -> mx.array:
+    hidden = model.model(ids, cache=cache)[:, -1:]  # only the last row is read out
+    return mx.argmax(head_logits(model, hidden)[:, 0], axis=-1)
 
+
+def greedy_waves(model, prompts: list[list[int]], max_new_tokens: int, eos_ids, batch_size: int):
+    """(prompt index, reply ids without the EOS) for every prompt, a wave at a time."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    eos = set(eos_ids)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    for start in range(0, len(order), batch_size):
+        wave = order[start : start + batch_size]
+        longest = max(len(prompts[i]) for i in wave)
+        pads = [longest - len(prompts[i]) for i in wave]
+        tokens = mx.array([[0] * pad + prompts[i] for pad, i in zip(pads, wave, strict=True)])
+        cache = [BatchKVCache(pads) for _ in model.layers]
+
+        current = _greedy_step(model, tokens, cache)
+        replies: list[list[int]] = [[] for _ in wave]
+        ended = np.zeros(len(wave), dtype=bool)
+        for made in range(max_new_tokens):
+            following = None
+            if made + 1 < max_new_tokens:
+                following = _greedy_step(model, current[:, None], cache)
+            if following is not None:
+                mx.async_eval(following)  # the next step runs while this one is read
+            for row, token in enumerate(current.tolist()):
+                if ended[row]:
+                    continue
+                if token in eos:
+                    ended[row] = True
+                else:
+                    replies[row].append(token)
+            if ended.all() or following is None:
+                break
+            current = following
+        yield from zip(wave, replies, strict=True)
+
+
+def distill(opts: DistillOptions) -> dict:
     from drafter_svc.eagle3.train import read_conversations
     from specd.models.load import load_target
 
@@ -94,40 +140,29 @@ def distill(opts: DistillOptions) -> dict:
         print(f"{opts.out}: {len(done)} replies already there; {len(chosen)} to go",
               file=sys.stderr)  # fmt: skip
     opts.out.parent.mkdir(parents=True, exist_ok=True)
-    generator = BatchGenerator(
-        loaded.model,
-        stop_tokens=[[t] for t in loaded.identity.eos_token_ids],
-        completion_batch_size=opts.batch_size,
-        prefill_batch_size=min(8, opts.batch_size),
-    )
-    uids = generator.insert([ids for _, ids in chosen], [opts.max_new_tokens] * len(chosen))
-    prompt_of = dict(zip(uids, (text for text, _ in chosen), strict=True))
-    replies: dict[int, list[int]] = {uid: [] for uid in uids}
     started, finished, tokens = time.perf_counter(), 0, 0
     progress = Progress()
+    waves = greedy_waves(
+        loaded.model, [ids for _, ids in chosen], opts.max_new_tokens,
+        loaded.identity.eos_token_ids, opts.batch_size,
+    )  # fmt: skip
     with opts.out.open("a", encoding="utf-8") as sink:
-        while responses := generator.next_generated():
-            for r in responses:
-                if r.finish_reason != "stop":
-                    replies[r.uid].append(r.token)
-                    tokens += 1
-                if r.finish_reason is None:
-                    continue
-                reply = tokenizer.decode(replies.pop(r.uid)).strip()
-                finished += 1
-                if reply:
-                    record = {"conversations": [
-                        {"from": "human", "value": prompt_of[r.uid]},
-                        {"from": "gpt", "value": reply},
-                    ]}  # fmt: skip
-                    sink.write(json.dumps(record, ensure_ascii=False) + "\n")
-                    sink.flush()
+        for index, ids in waves:
+            tokens += len(ids)
+            finished += 1
+            reply = tokenizer.decode(ids).strip()
+            if reply:
+                record = {"conversations": [
+                    {"from": "human", "value": chosen[index][0]},
+                    {"from": "gpt", "value": reply},
+                ]}  # fmt: skip
+                sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+                sink.flush()
             rate = tokens / max(1e-9, time.perf_counter() - started)
             progress.update(
                 f"replies {finished}/{len(chosen)}  {tokens} tokens  {rate:.0f} tok/s",
                 final=finished == len(chosen),
             )
-    generator.close()
     progress.close()
     return {
         "target": loaded.path.name,

@@ -197,6 +197,21 @@ def test_distill_writes_the_targets_own_replies_and_resumes(tiny_model_dir, data
     assert len(prompts) == len(set(prompts)) == 4
 
 
+def test_distill_waves_of_unequal_prompts_give_each_prompt_its_greedy_reply(tiny_model_dir):
+    from coordinator.bench import plain_decode
+    from drafter_svc.distill import greedy_waves
+    from specd.models.load import load_target
+
+    loaded = load_target(str(tiny_model_dir), "float32")
+    eos = set(loaded.identity.eos_token_ids)
+    prompts = [[5 + i for i in range(n)] for n in (3, 11, 7, 20, 4)]
+    got = dict(greedy_waves(loaded.model, prompts, 10, eos, batch_size=3))
+    assert sorted(got) == list(range(len(prompts)))
+    for index, prompt in enumerate(prompts):
+        alone = plain_decode(loaded.model, prompt, 10, eos).token_ids
+        assert got[index] == [t for t in alone if t not in eos]
+
+
 def test_distill_resumes_after_a_kill_mid_write(tiny_model_dir, data, tmp_path):
     from drafter_svc.distill import DistillOptions, distill
 
