@@ -61,7 +61,8 @@ def main() -> None:
     plain_model = load_target(args.model, "float32").model  # without the capture wrappers
     target = Target(load_target(args.model, "float32"))  # few-token forwards on numpy
     gemv_products = Target(load_target(args.model, "float32"), gemv_rows=3)
-    gemv_products._cpu = None  # MLX layers around numpy products, without whole CPU layers
+    # MLX layers around numpy products, without whole CPU layers: the MLX backend alone
+    gemv_products.forwards = [f for f in gemv_products.forwards if f.queues]
     mlx_products = Target(load_target(args.model, "float32"), gemv_rows=0)
     capture = (2, 15, 27)[: target.identity.num_layers]
     prompt = [100 + (i * 37) % 5000 for i in range(args.prompt_tokens)]

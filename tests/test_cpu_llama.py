@@ -67,7 +67,7 @@ def test_forwards_match_mlx_and_leave_the_same_cache(pair, context, tokens):
     """Logits, captured rows, and the keys and values appended (which the next forward,
     an MLX one, reads), across RoPE tables and the cache's 256-row growth steps."""
     plain, fast = pair
-    assert fast._cpu is not None and plain._cpu is None
+    assert fast.cpu_layers is not None and plain.cpu_layers is None
     prompt, new = _prompt(context), list(range(7, 7 + tokens))
     caches = []
     for target in (plain, fast):
@@ -130,7 +130,7 @@ def test_small_forwards_and_trees_run_on_numpy(tiny_model_dir, monkeypatch):
 
 
 def test_models_it_cannot_run_stay_in_mlx(tiny_model_dir, tmp_path):
-    assert Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0)._cpu is None
+    assert Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0).cpu_layers is None
     # weights not on numpy's gemv: nothing to read them with
     assert CpuLlama.attach(load_target(str(tiny_model_dir), dtype="float32").model) is None
     sliding = make_tiny_model_dir(
@@ -141,13 +141,13 @@ def test_models_it_cannot_run_stay_in_mlx(tiny_model_dir, tmp_path):
         },
     )
     products_only = Target(load_target(str(sliding), dtype="float32"))
-    assert products_only._cpu is None and products_only.gemv_rows == 3
+    assert products_only.cpu_layers is None and products_only.gemv_rows == 3
 
 
 def test_a_default_it_could_not_use_falls_back_to_products(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(CpuLlama, "attach", classmethod(lambda cls, model: None))
     target = Target(load_target(str(tiny_model_dir), dtype="float32"))
-    assert target._cpu is None and target.gemv_rows == 3
+    assert target.cpu_layers is None and target.gemv_rows == 3
     assert target.model.layers[0].inner.self_attn.q_proj._gemv.max_rows == 3
 
 

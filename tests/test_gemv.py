@@ -38,7 +38,7 @@ def pair(products_only_dir):
     """The same weights twice: all products in MLX, and up to 3 rows through numpy."""
     plain = Target(load_target(str(products_only_dir), dtype="float32"), gemv_rows=0)
     fast = Target(load_target(str(products_only_dir), dtype="float32"), gemv_rows=3)
-    assert fast._cpu is None
+    assert fast.cpu_layers is None
     return plain, fast
 
 

@@ -69,7 +69,7 @@ def test_half_weights_only_for_float32_targets(quantized_dir):
 def test_a_half_weight_target_decodes_as_float32_mlx_does(quantized_dir):
     half = Target(load_target(str(quantized_dir), "float32", half_weights=True))
     plain = Target(load_target(str(quantized_dir), "float32"), gemv_rows=0)
-    assert half.half_weights and half._cpu is not None and "stored float16" in half.numpy_part
+    assert half.half_weights and half.cpu_layers is not None and "stored float16" in half.numpy_part
     want = decode_in_bursts(plain, PROMPT)
     assert len(want) > 40 and decode_in_bursts(half, PROMPT) == want
 

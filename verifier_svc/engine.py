@@ -28,14 +28,12 @@ from specd.models.load import LoadedTarget, device_kind, resolve_dtype
 from specd.models.row_products import compiled as row_kernels_compiled
 from specd.platform import limit_numpy_blas_threads
 from verifier_svc.accept import accept_greedy
+from verifier_svc.forwards import CpuKernelForward, Forward, MlxForward, TreeLayout
 from verifier_svc.sampling import SamplingConfig, accept_sampled, sample, target_distribution
 from verifier_svc.tree import (
     accept_tree_greedy,
     accept_tree_sampled,
-    ancestor_mask,
     check_parents,
-    depths,
-    rope_groups,
 )
 
 GREEDY = SamplingConfig()
@@ -77,8 +75,8 @@ class Target:
         check_max_rows(gemv_rows, device, loaded.dtype)
         if use_gemv(self.model, gemv_rows) and row_kernels_compiled():
             limit_numpy_blas_threads(1)  # see specd.models.row_products
-        self._cpu = CpuLlama.attach(self.model) if gemv_rows else None
-        if self._cpu is None and gemv_rows == CPU_MAX_ROWS > products_rows:
+        cpu_layers = CpuLlama.attach(self.model) if gemv_rows else None
+        if cpu_layers is None and gemv_rows == CPU_MAX_ROWS > products_rows:
             gemv_rows = set_max_rows(self.model, products_rows)  # the default it could not use
         self.gemv_rows = gemv_rows
         products = "compiled products" if row_kernels_compiled() else "numpy's products"
@@ -86,19 +84,31 @@ class Target:
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         stored = f", {self.half_weights} weights stored float16" if self.half_weights else ""
         self.numpy_part = (
-            f"{'whole layers' if self._cpu else 'weight products'}, {products}{stored}"
+            f"{'whole layers' if cpu_layers else 'weight products'}, {products}{stored}"
         )
         self.identity = loaded.identity
         self.eos_ids = frozenset(loaded.identity.eos_token_ids)
         self._sink = install_capture(self.model)
         self.row_forwards = row_forwards and rowwise.install(self.model)
+        # the seam: every forward goes to the first of these that fits (verifier_svc.forwards)
+        self.forwards: list[Forward] = [MlxForward(self.model, self._sink)]
+        if cpu_layers is not None:
+            self.forwards.insert(0, CpuKernelForward(cpu_layers))
         self._tree_ready: bool | None = None
 
     @property
+    def cpu_layers(self) -> CpuLlama | None:
+        """The target's layers on the CPU kernels, where a backend uses them."""
+        return next((f.layers for f in self.forwards if isinstance(f, CpuKernelForward)), None)
+
+    @property
     def forwards_queue(self) -> bool:
-        """Whether forwards are MLX graphs the device runs while Python goes on (the numpy
-        forwards compute before returning)."""
-        return self._cpu is None
+        """Whether the forwards of decode steps are MLX graphs the device runs while Python
+        goes on (the CPU kernels compute before returning)."""
+        return self._backend(1, []).queues
+
+    def _backend(self, tokens: int, cache: list) -> Forward:
+        return next(f for f in self.forwards if f.fits(tokens, cache))
 
     def supports_trees(self, cache: list) -> bool:
         """Tree verify needs wrappable RoPE and plain KV caches (rows can be moved)."""
@@ -112,18 +122,8 @@ class Target:
         """[root, drafts...] at the cache end with ancestor-only attention, positions by depth."""
         if not self.supports_trees(cache):
             raise TreeUnsupported("this target's architecture or cache cannot verify draft trees")
-        base = _cache_len(cache)
-        tree = ancestor_mask(parents)
-        if self._cpu is not None and self._cpu.can_run(token_ids.size, cache):
-            positions = np.array([base, *[base + d for d in depths(parents)]])
-            return self._on_cpu(token_ids, cache, capture, positions, tree)
-        mask = np.concatenate([np.ones((len(tree), base), dtype=bool), tree], axis=1)
-        self._sink.mask = mx.array(mask)
-        self._sink.rope_groups = rope_groups(parents, base)
-        try:
-            return self.forward(token_ids, cache, capture)
-        finally:
-            self._sink.mask, self._sink.rope_groups = None, None
+        layout = TreeLayout(parents, _cache_len(cache))
+        return self._backend(token_ids.size, cache)(token_ids, cache, capture, layout)
 
     def new_cache(self) -> list:
         return make_prompt_cache(self.model)
@@ -132,29 +132,7 @@ class Target:
         self, token_ids: mx.array, cache: list, capture: tuple[int, ...] = ()
     ) -> tuple[mx.array, mx.array | None]:
         """token_ids [T] appended at the cache end -> (logits [T, V], rows [T, L*H] or None)."""
-        if (
-            self._cpu is not None
-            and self._sink.mask is None
-            and self._cpu.can_run(token_ids.size, cache)
-        ):
-            return self._on_cpu(token_ids, cache, capture)
-        self._sink.wanted = frozenset(capture)
-        self._sink.outputs = {}
-        try:
-            logits = self.model(token_ids[None], cache=cache)[0]
-            rows = None
-            if capture:
-                rows = mx.concatenate([self._sink.outputs[i][0] for i in capture], axis=-1)
-        finally:
-            self._sink.wanted, self._sink.outputs = frozenset(), {}
-        return logits, rows
-
-    def _on_cpu(self, token_ids, cache, capture, positions=None, sees=None):
-        logits, outputs = self._cpu.forward(
-            np.asarray(token_ids), cache, frozenset(capture), positions, sees
-        )
-        rows = np.concatenate([outputs[i] for i in capture], axis=-1) if capture else None
-        return mx.array(logits), None if rows is None else mx.array(rows)
+        return self._backend(token_ids.size, cache)(token_ids, cache, capture, None)
 
 
 @dataclass

@@ -1,0 +1,101 @@
+"""The one seam for the target's forwards: `Forward` and its two backends.
+
+A backend appends `token_ids` [T] at the end of `cache` and returns (logits [T, V], the captured
+layers' outputs [T, L*H] or None); a tree verify passes its layout. `Target` chooses its
+backends once, when it is built, in order of preference, and each call takes the first that
+fits: on a CPU with a float32 Llama-family target the CPU kernels for forwards of a few tokens,
+MLX for the rest; everywhere else MLX alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from specd.models.capture import CaptureSink
+from specd.models.cpu_llama import CpuLlama
+from verifier_svc.tree import ancestor_mask, depths, rope_groups
+
+
+@dataclass(frozen=True)
+class TreeLayout:
+    """A draft tree after the cache's `base` tokens: [root, drafts...], each draft's parent."""
+
+    parents: list[int]
+    base: int
+
+    def positions(self) -> np.ndarray:
+        return np.array([self.base, *[self.base + d for d in depths(self.parents)]])
+
+    def sees(self) -> np.ndarray:
+        """[T, T] bool: a node attends to itself and its ancestors only."""
+        return ancestor_mask(self.parents)
+
+
+class Forward(Protocol):
+    queues: bool  # the forward is a graph the device runs while Python goes on
+
+    def fits(self, tokens: int, cache: list) -> bool: ...
+
+    def __call__(
+        self, token_ids: mx.array, cache: list, capture: tuple[int, ...], tree: TreeLayout | None
+    ) -> tuple[mx.array, mx.array | None]: ...
+
+
+class MlxForward:
+    """The model's own forward in MLX (verifies of a few tokens row by row where
+    `specd.models.rowwise` is installed); the capture sink keeps the wanted layers' outputs and
+    carries a tree's mask and positions into the layers."""
+
+    queues = True
+
+    def __init__(self, model: nn.Module, sink: CaptureSink):
+        self.model, self.sink = model, sink
+
+    def fits(self, tokens: int, cache: list) -> bool:
+        return True
+
+    def __call__(self, token_ids, cache, capture, tree=None):
+        sink = self.sink
+        if tree is not None:
+            sees = tree.sees()
+            seen_before = np.ones((len(sees), tree.base), dtype=bool)  # the whole cache
+            sink.mask = mx.array(np.concatenate([seen_before, sees], axis=1))
+            sink.rope_groups = rope_groups(tree.parents, tree.base)
+        sink.wanted, sink.outputs = frozenset(capture), {}
+        try:
+            logits = self.model(token_ids[None], cache=cache)[0]
+            rows = None
+            if capture:
+                rows = mx.concatenate([sink.outputs[i][0] for i in capture], axis=-1)
+        finally:
+            sink.wanted, sink.outputs = frozenset(), {}
+            sink.mask, sink.rope_groups = None, None
+        return logits, rows
+
+
+class CpuKernelForward:
+    """Forwards of a few tokens on specd's CPU kernels: whole Llama layers on numpy and the
+    compiled row products (`specd.models.cpu_llama`), computed before they return."""
+
+    queues = False
+
+    def __init__(self, layers: CpuLlama):
+        self.layers = layers
+
+    def fits(self, tokens: int, cache: list) -> bool:
+        return self.layers.can_run(tokens, cache)
+
+    def __call__(self, token_ids, cache, capture, tree=None):
+        positions = sees = None
+        if tree is not None:
+            positions, sees = tree.positions(), tree.sees()
+        logits, outputs = self.layers.forward(
+            np.asarray(token_ids), cache, frozenset(capture), positions, sees
+        )
+        rows = np.concatenate([outputs[i] for i in capture], axis=-1) if capture else None
+        return mx.array(logits), None if rows is None else mx.array(rows)
