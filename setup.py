@@ -1,4 +1,4 @@
-"""The one compiled part of specd: the verifier's few-row weight products (specd/_row_kernels.c).
+"""specd's one compiled part: the few-row weight products (specd/cpu/_row_kernels.c).
 
 Optional: without a C compiler the install still succeeds and specd uses numpy instead."""
 
@@ -8,8 +8,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "specd._row_kernels",
-            ["specd/_row_kernels.c"],
+            "specd.cpu._row_kernels",
+            ["specd/cpu/_row_kernels.c"],
             extra_compile_args=["-O3", "-fopenmp-simd", "-pthread"],
             extra_link_args=["-pthread"],
             optional=True,

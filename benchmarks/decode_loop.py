@@ -1,8 +1,8 @@
 """Plain decoding three ways, in one process, on the same prompt: mlx-lm's generate_step,
 one verify call per token (what a verify-only round does), and the verifier's burst decode
 (`engine.decode`, what `VerifyRequest.plain_steps` runs), the last with whole forwards on
-numpy (the default for a Llama-family target, specd.models.cpu_llama), with only the weight
-products on numpy (specd.models.gemv), and all in MLX (`--gemv-rows 0`). `mlx_lm_wrapped` runs
+numpy (the default for a Llama-family target, specd.cpu.llama), with only the weight
+products on numpy (specd.cpu.gemv), and all in MLX (`--gemv-rows 0`). `mlx_lm_wrapped` runs
 mlx-lm's loop on the verifier's model (capture wrappers, gemv products). Reports ms per token
 after prefill.
 

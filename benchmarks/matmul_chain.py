@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from specd.models.gemv import GemvWeights
+from specd.cpu.gemv import GemvWeights
 from specd.models.load import load_target
 
 

@@ -1,13 +1,13 @@
-"""Decode-sized Llama forwards on numpy (specd.models.cpu_llama) against MLX's own."""
+"""Decode-sized Llama forwards on numpy (specd.cpu.llama) against MLX's own."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from tiny import make_tiny_model_dir
 
-from specd.models import cpu_llama
-from specd.models.cpu_llama import DEFAULT_MAX_ROWS as CPU_MAX_ROWS
-from specd.models.cpu_llama import ROPE_BLOCK, CpuLlama
+from specd.cpu import llama as cpu_llama
+from specd.cpu.llama import DEFAULT_MAX_ROWS as CPU_MAX_ROWS
+from specd.cpu.llama import ROPE_BLOCK, CpuLlama
 from specd.models.load import load_target
 from verifier_svc.engine import Target, _rollback, decode, prefill, verify_tree
 

@@ -41,7 +41,7 @@ def run_rounds(target, prompt, n, propose):
 
 def assert_plain_output_and_rows(target, out, reference, rows, layers):
     """The output is plain greedy decoding's, and the rows sent round by round equal one
-    forward over the prompt and the output. Decode forwards may run on numpy (cpu_llama), the
+    forward over the prompt and the output. Decode forwards may run on numpy (specd.cpu.llama), the
     reference on MLX: float32 rounding only."""
     assert out[: len(reference)] == reference[: len(out)]
     got = mx.concatenate(rows, axis=0)
@@ -98,7 +98,7 @@ def test_captured_rows_equal_full_forward(target):
     got = mx.concatenate(rows, axis=0)  # rows for every position the cache holds
     cache = target.new_cache()
     _, full = target.forward(mx.array(tokens[: got.shape[0]]), cache, layers)
-    # decode forwards run on numpy (cpu_llama), the reference on MLX: float32 rounding only
+    # decode forwards run on numpy (specd.cpu.llama), the reference on MLX: float32 rounding only
     assert mx.allclose(got, full, atol=5e-4).item()
 
 

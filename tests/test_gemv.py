@@ -1,4 +1,4 @@
-"""Decode-sized weight products through numpy (specd.models.gemv) against MLX's own."""
+"""Decode-sized weight products through numpy (specd.cpu.gemv) against MLX's own."""
 
 from pathlib import Path
 
@@ -9,11 +9,11 @@ import pytest
 from mlx.utils import tree_flatten
 from tiny import make_tiny_model_dir
 
-from specd.models import gemv
-from specd.models.cpu_llama import DEFAULT_MAX_ROWS as CPU_MAX_ROWS
-from specd.models.gemv import GemvEmbedding, GemvLinear, check_max_rows, use_gemv
+from specd.cpu import gemv
+from specd.cpu.gemv import GemvEmbedding, GemvLinear, check_max_rows, use_gemv
+from specd.cpu.llama import DEFAULT_MAX_ROWS as CPU_MAX_ROWS
+from specd.cpu.row_products import compiled, row_products
 from specd.models.load import load_target
-from specd.models.row_products import compiled, row_products
 from specd.platform import limit_numpy_blas_threads
 from verifier_svc.engine import Target, prefill
 
@@ -22,7 +22,7 @@ PROMPT = [3, 40, 41, 42, 43, 40, 41, 42, 50, 60, 70]
 
 @pytest.fixture(scope="module")
 def products_only_dir(tmp_path_factory):
-    """A target whose layers stay in MLX (sliding-window attention is not cpu_llama's), so
+    """A target whose layers stay in MLX (sliding-window attention is not specd.cpu.llama's), so
     only its weight products go to numpy: the path of every non-Llama architecture."""
     return make_tiny_model_dir(
         tmp_path_factory.mktemp("sliding") / "model",
@@ -124,10 +124,10 @@ def test_row_products_equal_blas(rows):
 
 
 def test_the_kernels_are_built_where_a_compiler_is(monkeypatch):
-    """pip builds specd/_row_kernels.c with the package; without it numpy does the products."""
+    """pip builds specd/cpu/_row_kernels.c with the package; without it numpy does the products."""
     import shutil
 
-    from specd.models import row_products as module
+    from specd.cpu import row_products as module
 
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler here: numpy does the products")
@@ -175,7 +175,7 @@ def test_settings_that_cannot_apply_are_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="--gemv-rows 0"):
         Target(load_target(str(tiny_model_dir), dtype="float16"), gemv_rows=2)
     assert Target(load_target(str(tiny_model_dir), dtype="float16")).gemv_rows == 0
-    # a Llama-family target runs whole forwards on numpy (specd.models.cpu_llama)
+    # a Llama-family target runs whole forwards on numpy (specd.cpu.llama)
     assert Target(load_target(str(tiny_model_dir), dtype="float32")).gemv_rows == CPU_MAX_ROWS
 
 
@@ -278,7 +278,7 @@ def half_exact_dir(tmp_path_factory):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("width", [576, 37, 16, 1])
 def test_half_weight_products_sum_in_float32(rows, width, vectors):
-    from specd.models import row_products as module
+    from specd.cpu import row_products as module
 
     rng = np.random.default_rng(rows * 1000 + width)
     weight = rng.standard_normal((45, width)).astype(np.float16)
@@ -297,7 +297,7 @@ def test_half_weight_products_sum_in_float32(rows, width, vectors):
 def test_every_half_value_converts_exactly(vectors):
     """All 65536 float16 bit patterns (subnormals, infinities, NaNs) read as numpy reads them:
     one-hot rows pick each weight out of a product."""
-    from specd.models import row_products as module
+    from specd.cpu import row_products as module
 
     weight = np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(-1, 16)
     was = module._row_kernels.vector_half(vectors)
@@ -341,7 +341,7 @@ def test_weights_float16_holds_exactly_are_stored_half(half_exact_dir, tiny_mode
 
 
 def _kernels():
-    from specd.models.row_products import layer_kernels
+    from specd.cpu.row_products import layer_kernels
 
     kernels = layer_kernels()
     assert kernels is not None, "the compiled kernels were not built"

@@ -1,4 +1,4 @@
-"""float32 targets whose weights float16 holds exactly, kept as float16 (specd.models.half)."""
+"""float32 targets whose weights float16 holds exactly, kept as float16 (specd.cpu.half)."""
 
 import json
 
@@ -11,7 +11,7 @@ from mlx_lm import load as mlx_load
 from test_cpu_llama import decode_in_bursts
 from tiny import make_tiny_model_dir
 
-from specd.models.half import HalfEmbedding, HalfLinear, stored_half
+from specd.cpu.half import HalfEmbedding, HalfLinear, stored_half
 from specd.models.load import load_target
 from verifier_svc.engine import Target, half_weights_pay
 

@@ -13,19 +13,19 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
-from specd.models import rowwise
-from specd.models.capture import install_capture, install_tree_positions
-from specd.models.cpu_llama import DEFAULT_MAX_ROWS as CPU_MAX_ROWS
-from specd.models.cpu_llama import CpuLlama
-from specd.models.gemv import (
+from specd.cpu.gemv import (
     check_max_rows,
     default_max_rows,
     set_max_rows,
     use_gemv,
 )
-from specd.models.half import stored_half
+from specd.cpu.half import stored_half
+from specd.cpu.llama import DEFAULT_MAX_ROWS as CPU_MAX_ROWS
+from specd.cpu.llama import CpuLlama
+from specd.cpu.row_products import compiled as row_kernels_compiled
+from specd.models import rowwise
+from specd.models.capture import install_capture, install_tree_positions
 from specd.models.load import LoadedTarget, device_kind, resolve_dtype
-from specd.models.row_products import compiled as row_kernels_compiled
 from specd.platform import limit_numpy_blas_threads
 from verifier_svc.accept import accept_greedy
 from verifier_svc.forwards import CpuKernelForward, Forward, MlxForward, TreeLayout
@@ -59,8 +59,8 @@ class Target:
         self, loaded: LoadedTarget, gemv_rows: int | None = None, row_forwards: bool = False
     ):
         """gemv_rows: forwards of at most this many tokens run on numpy: whole layers for
-        Llama-family models (specd.models.cpu_llama), else the weight products alone
-        (specd.models.gemv); None: the default for the device, dtype and architecture.
+        Llama-family models (specd.cpu.llama), else the weight products alone
+        (specd.cpu.gemv); None: the default for the device, dtype and architecture.
         Weights the target was loaded keeping as float16 (`half_weights_pay`) are read so.
         row_forwards: forwards of a few tokens computed row by row as decode steps compute
         them (specd.models.rowwise), where the architecture allows."""
@@ -74,7 +74,7 @@ class Target:
                 gemv_rows = CPU_MAX_ROWS
         check_max_rows(gemv_rows, device, loaded.dtype)
         if use_gemv(self.model, gemv_rows) and row_kernels_compiled():
-            limit_numpy_blas_threads(1)  # see specd.models.row_products
+            limit_numpy_blas_threads(1)  # see specd.cpu.row_products
         cpu_layers = CpuLlama.attach(self.model) if gemv_rows else None
         if cpu_layers is None and gemv_rows == CPU_MAX_ROWS > products_rows:
             gemv_rows = set_max_rows(self.model, products_rows)  # the default it could not use

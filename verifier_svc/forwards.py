@@ -16,8 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from specd.cpu.llama import CpuLlama
 from specd.models.capture import CaptureSink
-from specd.models.cpu_llama import CpuLlama
 from verifier_svc.tree import ancestor_mask, depths, rope_groups
 
 
@@ -80,7 +80,7 @@ class MlxForward:
 
 class CpuKernelForward:
     """Forwards of a few tokens on specd's CPU kernels: whole Llama layers on numpy and the
-    compiled row products (`specd.models.cpu_llama`), computed before they return."""
+    compiled row products (`specd.cpu.llama`), computed before they return."""
 
     queues = False
 

@@ -4,7 +4,7 @@ The head is one decoder layer and a read-out, ~9 M weights. In MLX on a CPU a on
 costs ~2.5 ms, most of it evaluating a dozen small graphs; a chain of four drafts took ~10 ms
 of a ~13 ms decode step, so adaptive speculation rarely found drafting worth it. The same step
 here reads each weight once (float16 where the checkpoint's values are float16) with the
-verifier's kernels (specd.models.row_products, specd.models.cpu_llama): docs/history,
+verifier's kernels (specd.cpu.row_products, specd.cpu.llama): docs/history,
 "The EAGLE-3 head off MLX" (2026-12-01).
 """
 
@@ -15,10 +15,10 @@ import mlx.nn as nn
 import numpy as np
 
 from drafter_svc.eagle3.model import Eagle3Head
-from specd.models.cpu_llama import RopeTables, attend_numpy, rms_norm, turns_pairs
-from specd.models.gemv import GemvWeights, float32_view
-from specd.models.half import exactly_half
-from specd.models.row_products import layer_kernels
+from specd.cpu.gemv import GemvWeights, float32_view
+from specd.cpu.half import exactly_half
+from specd.cpu.llama import RopeTables, attend_numpy, rms_norm, turns_pairs
+from specd.cpu.row_products import layer_kernels
 
 MAX_ROWS = 64  # faster than MLX at every size measured to 64 rows; a prompt goes to MLX
 

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from specd.models.half import HalfEmbedding, HalfLinear, half_copy, store_half, stored_half_module
+from specd.cpu.half import HalfEmbedding, HalfLinear, half_copy, store_half, stored_half_module
 
 DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
 _FLOAT = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -180,7 +180,7 @@ def _fastest_exact(path: Path):
 
 def _float_module(module: nn.Module, dtype: mx.Dtype, half: bool = False) -> nn.Module:
     """The dequantized module in `dtype`; with `half` (float32 only), a weight dequantized as
-    float16 (half scales) stays so: those are exactly its float32 values (specd.models.half)."""
+    float16 (half scales) stays so: those are exactly its float32 values (specd.cpu.half)."""
     weight = mx.dequantize(
         module.weight,
         module.scales,
@@ -207,7 +207,7 @@ def convert_dtype(model: nn.Module, dtype: str, half_weights: bool = False) -> N
     """Dequantize and cast in place, one module at a time so that the quantized and the
     float copy of the whole model never sit in memory together; `native` keeps the weights.
     half_weights (float32 only): Linear and Embedding weights that float16 holds exactly are
-    kept so (specd.models.half), each as it is made, so no full float32 copy is ever held."""
+    kept so (specd.cpu.half), each as it is made, so no full float32 copy is ever held."""
     if dtype != "native":
         target = _FLOAT[dtype]
         half = half_weights and target == mx.float32

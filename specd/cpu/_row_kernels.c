@@ -3,7 +3,7 @@
  * a memory-bound decode step pays for (weights that came from a quantized or half checkpoint
  * lose nothing in float16).
  *
- * specd.models.row_products explains why; this is the compiled part. Built by pip with the
+ * specd.cpu.row_products explains why; this is the compiled part. Built by pip with the
  * package (setup.py) when a C compiler is present; without it specd falls back to numpy.
  * The weight rows are shared between the calling thread and a pool of worker threads (one
  * per further CPU), handed out in pieces so a thread the OS lends to another process does
@@ -11,7 +11,7 @@
  * first, kept one per calling thread, and two on two cores made every forward slower. Its
  * workers spin briefly between products and then sleep, so they do not hold a core that
  * the other services need between two forwards.
- * The rest of a few-token layer of specd.models.cpu_llama is here too (attention over the KV
+ * The rest of a few-token layer of specd.cpu.llama is here too (attention over the KV
  * cache, RMSNorm, RoPE, SwiGLU), one call each, on the calling thread.
  */
 #define PY_SSIZE_T_CLEAN
@@ -516,7 +516,7 @@ static PyObject *products(PyObject *self, PyObject *args) {
     return finish(v, 3, 1, NULL);
 }
 
-/* ---- Attention of a few new tokens over the KV cache (specd.models.cpu_llama) ----
+/* ---- Attention of a few new tokens over the KV cache (specd.cpu.llama) ----
  * numpy spent ~150 us a layer on it for one token, nearly all of it in the dozen calls it
  * takes; the arithmetic is a few microseconds. */
 

@@ -5,7 +5,7 @@ float16 values, so its float32 copy doubles the bytes a memory-bound decode step
 memory it holds. These modules keep such weights as float16 and still compute in float32: MLX's
 products convert the weight first and then transpose it, the same BLAS call, bit for bit, as
 with a float32 copy; the embedding hands out float32 rows. The verifier's compiled products
-(specd.models.row_products) read the float16 weights directly.
+(specd.cpu.row_products) read the float16 weights directly.
 """
 
 from __future__ import annotations

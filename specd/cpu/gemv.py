@@ -2,14 +2,14 @@
 
 MLX on CPU sends every Linear to one `cblas_sgemm`, and a general sgemm packs the whole
 weight matrix before multiplying: for a few input rows that packing costs more than the
-product. specd.models.row_products reads each weight once for one row or several (SmolLM2-135M,
+product. specd.cpu.row_products reads each weight once for one row or several (SmolLM2-135M,
 all 211 products of a step, one row: ~40 ms against MLX's ~76 ms on a 2-core x86 box;
 docs/history), on zero-copy views of the same weight buffers. Here the
 rest of the graph stays in MLX, and each product makes MLX evaluate its input first, which is
-why this pays only for a few rows; specd.models.cpu_llama runs whole Llama-family forwards
+why this pays only for a few rows; specd.cpu.llama runs whole Llama-family forwards
 on these products instead.
 
-Weights kept as float16 (specd.models.half) are read as such: the compiled products convert
+Weights kept as float16 (specd.cpu.half) are read as such: the compiled products convert
 them as they read and sum in float32.
 """
 
@@ -21,8 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from specd.models.half import HalfEmbedding, HalfLinear, rebuilt, replace_modules
-from specd.models.row_products import compiled, row_products
+from specd.cpu.half import HalfEmbedding, HalfLinear, rebuilt, replace_modules
+from specd.cpu.row_products import compiled, row_products
 
 DEFAULT_MAX_ROWS = 3  # products alone, MLX around them: 1-3 rows faster than MLX's sgemm here
 
@@ -104,7 +104,7 @@ def _weight_view(array: mx.array) -> np.ndarray | None:
 
 def use_gemv(model: nn.Module, max_rows: int) -> int:
     """Route products of at most `max_rows` rows in `model`'s float32 Linears (and tied
-    embedding heads, and those keeping float16 weights: specd.models.half) to numpy, each
+    embedding heads, and those keeping float16 weights: specd.cpu.half) to numpy, each
     module replaced by one holding the same weights and their numpy views; the weights must
     not be replaced afterwards. Returns how many modules were replaced."""
     if max_rows <= 0:

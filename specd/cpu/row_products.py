@@ -2,10 +2,10 @@
 
 For a few rows a BLAS sgemm first packs the whole weight matrix (numpy's and MLX's alike),
 and a gemv per row reads it once per row; on a memory-bound CPU both cost about the rows
-times one gemv. The compiled kernels (specd/_row_kernels.c, built by pip with the package)
+times one gemv. The compiled kernels (specd/cpu/_row_kernels.c, built by pip with the package)
 walk the weight rows once and multiply each, while it is in cache, with one, two or four input
 rows at a time (docs/history). They also read float16 weights,
-converting as they go and summing in float32, for half the bytes (specd.models.gemv says
+converting as they go and summing in float32, for half the bytes (specd.cpu.gemv says
 when). Where they were not built (no C compiler), numpy's gemv and sgemm do the products.
 
 Their threads are the extension's own, one pool per process whichever thread calls: a second
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 try:
-    from specd import _row_kernels
+    from specd.cpu import _row_kernels
 except ImportError:  # built without a C compiler
     _row_kernels = None
 
@@ -31,7 +31,7 @@ def compiled() -> bool:
 
 def layer_kernels():
     """The compiled module, whose attention, rms_norm, rope and swiglu serve
-    specd.models.cpu_llama; None where it was not built."""
+    specd.cpu.llama; None where it was not built."""
     return _row_kernels
 
 

@@ -1,6 +1,6 @@
 """Whole decode-sized forwards of a Llama-family model on numpy (CPU, float32).
 
-With its weight products on numpy's gemv (specd.models.gemv), a one-token forward of
+With its weight products on numpy's gemv (specd.cpu.gemv), a one-token forward of
 SmolLM2-135M still spent ~37 of its ~89 ms waiting on MLX: every product makes MLX evaluate
 its input, ~4 small graphs per layer at ~35-170 us each. The rest of a layer (two RMSNorms,
 RoPE, attention over the cache, SwiGLU) is little arithmetic per token, so forwards of a few
@@ -21,8 +21,8 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import Llama3RoPE
 
-from specd.models.gemv import GemvWeights, float32_view
-from specd.models.row_products import layer_kernels
+from specd.cpu.gemv import GemvWeights, float32_view
+from specd.cpu.row_products import layer_kernels
 
 ROPE_BLOCK = 256  # positions per table of RoPE angles, made on first use
 # numpy beat MLX at every size measured up to 32 tokens, and tied at 33 (benchmarks/step_floor.py;

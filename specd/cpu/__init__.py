@@ -1,0 +1,10 @@
+"""specd's CPU kernels: forwards of a few rows off MLX, for the verifier's target and the
+drafters' small models alike. MLX's CPU build runs a decode-sized product as a full matrix
+product; these run it as row products on numpy and the compiled `_row_kernels.c` (built with the
+package when a C compiler is there; numpy otherwise).
+
+  row_products.py  the compiled products, or numpy's, on float32 or float16-stored weights
+  gemv.py          a model's linear layers computing few-row inputs with those products
+  half.py          weights that float16 holds exactly, kept half (half the bytes to read)
+  llama.py         whole Llama-family layers (attention, RoPE, norms) on numpy
+"""
