@@ -151,6 +151,20 @@ def add_bench_args(p) -> None:
         help="start no new question after this long (services' start-up included) and report "
         "the questions done: on a machine lent for a while, a partial table beats none",
     )
+    p.add_argument(
+        "--concurrency",
+        metavar="LEVELS",
+        help="comma-separated client counts (e.g. 1,4,16): aggregate tok/s and request latency "
+        "of each drafter's stack under that many clients at once, beside mlx-lm's batched plain "
+        "generation of the same prompts (instead of the per-question comparison)",
+    )
+    p.add_argument(
+        "--concurrency-requests",
+        type=int_between(1),
+        default=2,
+        metavar="N",
+        help="requests each client sends one after the other at every --concurrency level",
+    )
     p.add_argument("--json", dest="json_out", type=Path, help="write results here")
     p.add_argument("--log-dir", type=Path, help="service logs (default: a temp dir)")
 
@@ -454,7 +468,6 @@ def run_bench(args) -> int:
 
     from specd.client import CoordinatorClient
     from specd.datasets import load_questions
-    from specd.launch import Stack
     from specd.models.load import load_target
     from specd.prompts import encode_chat
 
@@ -466,6 +479,14 @@ def run_bench(args) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.concurrency:
+        from coordinator.concurrency import parse_levels
+
+        try:
+            parse_levels(args.concurrency)
+        except ValueError as exc:
+            print(f"specd: bench: {exc}", file=sys.stderr)
+            return 2
     categories = args.categories.split(",") if args.categories else None
     try:
         questions = load_questions(args.questions, limit=args.limit, categories=categories)
@@ -494,27 +515,20 @@ def run_bench(args) -> int:
         f"drafters {', '.join(drafters)}, {args.max_tokens} tokens; logs in {log_dir}",
         file=sys.stderr,
     )
+    if args.concurrency:
+        from coordinator.concurrency import concurrency_table, run_concurrency, write_concurrency
+
+        levels = run_concurrency(args, target, drafters, prompts, log_dir)
+        print(concurrency_table(levels))
+        if args.json_out:
+            write_concurrency(args.json_out, levels)
+        return 0
     rows: dict[str, list[dict]] = {d: [] for d in drafters}
     memory = {}
     with ExitStack() as running:
         clients, in_process, first = {}, {}, {}
         for d in drafters:  # one stack each, all up: idle ones cost memory, not time
-            stack = running.enter_context(
-                Stack(
-                    target=args.target,
-                    drafter=bench_kind(d),
-                    dtype=args.dtype,
-                    gemv_rows=args.gemv_rows,
-                    float32_weights=args.float32_weights,
-                    verifier_args=shlex.split(args.verifier_args),
-                    drafter_args=_drafter_args(args, d),
-                    coordinator_args=([] if args.adaptive else ["--no-adaptive"])
-                    + (["--overlap-drafting"] if args.overlap else [])
-                    + ["--decode-burst", str(args.decode_burst)]
-                    + (["--no-draft-beside-decode"] if serial_drafting(d) else []),
-                    log_dir=log_dir / d,
-                )
-            )
+            stack = running.enter_context(bench_stack(args, d, log_dir / d))
             clients[d] = CoordinatorClient(stack.coordinator)
             # the first request after SERVING, timed: the services' warm-up must have compiled
             # every shape it meets; the main loop runs the same request again
@@ -572,6 +586,26 @@ def run_bench(args) -> int:
     if args.json_out:
         write_outputs(args.json_out, results)
     return 0
+
+
+def bench_stack(args, drafter: str, log_dir: Path):
+    """The three services for bench drafter `drafter`, with the bench's options."""
+    from specd.launch import Stack
+
+    return Stack(
+        target=args.target,
+        drafter=bench_kind(drafter),
+        dtype=args.dtype,
+        gemv_rows=args.gemv_rows,
+        float32_weights=args.float32_weights,
+        verifier_args=shlex.split(args.verifier_args),
+        drafter_args=_drafter_args(args, drafter),
+        coordinator_args=([] if args.adaptive else ["--no-adaptive"])
+        + (["--overlap-drafting"] if args.overlap else [])
+        + ["--decode-burst", str(args.decode_burst)]
+        + (["--no-draft-beside-decode"] if serial_drafting(drafter) else []),
+        log_dir=log_dir,
+    )
 
 
 def bench_request(prompt_ids, args, drafter: str):

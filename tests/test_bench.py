@@ -224,3 +224,43 @@ def test_time_limit_reports_the_questions_done(tiny_model_dir, tmp_path):
     assert "1 of 3 questions (--time-limit)" in run.stdout
     result = json.loads(out.read_text())
     assert result["questions_asked"] == 3 and len(result["questions"]) == 1
+
+
+def test_concurrency_levels_measure_services_beside_mlx_lm_batched(tiny_model_dir, tmp_path):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(
+        "".join(
+            f'{{"question_id": {i}, "category": "a", "turns": ["say {i} {i} {i}"]}}\n'
+            for i in range(3)
+        )
+    )
+    out = tmp_path / "levels.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "specd", "bench", "--questions", str(questions), "--target",
+         str(tiny_model_dir), "--max-tokens", "12", "--drafter", "ngram,none",
+         "--concurrency", "1,3", "--concurrency-requests", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    levels = json.loads(out.read_text())
+    assert set(levels) == {"mlx-lm batched", "ngram", "none"}
+    for rows in levels.values():
+        assert [r["clients"] for r in rows] == [1, 3]
+        assert [r["requests"] for r in rows] == [2, 6]
+        for r in rows:
+            assert r["tokens"] > 0 and r["aggregate_tok_s"] > 0 and r["p99_s"] >= r["p50_s"] > 0
+    # greedy: every service output under concurrency equals the same prompt's solo output
+    assert all(r["outputs_differing_from_solo"] == 0 for n in ("ngram", "none") for r in levels[n])
+    table = (tmp_path / "levels.md").read_text()
+    assert "| ngram | 3 |" in table and "| mlx-lm batched | 1 |" in table
+    assert (tmp_path / "levels.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_concurrency_levels_are_checked():
+    from coordinator.concurrency import parse_levels, percentile
+
+    assert parse_levels("16,1,4,4") == [1, 4, 16]
+    for bad in ("", "0,2", "a,b"):
+        with pytest.raises(ValueError, match="--concurrency"):
+            parse_levels(bad)
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and percentile([1.0, 9.0], 0.99) == 9.0
