@@ -177,3 +177,10 @@ def test_lookup_refuses_saying_what_each_model_was_made_for(shipped, identity, r
 def test_lookup_in_an_empty_folder_says_none_ship(tmp_path):
     with pytest.raises(CheckpointError, match="shipped EAGLE-3 heads are for: none; pass"):
         lookup(tmp_path, ("aaa", 100, 64, 2))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_shipped_weight_file_fits_16_mib(kind):
+    files = list(SHIPPED[kind].glob("*.safetensors"))
+    assert files and all(f.stat().st_size <= 16 * 2**20 for f in files)
+
