@@ -9,7 +9,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("verifier_svc", "drafter_svc", "coordinator")
 # the top layer: every command, the bench, the demo and the round loop in one process
-TOP = {"specd/cli.py", "coordinator/bench.py", "coordinator/demo.py", "coordinator/local.py"}
+TOP = {
+    "specd/cli.py",
+    "coordinator/bench.py",
+    "coordinator/concurrency.py",
+    "coordinator/demo.py",
+    "coordinator/local.py",
+}
 
 
 def imported_packages(path: Path) -> set[str]:
