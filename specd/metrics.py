@@ -30,6 +30,11 @@ ROUND_OVERHEAD = Histogram(
 DRAFTER_FALLBACKS = Counter(
     "specd_drafter_fallbacks_total", "requests that lost their drafter and went on without it"
 )
+DECODE_BATCH = Histogram(
+    "specd_decode_batch_sessions",
+    "sessions whose plain greedy rounds the verifier ran together, per batch",
+    buckets=(1, 2, 4, 8, 16, 32),
+)
 VERIFIER_REOPENS = Counter(
     "specd_verifier_reopens_total", "sessions re-opened after a verifier was lost"
 )

@@ -4,6 +4,7 @@ and reflection, process stats."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import inspect
 import json
@@ -18,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf import message_factory
@@ -346,6 +348,14 @@ class SessionTable:
             self.expire()
 
 
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """Jobs that one call can run together (`MlxThread.submit_batched`): `run_many(items)`
+    returns a result, or an exception to raise, for each item in order."""
+
+    run_many: Callable[[list], list]
+
+
 class MlxThread:
     """All MLX work of a process runs here, one job at a time, off the event loop.
 
@@ -369,8 +379,12 @@ class MlxThread:
         threading.Thread(target=self._work, name="mlx", daemon=True).start()
 
     def _work(self) -> None:
+        held: collections.deque = collections.deque()  # taken from the queue, not yet run
         while True:
-            future, fn, args = self._jobs.get()
+            future, fn, args = held.popleft() if held else self._jobs.get()
+            if isinstance(fn, Batch):
+                self._run_batch(fn, [(future, args)], held)
+                continue
             settle = None
             if future.set_running_or_notify_cancel():
                 try:
@@ -381,6 +395,44 @@ class MlxThread:
             self._finished += 1
             if settle is not None:
                 settle()
+
+    def _run_batch(self, batch: Batch, jobs: list, held: collections.deque) -> None:
+        """This job and every job of the same batch queued behind it, in one call; other jobs
+        met on the way keep their order and run next."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job[1] is batch:
+                jobs.append((job[0], job[2]))
+            else:
+                held.append(job)
+        taken = len(jobs)
+        jobs = [(future, item) for future, item in jobs if future.set_running_or_notify_cancel()]
+        try:
+            results = batch.run_many([item for _, item in jobs]) if jobs else []
+        except BaseException as exc:  # the whole call failed: every caller gets it
+            results = [exc] * len(jobs)
+        self._finished += taken
+        for (future, _), result in zip(jobs, results, strict=True):
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    def submit_batched(self, batch: Batch, item) -> Future:
+        """A job that runs together with the other jobs of `batch` waiting when it starts:
+        `batch.run_many(items)` answers each item (a result or an exception) in order."""
+        if self._closed:
+            raise RuntimeError("the MLX thread is shut down")
+        future: Future = Future()
+        self._submitted += 1
+        self._jobs.put((future, batch, item))
+        return future
+
+    async def run_batched(self, batch: Batch, item):
+        return await asyncio.wrap_future(self.submit_batched(batch, item))
 
     def submit(self, fn: Callable, *args) -> Future:
         if self._closed:

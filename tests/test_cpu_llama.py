@@ -167,3 +167,69 @@ def test_a_failure_while_appending_leaves_every_layer_as_it_was(tiny_model_dir, 
     with pytest.raises(MemoryError):
         fast.forward(mx.array([7, 8]), session.cache)
     assert [c.offset for c in session.cache] == [base] * len(session.cache)
+
+
+def test_several_sequences_in_one_forward_equal_each_alone(pair):
+    """forward_many: each sequence's logits, captured rows and cache as its own forward gives
+    (the products see more rows; each row's sums are its own)."""
+    from specd.cpu.llama import Segment
+
+    _, fast = pair
+    layers = fast.cpu_layers
+    contexts, news = [_prompt(5), _prompt(40), _prompt(17)], [[7], [8, 9, 10], [11]]
+
+    def caches():
+        out = []
+        for ctx in contexts:
+            cache = fast.new_cache()
+            fast.forward(mx.array(ctx), cache)
+            out.append(cache)
+        return out
+
+    together, alone = caches(), caches()
+    segments = [Segment(np.array(t), c) for t, c in zip(news, together, strict=True)]
+    many = layers.forward_many(segments, frozenset({0, 1}))
+    for (logits, rows), new, cache in zip(many, news, alone, strict=True):
+        want_logits, want_rows = layers.forward(np.array(new), cache, frozenset({0, 1}))
+        np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+        assert (logits.argmax(-1) == want_logits.argmax(-1)).all()
+        for i in (0, 1):
+            np.testing.assert_allclose(rows[i], want_rows[i], rtol=1e-5, atol=1e-5)
+    for a, b in zip(together, alone, strict=True):
+        assert a[0].offset == b[0].offset
+        for la, lb in zip(a, b, strict=True):
+            n = la.offset
+            np.testing.assert_allclose(
+                np.array(la.keys[..., :n, :]), np.array(lb.keys[..., :n, :]), atol=1e-5
+            )
+
+
+def test_decoding_several_sessions_at_once_equals_each_alone(pair):
+    """decode_many: the same tokens, rows and caches as decode per session, for sessions of
+    different lengths, bursts and captures; one stopping early leaves the others going."""
+    from verifier_svc.engine import decode_many
+
+    _, fast = pair
+    prompts = [_prompt(6), _prompt(30), _prompt(13), _prompt(9)]
+    captures = [(0, 1), (), (1,), (0, 1)]
+    steps = [4, 1, 6, 3]
+
+    def sessions():
+        return [prefill(fast, p, c).session for p, c in zip(prompts, captures, strict=True)]
+
+    alone = [decode(fast, s, k) for s, k in zip(sessions(), steps, strict=True)]
+    batched_sessions = sessions()
+    together = decode_many(fast, list(zip(batched_sessions, steps, strict=True)))
+    for a, b, k in zip(alone, together, steps, strict=True):
+        assert b.committed == a.committed and len(b.committed) <= k
+        assert b.finished == a.finished
+        if a.rows is None:
+            assert b.rows is None
+        else:
+            _check_close(b.rows, a.rows)
+    reference = sessions()
+    for s, k in zip(reference, steps, strict=True):
+        decode(fast, s, k)
+    for got, want in zip(batched_sessions, reference, strict=True):
+        assert (got.position, got.last_token) == (want.position, want.last_token)
+        assert got.cache[0].offset == want.cache[0].offset == got.position - 1

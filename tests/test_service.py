@@ -251,3 +251,31 @@ def test_sampling_and_tree_checks_every_service_shares():
     ):
         with pytest.raises(InvalidArgument, match=reason):
             check_tree_request(shape, "x", trees, limit)
+
+
+def test_batched_jobs_queued_together_run_in_one_call_and_others_keep_their_order():
+    from specd.service import Batch
+
+    calls, order = [], []
+
+    def run_many(items):
+        calls.append(list(items))
+        return [ValueError(f"bad {x}") if x < 0 else 10 * x for x in items]
+
+    batch = Batch(run_many)
+    mlx = MlxThread(inline_rounds=False)
+    gate = threading.Event()
+    blocker = mlx.submit(gate.wait)  # holds the worker while the others queue up
+    first = mlx.submit_batched(batch, 1)
+    plain = mlx.submit(lambda: order.append("plain") or "plain")
+    second, bad = mlx.submit_batched(batch, 2), mlx.submit_batched(batch, -1)
+    gate.set()
+    assert blocker.result(5) is True
+    assert first.result(5) == 10 and second.result(5) == 20 and plain.result(5) == "plain"
+    with pytest.raises(ValueError, match="bad -1"):
+        bad.result(5)
+    assert calls == [[1, 2, -1]]  # one call for the three, the plain job after it
+    alone = mlx.submit_batched(batch, 3)
+    assert alone.result(5) == 30 and calls[-1] == [3]
+    assert mlx._finished == mlx._submitted  # idle again: inline rounds would run
+    mlx.shutdown()

@@ -183,4 +183,3 @@ def test_lookup_in_an_empty_folder_says_none_ship(tmp_path):
 def test_each_shipped_weight_file_fits_16_mib(kind):
     files = list(SHIPPED[kind].glob("*.safetensors"))
     assert files and all(f.stat().st_size <= 16 * 2**20 for f in files)
-

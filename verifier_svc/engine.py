@@ -21,7 +21,7 @@ from specd.cpu.gemv import (
 )
 from specd.cpu.half import stored_half
 from specd.cpu.llama import DEFAULT_MAX_ROWS as CPU_MAX_ROWS
-from specd.cpu.llama import CpuLlama
+from specd.cpu.llama import CpuLlama, Segment
 from specd.cpu.row_products import compiled as row_kernels_compiled
 from specd.models import rowwise
 from specd.models.capture import install_capture, install_tree_positions
@@ -368,6 +368,63 @@ def decode(target: Target, session: Session, steps: int, look_ahead: bool = Fals
     session.last_token = committed[-1]
     session.finished = committed[-1] in target.eos_ids
     return VerifyResult(committed, 0, session.finished, all_rows, time.perf_counter() - start)
+
+
+def decode_many(target: Target, items: list[tuple[Session, int]]) -> list[VerifyResult]:
+    """Plain greedy decoding of several sessions at once, each committing up to its `steps`
+    tokens and stopping after an EOS, as `decode` would alone. On the CPU kernels every step is
+    one forward for all of them (each weight read once for every session); where that forward
+    cannot take them (MLX, sampling, a queued look-ahead, more rows than it takes), they decode
+    one after the other. A failure leaves every session as it was."""
+    layers = target.cpu_layers
+    if (
+        layers is None
+        or len(items) < 2
+        or len(items) > layers.max_rows
+        or any(s.rng is not None or s.ahead is not None for s, _ in items)
+        or not all(layers.can_run(1, s.cache) for s, _ in items)
+    ):
+        return [decode(target, session, steps) for session, steps in items]
+    start = time.perf_counter()
+    saved = [(s.position, s.last_token, s.finished) for s, _ in items]
+    capture = frozenset().union(*(s.capture for s, _ in items))
+    committed: list[list[int]] = [[] for _ in items]
+    rows: list[list[np.ndarray]] = [[] for _ in items]
+    live = list(range(len(items)))
+    try:
+        while live:
+            segments = [
+                Segment(np.array([committed[i][-1] if committed[i] else items[i][0].last_token]),
+                        items[i][0].cache)
+                for i in live
+            ]  # fmt: skip
+            outs = layers.forward_many(segments, capture)
+            still = []
+            for i, (logits, outputs) in zip(live, outs, strict=True):
+                session, steps = items[i]
+                token = _greedy_next(mx.array(logits)).item()  # as decode takes it
+                committed[i].append(token)
+                if session.capture:
+                    rows[i].append(np.concatenate([outputs[j] for j in session.capture], -1))
+                if token not in target.eos_ids and len(committed[i]) < max(steps, 1):
+                    still.append(i)
+            live = still
+    except BaseException:
+        for (session, _), (position, _, _) in zip(items, saved, strict=True):
+            _rollback(session.cache, position - 1)
+        raise
+    seconds = time.perf_counter() - start
+    results = []
+    for (session, _), tokens, parts in zip(items, committed, rows, strict=True):
+        session.position += len(tokens)
+        session.last_token = tokens[-1]
+        session.finished = tokens[-1] in target.eos_ids
+        kept = None
+        if parts:
+            kept = mx.array(np.concatenate(parts)).astype(session.rows_dtype)
+            mx.eval(kept)
+        results.append(VerifyResult(tokens, 0, session.finished, kept, seconds))
+    return results
 
 
 def _merged(results: list[VerifyResult]) -> VerifyResult:

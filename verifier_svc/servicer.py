@@ -5,13 +5,15 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from specd import __version__, wire
+from specd import __version__, metrics, wire
 from specd.models.load import device_kind, load_target, tokenizer_files
 from specd.service import (
+    Batch,
     FailedPrecondition,
     InvalidArgument,
     MlxThread,
     ResourceExhausted,
+    ServiceError,
     SessionTable,
     Unavailable,
     check_sampling_params,
@@ -27,6 +29,7 @@ from verifier_svc.engine import (
     Target,
     TreeUnsupported,
     decode,
+    decode_many,
     half_weights_pay,
     prefill,
     verify,
@@ -93,6 +96,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.warmup: WarmupReport | None = None
         self.look_ahead = False  # decided at load
         self.sessions = SessionTable(config.max_sessions, config.session_idle_timeout_s)
+        self._decodes = Batch(self._decode_many)
 
     async def load(self) -> None:
         self.target = await self.mlx.run(self._load_and_warm)
@@ -204,13 +208,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
         if steps > 1 and drafts:
             raise InvalidArgument("plain_steps > 1 takes no drafts: send them in their own call")
-        # a few forwards may run on the event loop; a longer burst goes to the worker, so
-        # health checks and other sessions' calls are not held up for seconds
-        run = self.mlx.run_round if steps <= INLINE_MAX_STEPS else self.mlx.run
-        result = await run(
-            self._verify_in_order, target, session, request.position, drafts, probs, parents,
-            steps,
-        )  # fmt: skip
+        if not drafts and parents is None and session.rng is None and target.cpu_layers:
+            # plain greedy decoding: the sessions waiting together decode in one forward
+            result = await self.mlx.run_batched(self._decodes, (session, request.position, steps))
+        else:
+            # a few forwards may run on the event loop; a longer burst goes to the worker, so
+            # health checks and other sessions' calls are not held up for seconds
+            run = self.mlx.run_round if steps <= INLINE_MAX_STEPS else self.mlx.run
+            result = await run(
+                self._verify_in_order, target, session, request.position, drafts, probs,
+                parents, steps,
+            )  # fmt: skip
         return verifier_pb2.VerifyResponse(
             committed_ids=result.committed,
             num_accepted=result.num_accepted,
@@ -222,10 +230,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     VerifyStream = stream_of(Verify)
 
-    def _verify_in_order(
-        self, target: Target, session: Session, position: int, drafts, probs, parents=None,
-        plain_steps: int = 0,
-    ):  # fmt: skip
+    def _check_round(self, session: Session, position: int, drafts: int) -> None:
         # checked on the MLX thread, so two calls for one session cannot both pass
         if session.finished:
             raise FailedPrecondition("session is finished (EOS committed); close it")
@@ -234,11 +239,38 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 f"position {position} does not match the session's {session.position}; "
                 "the caller is out of sync (retried or reordered call)"
             )
-        if session.position + len(drafts) > self.max_context:
+        if session.position + drafts > self.max_context:
             raise ResourceExhausted(f"context would exceed the limit of {self.max_context} tokens")
+
+    def _plain_steps(self, session: Session, asked: int) -> int:
+        """As many as fit in the context; at least one passed `_check_round`."""
+        return min(max(asked, 1), self.max_context - session.position + 1)
+
+    def _decode_many(self, items: list) -> list:
+        """Plain greedy rounds of the sessions waiting together (MlxThread batch): a result,
+        or the error to answer with, for each (session, position, plain_steps)."""
+        answers: list = [None] * len(items)
+        ready = []
+        for n, (session, position, asked) in enumerate(items):
+            try:
+                self._check_round(session, position, 0)
+            except ServiceError as exc:
+                answers[n] = exc
+                continue
+            ready.append((n, session, self._plain_steps(session, asked)))
+        metrics.DECODE_BATCH.observe(len(ready))
+        results = decode_many(self._ready(), [(session, steps) for _, session, steps in ready])
+        for (n, _, _), result in zip(ready, results, strict=True):
+            answers[n] = result
+        return answers
+
+    def _verify_in_order(
+        self, target: Target, session: Session, position: int, drafts, probs, parents=None,
+        plain_steps: int = 0,
+    ):  # fmt: skip
+        self._check_round(session, position, len(drafts))
         if plain_steps > 1 or (not drafts and parents is None and session.rng is None):
-            # as many as fit in the context; at least one passed the check above
-            steps = min(max(plain_steps, 1), self.max_context - session.position + 1)
+            steps = self._plain_steps(session, plain_steps)
             ahead = self.look_ahead and session.position + steps < self.max_context
             return decode(target, session, steps, look_ahead=ahead)
         if parents is None:

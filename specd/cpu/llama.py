@@ -97,6 +97,21 @@ class RopeTables:
         return self._blocks[index]
 
 
+@dataclass
+class Segment:
+    """One sequence's part of a forward: new tokens at the end of its own cache."""
+
+    token_ids: np.ndarray  # [T]
+    cache: list  # its KVCache per layer
+    positions: np.ndarray | None = None  # [T] RoPE positions (default: places in the cache)
+    sees: np.ndarray | None = None  # [T, T] which new tokens each sees (default: causal)
+
+
+def _rows(x: np.ndarray, a: int, b: int) -> np.ndarray:
+    """[heads, a:b, D] of [heads, T, D], contiguous as the kernels read it."""
+    return x if a == 0 and b == x.shape[1] else np.ascontiguousarray(x[:, a:b])
+
+
 class CpuLlama:
     """numpy forwards of at most `max_rows` tokens for an mlx-lm `llama` model whose products
     were switched to gemv; build with `CpuLlama.attach`, which says None when it cannot."""
@@ -189,27 +204,51 @@ class CpuLlama:
         allows (default: itself and the ones before it); `positions` [T] are its RoPE
         positions (default: its place in the cache). Appends each layer's keys and values
         to its KVCache, as MLX's forward would."""
-        n = len(token_ids)
-        offset = cache[0].offset
-        if positions is None:
-            positions = np.arange(offset, offset + n)
+        return self.forward_many([Segment(token_ids, cache, positions, sees)], capture)[0]
+
+    def forward_many(
+        self, segments: list[Segment], capture: frozenset[int]
+    ) -> list[tuple[np.ndarray, dict[int, np.ndarray]]]:
+        """Several sequences' new tokens in one forward, each at the end of its own cache: the
+        products and norms run over every row at once (a weight read once for all), RoPE by
+        each row's position, attention and the cache update per sequence."""
+        bounds = np.cumsum([0] + [len(s.token_ids) for s in segments])
+        offsets = [s.cache[0].offset for s in segments]
+        positions = np.concatenate(
+            [
+                np.arange(o, o + len(s.token_ids)) if s.positions is None else s.positions
+                for s, o in zip(segments, offsets, strict=True)
+            ]
+        )
+        sees = [
+            np.tri(len(s.token_ids), dtype=bool)
+            if s.sees is None
+            else np.ascontiguousarray(s.sees, dtype=bool)
+            for s in segments
+        ]
         cos, sin = self.rope.at(positions)
-        sees = np.tri(n, dtype=bool) if sees is None else np.ascontiguousarray(sees, dtype=bool)
         kernels = layer_kernels() if self.head_dim % 8 == 0 else None
         if kernels is not None:
             rms, heads, attend = self._rms_compiled, self._heads_compiled, self._attend_compiled
             swiglu = kernels.swiglu
         else:
             rms, heads, attend, swiglu = self._rms, self._heads, self._attend, _swiglu
+        token_ids = np.concatenate([s.token_ids for s in segments])
+        n = len(token_ids)
         h = self.embed[token_ids].astype(np.float32, copy=False)  # [T, H]; a half table's rows
         captured: dict[int, np.ndarray] = {}
         new_kv = []
-        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache, strict=True)):
+        spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+        for i, layer in enumerate(self.layers):
             x = rms(h, layer.input_norm)
             q = heads(layer.q.of_rows(x), self.heads, cos, sin)
             k = heads(layer.k.of_rows(x), self.kv_heads, cos, sin)
             v = layer.v.of_rows(x).reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
-            attended = attend(q, k, v, layer_cache, offset, sees)
+            parts = [
+                attend(_rows(q, a, b), _rows(k, a, b), v[:, a:b], s.cache[i], offset, seen)
+                for s, offset, seen, (a, b) in zip(segments, offsets, sees, spans, strict=True)
+            ]
+            attended = parts[0] if len(parts) == 1 else np.concatenate(parts)
             h = h + layer.o.of_rows(attended)
             x = rms(h, layer.post_norm)
             gate = layer.gate.of_rows(x)
@@ -221,16 +260,19 @@ class CpuLlama:
         logits = self.head.of_rows(rms(h, self.final_norm))
         # numpy views of the caches are gone: MLX may update their buffers in place
         try:
-            for layer_cache, (k, v) in zip(cache, new_kv, strict=True):
-                layer_cache.update_and_fetch(
-                    mx.array(k[None]), mx.array(np.ascontiguousarray(v)[None])
-                )
-            mx.eval([a for c in cache for a in (c.keys, c.values)])
+            for s, (a, b) in zip(segments, spans, strict=True):
+                for layer_cache, (k, v) in zip(s.cache, new_kv, strict=True):
+                    layer_cache.update_and_fetch(
+                        mx.array(_rows(k, a, b)[None]),
+                        mx.array(np.ascontiguousarray(v[:, a:b])[None]),
+                    )
+            mx.eval([a for s in segments for c in s.cache for a in (c.keys, c.values)])
         except BaseException:
-            for layer_cache in cache:  # all layers as they were, so rollback trims them alike
-                layer_cache.offset = min(layer_cache.offset, offset)
+            for s, offset in zip(segments, offsets, strict=True):
+                for layer_cache in s.cache:  # all layers as they were, so rollback trims alike
+                    layer_cache.offset = min(layer_cache.offset, offset)
             raise
-        return logits, captured
+        return [(logits[a:b], {i: rows[a:b] for i, rows in captured.items()}) for a, b in spans]
 
     def _rms_compiled(self, h: np.ndarray, weight: np.ndarray) -> np.ndarray:
         return rms_norm(h, weight, self.eps)

@@ -1,0 +1,80 @@
+"""Plain greedy rounds of concurrent sessions batched in the verifier: the same tokens as each
+session alone, and batches of more than one session do form under load."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+
+import grpc
+
+from specd.launch import free_ports, spawn
+from specd.service import channel_options
+from specd.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+
+PROMPTS = [[5 + (7 * i + j) % 90 for j in range(4 + 3 * i)] for i in range(6)]
+CALLS, STEPS = 6, 16
+
+
+def _decode(stub, prompt: list[int]) -> list[int]:
+    opened = stub.OpenSession(verifier_pb2.OpenSessionRequest(prompt_ids=prompt), timeout=60)
+    ids, position = [opened.first_token], opened.position
+    for _ in range(CALLS):
+        answer = stub.Verify(
+            verifier_pb2.VerifyRequest(
+                session_id=opened.session_id, position=position, plain_steps=STEPS
+            ),
+            timeout=60,
+        )
+        ids += answer.committed_ids
+        position = answer.position
+        if answer.finished:
+            break
+    stub.CloseSession(common_pb2.CloseSessionRequest(session_id=opened.session_id))
+    return ids
+
+
+def _batches(metrics_port: int) -> tuple[float, float]:
+    """(batches, batches of one session) from the verifier's /metrics."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=30) as response:
+        text = response.read().decode()
+    count = alone = 0.0
+    for line in text.splitlines():
+        if line.startswith("specd_decode_batch_sessions_count"):
+            count = float(line.split()[-1])
+        elif line.startswith('specd_decode_batch_sessions_bucket{le="1.0"}'):
+            alone = float(line.split()[-1])
+    return count, alone
+
+
+def test_concurrent_sessions_decode_together_and_as_each_alone(tiny_model_dir, tmp_path):
+    metrics_port, port = free_ports(2)
+    verifier = spawn(
+        "verifier",
+        ["--model", str(tiny_model_dir), "--metrics-port", str(metrics_port)],
+        port=port,
+        log_dir=tmp_path,
+    )
+    try:
+        verifier.wait_healthy(120)
+        with grpc.insecure_channel(verifier.address, options=channel_options()) as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            solo = [_decode(stub, p) for p in PROMPTS]
+            count, alone = _batches(metrics_port)
+            assert count == alone > 0  # one client at a time: batches of one
+            together: list = [None] * len(PROMPTS)
+
+            def client(n: int) -> None:
+                together[n] = _decode(stub, PROMPTS[n])
+
+            threads = [threading.Thread(target=client, args=(n,)) for n in range(len(PROMPTS))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert together == solo
+            count_after, alone_after = _batches(metrics_port)
+            assert count_after - count > alone_after - alone  # some batch held 2+ sessions
+    finally:
+        verifier.stop()
