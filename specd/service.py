@@ -424,17 +424,15 @@ class MlxThread:
     def submit_batched(self, batch: Batch, item) -> Future:
         """A job that runs together with the other jobs of `batch` waiting when it starts:
         `batch.run_many(items)` answers each item (a result or an exception) in order."""
-        if self._closed:
-            raise RuntimeError("the MLX thread is shut down")
-        future: Future = Future()
-        self._submitted += 1
-        self._jobs.put((future, batch, item))
-        return future
+        return self._queue(batch, item)
 
     async def run_batched(self, batch: Batch, item):
         return await asyncio.wrap_future(self.submit_batched(batch, item))
 
     def submit(self, fn: Callable, *args) -> Future:
+        return self._queue(fn, args)
+
+    def _queue(self, fn, args) -> Future:
         if self._closed:
             raise RuntimeError("the MLX thread is shut down")
         future: Future = Future()
