@@ -17,9 +17,10 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from google.protobuf import message_factory
@@ -348,12 +349,30 @@ class SessionTable:
             self.expire()
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class Batch:
     """Jobs that one call can run together (`MlxThread.submit_batched`): `run_many(items)`
-    returns a result, or an exception to raise, for each item in order."""
+    returns a result, or an exception to raise, for each item in order.
+
+    Callers tend to come back together a moment after their answers: while some of the
+    callers seen in the last `recent_s` (by `key(item)`) are missing, the worker waits up to
+    `gather_s` for them, so the callers of several small calls merge into one call. A lone
+    caller never waits."""
 
     run_many: Callable[[list], list]
+    key: Callable[[Any], Hashable] = id
+    gather_s: float = 0.005
+    recent_s: float = 0.5
+    seen: dict = field(default_factory=dict)  # key -> when its last job ran
+
+    def missing(self, items: list, now: float) -> bool:
+        for k, when in list(self.seen.items()):
+            if now - when > self.recent_s:
+                del self.seen[k]
+        return bool(self.seen.keys() - {self.key(item) for item in items})
+
+    def ran(self, items: list, now: float) -> None:
+        self.seen.update((self.key(item), now) for item in items)
 
 
 class MlxThread:
@@ -399,9 +418,14 @@ class MlxThread:
     def _run_batch(self, batch: Batch, jobs: list, held: collections.deque) -> None:
         """This job and every job of the same batch queued behind it, in one call; other jobs
         met on the way keep their order and run next."""
+        deadline = time.perf_counter() + batch.gather_s
         while True:
             try:
-                job = self._jobs.get_nowait()
+                now = time.perf_counter()
+                if now < deadline and not held and batch.missing([i for _, i in jobs], now):
+                    job = self._jobs.get(timeout=deadline - now)
+                else:
+                    job = self._jobs.get_nowait()
             except queue.Empty:
                 break
             if job[1] is batch:
@@ -409,6 +433,7 @@ class MlxThread:
             else:
                 held.append(job)
         taken = len(jobs)
+        batch.ran([item for _, item in jobs], time.perf_counter())
         jobs = [(future, item) for future, item in jobs if future.set_running_or_notify_cancel()]
         try:
             results = batch.run_many([item for _, item in jobs]) if jobs else []

@@ -96,7 +96,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.warmup: WarmupReport | None = None
         self.look_ahead = False  # decided at load
         self.sessions = SessionTable(config.max_sessions, config.session_idle_timeout_s)
-        self._decodes = Batch(self._decode_many)
+        self._decodes = Batch(self._decode_many, key=lambda item: id(item[0]))  # by session
 
     async def load(self) -> None:
         self.target = await self.mlx.run(self._load_and_warm)
