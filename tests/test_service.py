@@ -279,3 +279,30 @@ def test_batched_jobs_queued_together_run_in_one_call_and_others_keep_their_orde
     assert alone.result(5) == 30 and calls[-1] == [3]
     assert mlx._finished == mlx._submitted  # idle again: inline rounds would run
     mlx.shutdown()
+
+
+def test_a_batch_waits_briefly_for_its_recent_callers_and_never_for_strangers():
+    from specd.service import Batch
+
+    calls = []
+    batch = Batch(lambda items: calls.append(list(items)) or list(items), key=lambda x: x[0],
+                  gather_s=0.5)  # fmt: skip
+    mlx = MlxThread(inline_rounds=False)
+    assert mlx.submit_batched(batch, ("a", 1)).result(5) == ("a", 1)  # alone: no wait
+    gate = threading.Event()
+    mlx.submit(gate.wait)
+    first = [mlx.submit_batched(batch, ("a", 2)), mlx.submit_batched(batch, ("b", 2))]
+    gate.set()
+    assert [f.result(5) for f in first] == [("a", 2), ("b", 2)]
+    # "a" comes back first; "b", seen in the last call, a moment later: one call for both
+    late = threading.Timer(0.05, lambda: answers.append(mlx.submit_batched(batch, ("b", 3))))
+    answers = [mlx.submit_batched(batch, ("a", 3))]
+    late.start()
+    late.join()
+    assert [f.result(5) for f in answers] == [("a", 3), ("b", 3)]
+    assert calls[-1] == [("a", 3), ("b", 3)]
+    # a caller that does not come back costs at most gather_s
+    start = time.perf_counter()
+    assert mlx.submit_batched(batch, ("a", 4)).result(5) == ("a", 4)
+    assert time.perf_counter() - start < 2
+    mlx.shutdown()
