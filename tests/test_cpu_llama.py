@@ -233,3 +233,23 @@ def test_decoding_several_sessions_at_once_equals_each_alone(pair):
     for got, want in zip(batched_sessions, reference, strict=True):
         assert (got.position, got.last_token) == (want.position, want.last_token)
         assert got.cache[0].offset == want.cache[0].offset == got.position - 1
+
+
+def test_more_sessions_than_a_forward_takes_decode_in_groups(pair, monkeypatch):
+    from verifier_svc.engine import decode_many
+
+    _, fast = pair
+    monkeypatch.setattr(fast.cpu_layers, "max_rows", 2)
+    prompts = [_prompt(5 + i) for i in range(5)]
+    alone = [decode(fast, prefill(fast, p).session, 3).committed for p in prompts]
+    calls = []
+    real = type(fast.cpu_layers).forward_many
+
+    def counted(self, segments, capture):
+        calls.append(len(segments))
+        return real(self, segments, capture)
+
+    monkeypatch.setattr(type(fast.cpu_layers), "forward_many", counted)
+    results = decode_many(fast, [(prefill(fast, p).session, 3) for p in prompts])
+    assert [r.committed for r in results] == alone
+    assert max(calls) == 2 and 1 in calls  # groups of 2, 2 and 1

@@ -370,21 +370,35 @@ def decode(target: Target, session: Session, steps: int, look_ahead: bool = Fals
     return VerifyResult(committed, 0, session.finished, all_rows, time.perf_counter() - start)
 
 
-def decode_many(target: Target, items: list[tuple[Session, int]]) -> list[VerifyResult]:
+def decode_many(target: Target, items: list[tuple[Session, int]]) -> list[VerifyResult | Exception]:
     """Plain greedy decoding of several sessions at once, each committing up to its `steps`
     tokens and stopping after an EOS, as `decode` would alone. On the CPU kernels every step is
-    one forward for all of them (each weight read once for every session); where that forward
-    cannot take them (MLX, sampling, a queued look-ahead, more rows than it takes), they decode
-    one after the other. A failure leaves every session as it was."""
+    one forward for a group of them (each weight read once for the group; groups of at most
+    the rows a forward takes). Where that forward cannot take them (MLX, sampling, a queued
+    look-ahead) they decode one after the other, each answered with its result or its error.
+    A shared forward that fails leaves its sessions as they were and fails them all."""
     layers = target.cpu_layers
     if (
         layers is None
         or len(items) < 2
-        or len(items) > layers.max_rows
         or any(s.rng is not None or s.ahead is not None for s, _ in items)
         or not all(layers.can_run(1, s.cache) for s, _ in items)
     ):
-        return [decode(target, session, steps) for session, steps in items]
+        return [_decode_or_error(target, session, steps) for session, steps in items]
+    size = layers.max_rows  # sessions per forward
+    return [r for n in range(0, len(items), size) for r in _together(target, items[n : n + size])]
+
+
+def _decode_or_error(target: Target, session: Session, steps: int) -> VerifyResult | Exception:
+    try:
+        return decode(target, session, steps)
+    except Exception as exc:  # noqa: BLE001 - this session's error, not the others'
+        return exc
+
+
+def _together(target: Target, items: list[tuple[Session, int]]) -> list[VerifyResult]:
+    """decode_many's sessions (at most max_rows) in one forward per step."""
+    layers = target.cpu_layers
     start = time.perf_counter()
     saved = [(s.position, s.last_token, s.finished) for s, _ in items]
     capture = frozenset().union(*(s.capture for s, _ in items))
