@@ -204,52 +204,64 @@ def test_several_sequences_in_one_forward_equal_each_alone(pair):
             )
 
 
-def test_decoding_several_sessions_at_once_equals_each_alone(pair):
-    """decode_many: the same tokens, rows and caches as decode per session, for sessions of
-    different lengths, bursts and captures; one stopping early leaves the others going."""
-    from verifier_svc.engine import decode_many
+def test_rounds_of_several_sessions_at_once_equal_each_alone(pair):
+    """rounds_many: the same tokens, accepted counts, rows and caches as verify or decode per
+    session, for sessions of different lengths, bursts, drafts and captures; one stopping
+    early leaves the others going."""
+    from verifier_svc.engine import Round, rounds_many, verify
 
     _, fast = pair
-    prompts = [_prompt(6), _prompt(30), _prompt(13), _prompt(9)]
-    captures = [(0, 1), (), (1,), (0, 1)]
-    steps = [4, 1, 6, 3]
+    prompts = [_prompt(6), _prompt(30), _prompt(13), _prompt(9), _prompt(21)]
+    captures = [(0, 1), (), (1,), (0, 1), (0,)]
 
     def sessions():
         return [prefill(fast, p, c).session for p, c in zip(prompts, captures, strict=True)]
 
-    alone = [decode(fast, s, k) for s, k in zip(sessions(), steps, strict=True)]
-    batched_sessions = sessions()
-    together = decode_many(fast, list(zip(batched_sessions, steps, strict=True)))
-    for a, b, k in zip(alone, together, steps, strict=True):
-        assert b.committed == a.committed and len(b.committed) <= k
-        assert b.finished == a.finished
+    # drafts: the greedy continuation (accepted), a wrong one (rejected at once), mixed
+    greedy = decode(fast, sessions()[3], 3).committed
+    plans = [([], 4), ([], 1), ([], 6), (greedy, 1), ([greedy[0] + 1, 5, 6], 1)]
+    alone_sessions = sessions()
+    alone = [
+        verify(fast, s, drafts) if drafts else decode(fast, s, steps)
+        for s, (drafts, steps) in zip(alone_sessions, plans, strict=True)
+    ]
+    together_sessions = sessions()
+    together = rounds_many(
+        fast, [Round(s, d, k) for s, (d, k) in zip(together_sessions, plans, strict=True)]
+    )
+    assert together[3].num_accepted == 3 and together[4].num_accepted == 0
+    for a, b in zip(alone, together, strict=True):
+        assert (b.committed, b.num_accepted, b.finished) == (
+            a.committed,
+            a.num_accepted,
+            a.finished,
+        )
         if a.rows is None:
             assert b.rows is None
         else:
             _check_close(b.rows, a.rows)
-    reference = sessions()
-    for s, k in zip(reference, steps, strict=True):
-        decode(fast, s, k)
-    for got, want in zip(batched_sessions, reference, strict=True):
+    for got, want in zip(together_sessions, alone_sessions, strict=True):
         assert (got.position, got.last_token) == (want.position, want.last_token)
         assert got.cache[0].offset == want.cache[0].offset == got.position - 1
 
 
-def test_more_sessions_than_a_forward_takes_decode_in_groups(pair, monkeypatch):
-    from verifier_svc.engine import decode_many
+def test_more_sessions_than_a_forward_takes_go_in_groups(pair, monkeypatch):
+    from verifier_svc.engine import Round, rounds_many
 
     _, fast = pair
-    monkeypatch.setattr(fast.cpu_layers, "max_rows", 2)
+    monkeypatch.setattr(fast.cpu_layers, "max_rows", 4)
     prompts = [_prompt(5 + i) for i in range(5)]
     alone = [decode(fast, prefill(fast, p).session, 3).committed for p in prompts]
     calls = []
     real = type(fast.cpu_layers).forward_many
 
     def counted(self, segments, capture):
-        calls.append(len(segments))
+        calls.append(sum(len(s.token_ids) for s in segments))
         return real(self, segments, capture)
 
     monkeypatch.setattr(type(fast.cpu_layers), "forward_many", counted)
-    results = decode_many(fast, [(prefill(fast, p).session, 3) for p in prompts])
-    assert [r.committed for r in results] == alone
-    assert max(calls) == 2 and 1 in calls  # groups of 2, 2 and 1
+    rounds = [Round(prefill(fast, p).session, [], 3) for p in prompts]
+    rounds[1].drafts, rounds[1].steps = [7, 8], 1  # three rows of a forward
+    results = rounds_many(fast, rounds)
+    assert [r.committed for n, r in enumerate(results) if n != 1] == alone[:1] + alone[2:]
+    assert max(calls) <= 4

@@ -6,7 +6,7 @@ Pure MLX; the servicer adapts it to gRPC. One call at a time (the MLX thread).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -370,66 +370,98 @@ def decode(target: Target, session: Session, steps: int, look_ahead: bool = Fals
     return VerifyResult(committed, 0, session.finished, all_rows, time.perf_counter() - start)
 
 
-def decode_many(target: Target, items: list[tuple[Session, int]]) -> list[VerifyResult | Exception]:
-    """Plain greedy decoding of several sessions at once, each committing up to its `steps`
-    tokens and stopping after an EOS, as `decode` would alone. On the CPU kernels every step is
-    one forward for a group of them (each weight read once for the group; groups of at most
-    the rows a forward takes). Where that forward cannot take them (MLX, sampling, a queued
-    look-ahead) they decode one after the other, each answered with its result or its error.
-    A shared forward that fails leaves its sessions as they were and fails them all."""
+@dataclass
+class Round:
+    """One session's greedy round in `rounds_many`: a verify of `drafts`, or with none,
+    `steps` plain decoding steps."""
+
+    session: Session
+    drafts: list[int] = field(default_factory=list)
+    steps: int = 1
+
+
+def rounds_many(target: Target, rounds: list[Round]) -> list[VerifyResult | Exception]:
+    """Greedy rounds of several sessions at once, each committing what `verify` (drafts) or
+    `decode` (steps, stopping after an EOS) would commit alone. On the CPU kernels each step is
+    one forward for a group of them (each weight read once for the group; a group holds at
+    most the rows a forward takes). Where that forward cannot take them (MLX, sampling, a
+    queued look-ahead) they run one after the other, each answered with its result or its
+    error. A shared forward that fails leaves its sessions as they were and fails them all."""
     layers = target.cpu_layers
     if (
         layers is None
-        or len(items) < 2
-        or any(s.rng is not None or s.ahead is not None for s, _ in items)
-        or not all(layers.can_run(1, s.cache) for s, _ in items)
+        or len(rounds) < 2
+        or any(r.session.rng is not None or r.session.ahead is not None for r in rounds)
+        or not all(layers.can_run(1 + len(r.drafts), r.session.cache) for r in rounds)
     ):
-        return [_decode_or_error(target, session, steps) for session, steps in items]
-    size = layers.max_rows  # sessions per forward
-    return [r for n in range(0, len(items), size) for r in _together(target, items[n : n + size])]
+        return [_alone(target, r) for r in rounds]
+    groups, rows = [[]], 0
+    for r in rounds:
+        if groups[-1] and rows + 1 + len(r.drafts) > layers.max_rows:
+            groups.append([])
+            rows = 0
+        groups[-1].append(r)
+        rows += 1 + len(r.drafts)
+    return [result for group in groups for result in _together(target, group)]
 
 
-def _decode_or_error(target: Target, session: Session, steps: int) -> VerifyResult | Exception:
+def _alone(target: Target, r: Round) -> VerifyResult | Exception:
     try:
-        return decode(target, session, steps)
+        if r.drafts:
+            return verify(target, r.session, r.drafts)
+        return decode(target, r.session, r.steps)
     except Exception as exc:  # noqa: BLE001 - this session's error, not the others'
         return exc
 
 
-def _together(target: Target, items: list[tuple[Session, int]]) -> list[VerifyResult]:
-    """decode_many's sessions (at most max_rows) in one forward per step."""
+def _together(target: Target, rounds: list[Round]) -> list[VerifyResult]:
+    """rounds_many's group in one forward per step: the first step takes each session's last
+    token and drafts, the next ones each plain round's latest token."""
     layers = target.cpu_layers
     start = time.perf_counter()
-    saved = [(s.position, s.last_token, s.finished) for s, _ in items]
-    capture = frozenset().union(*(s.capture for s, _ in items))
-    committed: list[list[int]] = [[] for _ in items]
-    rows: list[list[np.ndarray]] = [[] for _ in items]
-    live = list(range(len(items)))
+    capture = frozenset().union(*(r.session.capture for r in rounds))
+    committed: list[list[int]] = [[] for _ in rounds]
+    accepted = [0] * len(rounds)
+    rows: list[list[np.ndarray]] = [[] for _ in rounds]
+    live = list(range(len(rounds)))
     try:
         while live:
             segments = [
-                Segment(np.array([committed[i][-1] if committed[i] else items[i][0].last_token]),
-                        items[i][0].cache)
+                Segment(np.array([committed[i][-1]]) if committed[i] else
+                        np.array([rounds[i].session.last_token, *rounds[i].drafts]),
+                        rounds[i].session.cache)
                 for i in live
             ]  # fmt: skip
             outs = layers.forward_many(segments, capture)
             still = []
             for i, (logits, outputs) in zip(live, outs, strict=True):
-                session, steps = items[i]
+                r = rounds[i]
+                captured = None
+                if r.session.capture:
+                    captured = np.concatenate([outputs[j] for j in r.session.capture], -1)
+                if r.drafts:  # a verify: one step, its accepted prefix kept
+                    acceptance = _accept(target, r.session, r.drafts, None, mx.array(logits))
+                    committed[i], accepted[i] = acceptance.committed, acceptance.num_accepted
+                    kept = 1 + acceptance.num_accepted
+                    _rollback(r.session.cache, r.session.position - 1 + kept)
+                    if captured is not None:
+                        rows[i].append(captured[:kept])
+                    continue
                 token = _greedy_next(mx.array(logits)).item()  # as decode takes it
                 committed[i].append(token)
-                if session.capture:
-                    rows[i].append(np.concatenate([outputs[j] for j in session.capture], -1))
-                if token not in target.eos_ids and len(committed[i]) < max(steps, 1):
+                if captured is not None:
+                    rows[i].append(captured)
+                if token not in target.eos_ids and len(committed[i]) < max(r.steps, 1):
                     still.append(i)
             live = still
     except BaseException:
-        for (session, _), (position, _, _) in zip(items, saved, strict=True):
-            _rollback(session.cache, position - 1)
+        for r in rounds:
+            _rollback(r.session.cache, r.session.position - 1)
         raise
     seconds = time.perf_counter() - start
     results = []
-    for (session, _), tokens, parts in zip(items, committed, rows, strict=True):
+    for r, tokens, num_accepted, parts in zip(rounds, committed, accepted, rows, strict=True):
+        session = r.session
         session.position += len(tokens)
         session.last_token = tokens[-1]
         session.finished = tokens[-1] in target.eos_ids
@@ -437,7 +469,7 @@ def _together(target: Target, items: list[tuple[Session, int]]) -> list[VerifyRe
         if parts:
             kept = mx.array(np.concatenate(parts)).astype(session.rows_dtype)
             mx.eval(kept)
-        results.append(VerifyResult(tokens, 0, session.finished, kept, seconds))
+        results.append(VerifyResult(tokens, num_accepted, session.finished, kept, seconds))
     return results
 
 

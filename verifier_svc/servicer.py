@@ -25,13 +25,14 @@ from specd.service import (
 from specd.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_svc.config import GPU_MODES, VerifierConfig
 from verifier_svc.engine import (
+    Round,
     Session,
     Target,
     TreeUnsupported,
     decode,
-    decode_many,
     half_weights_pay,
     prefill,
+    rounds_many,
     verify,
     verify_tree,
 )
@@ -96,7 +97,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.warmup: WarmupReport | None = None
         self.look_ahead = False  # decided at load
         self.sessions = SessionTable(config.max_sessions, config.session_idle_timeout_s)
-        self._decodes = Batch(self._decode_many, key=lambda item: id(item[0]))  # by session
+        self._rounds = Batch(self._rounds_many, key=lambda item: id(item[0]))  # by session
 
     async def load(self) -> None:
         self.target = await self.mlx.run(self._load_and_warm)
@@ -208,9 +209,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
         if steps > 1 and drafts:
             raise InvalidArgument("plain_steps > 1 takes no drafts: send them in their own call")
-        if not drafts and parents is None and session.rng is None and target.cpu_layers:
-            # plain greedy decoding: the sessions waiting together decode in one forward
-            result = await self.mlx.run_batched(self._decodes, (session, request.position, steps))
+        if parents is None and probs is None and session.rng is None and target.cpu_layers:
+            # a greedy chain or plain round: the sessions waiting together share forwards
+            result = await self.mlx.run_batched(
+                self._rounds, (session, request.position, drafts, steps)
+            )
         else:
             # a few forwards may run on the event loop; a longer burst goes to the worker, so
             # health checks and other sessions' calls are not held up for seconds
@@ -246,21 +249,22 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         """As many as fit in the context; at least one passed `_check_round`."""
         return min(max(asked, 1), self.max_context - session.position + 1)
 
-    def _decode_many(self, items: list) -> list:
-        """Plain greedy rounds of the sessions waiting together (MlxThread batch): a result,
-        or the error to answer with, for each (session, position, plain_steps)."""
+    def _rounds_many(self, items: list) -> list:
+        """Greedy rounds of the sessions waiting together (an MlxThread batch): a result, or
+        the error to answer with, for each (session, position, drafts, plain_steps)."""
         answers: list = [None] * len(items)
         ready = []
-        for n, (session, position, asked) in enumerate(items):
+        for n, (session, position, drafts, asked) in enumerate(items):
             try:
-                self._check_round(session, position, 0)
+                self._check_round(session, position, len(drafts))
             except ServiceError as exc:
                 answers[n] = exc
                 continue
-            ready.append((n, session, self._plain_steps(session, asked)))
+            steps = 1 if drafts else self._plain_steps(session, asked)
+            ready.append((n, Round(session, drafts, steps)))
         metrics.DECODE_BATCH.observe(len(ready))
-        results = decode_many(self._ready(), [(session, steps) for _, session, steps in ready])
-        for (n, _, _), result in zip(ready, results, strict=True):
+        results = rounds_many(self._ready(), [r for _, r in ready])
+        for (n, _), result in zip(ready, results, strict=True):
             answers[n] = result
         return answers
 
