@@ -368,11 +368,15 @@ class Batch:
     def missing(self, items: list, now: float) -> bool:
         for k, when in list(self.seen.items()):
             if now - when > self.recent_s:
-                del self.seen[k]
+                self.seen.pop(k, None)
         return bool(self.seen.keys() - {self.key(item) for item in items})
 
     def ran(self, items: list, now: float) -> None:
         self.seen.update((self.key(item), now) for item in items)
+
+    def forget(self, key: Hashable) -> None:
+        """A caller that will not come back (any thread may say so)."""
+        self.seen.pop(key, None)
 
 
 class MlxThread:

@@ -286,7 +286,7 @@ def test_a_batch_waits_briefly_for_its_recent_callers_and_never_for_strangers():
 
     calls = []
     batch = Batch(lambda items: calls.append(list(items)) or list(items), key=lambda x: x[0],
-                  gather_s=0.5)  # fmt: skip
+                  gather_s=0.5, recent_s=60.0)  # fmt: skip
     mlx = MlxThread(inline_rounds=False)
     assert mlx.submit_batched(batch, ("a", 1)).result(5) == ("a", 1)  # alone: no wait
     gate = threading.Event()
@@ -304,5 +304,11 @@ def test_a_batch_waits_briefly_for_its_recent_callers_and_never_for_strangers():
     # a caller that does not come back costs at most gather_s
     start = time.perf_counter()
     assert mlx.submit_batched(batch, ("a", 4)).result(5) == ("a", 4)
+    assert time.perf_counter() - start < 2
+    # one said to be gone is not waited for
+    batch.gather_s = 30.0
+    batch.forget("b")
+    start = time.perf_counter()
+    assert mlx.submit_batched(batch, ("a", 5)).result(5) == ("a", 5)
     assert time.perf_counter() - start < 2
     mlx.shutdown()

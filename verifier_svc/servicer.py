@@ -286,7 +286,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     @rpc
     async def CloseSession(self, request, context):
-        self.sessions.pop(request.session_id)
+        session = self.sessions.pop(request.session_id)
+        self._rounds.forget(id(session))  # its rounds are not waited for any more
         return common_pb2.CloseSessionResponse()
 
 
