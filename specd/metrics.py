@@ -32,7 +32,7 @@ DRAFTER_FALLBACKS = Counter(
 )
 DECODE_BATCH = Histogram(
     "specd_decode_batch_sessions",
-    "sessions whose plain greedy rounds the verifier ran together, per batch",
+    "sessions whose greedy rounds (plain steps, draft chains) the verifier ran together",
     buckets=(1, 2, 4, 8, 16, 32),
 )
 VERIFIER_REOPENS = Counter(
