@@ -2,13 +2,17 @@
 
 A round is one call; whatever a call costs beyond its forwards is paid every round, and on a GPU
 (forwards of a few ms) it decides whether the services keep up with plain mlx-lm. Each line is
-a median over --calls:
+a median over --calls (a Verify line: means, beside the handler's mean):
   thread hop       a job handed to another Python thread and its answer handed back
   loopback TCP     one small message to another process and back, raw sockets
   gRPC health      a health check on the verifier: gRPC both ways, no MLX
+  engine b=N       the verifier's decode of N tokens in this process: on this thread, handed
+                   to an MLX worker thread, and awaited from an asyncio loop through that
+                   worker (the verifier's path without gRPC)
   Verify b=N       plain decoding of N tokens: the client's wall time, the verifier's compute
-                   (its own clock around the forwards) and what is left: transport, the hop to
-                   its MLX thread, request and answer handling
+                   (its own clock around the forwards), the verifier's handler time (from its
+                   metrics) and what is left: transport, the hop to its MLX thread, request and
+                   answer handling
 
     python benchmarks/call_overhead.py [--target DIR] [--dtype auto] [--calls 60]
         [--bursts 1 4 16] [--verifier-args "--look-ahead off"]
@@ -17,24 +21,30 @@ a median over --calls:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import multiprocessing
 import queue
+import re
 import shlex
 import socket
 import statistics
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specd import mlx_settings
-from specd.launch import spawn
-from specd.models.load import device_kind
-from specd.service import channel_options
+from specd.launch import free_port, spawn
+from specd.models.load import device_kind, load_target, resolve_dtype
+from specd.service import MlxThread, channel_options
 from specd.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from verifier_svc.config import VerifierConfig
+from verifier_svc.engine import Target, decode, prefill
+from verifier_svc.warmup import warm_up
 
 
 def thread_hop(calls: int) -> float:
@@ -95,8 +105,35 @@ def health(address: str, calls: int) -> float:
     return statistics.median(times)
 
 
+def engine_calls(target: Target, calls: int, burst: int, prompt: list[int], way, ahead: bool):
+    """Medians of (wall, compute) per decode of `burst` tokens, each run by `way(fn, *args)`."""
+    walls, computes = [], []
+    while len(walls) < calls:
+        session = prefill(target, prompt).session
+        for _ in range(min(calls - len(walls), 256 // burst)):
+            start = time.perf_counter()
+            result = way(decode, target, session, burst, ahead)
+            walls.append(time.perf_counter() - start)
+            computes.append(result.compute_s)
+            if result.finished:
+                break
+        session.ahead = None
+    return statistics.median(walls), statistics.median(computes)
+
+
+def handler_seconds(metrics_url: str) -> tuple[float, int]:
+    """The verifier's summed Verify handler time and call count so far."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    found = {}
+    for kind in ("sum", "count"):
+        m = re.search(rf'^specd_rpc_seconds_{kind}{{method="Verify"}} (\S+)$', text, re.M)
+        found[kind] = float(m.group(1)) if m else 0.0
+    return found["sum"], int(found["count"])
+
+
 def verify_calls(address: str, calls: int, burst: int, prompt: list[int]):
-    """Medians of (client wall, verifier compute) per call of `burst` plain tokens."""
+    """Means of (client wall, verifier compute) per call of `burst` plain tokens (means, to
+    set beside the handler's mean time from the verifier's metrics)."""
     walls, computes = [], []
     with grpc.insecure_channel(address, options=channel_options()) as channel:
         stub = verifier_pb2_grpc.VerifierStub(channel)
@@ -117,7 +154,7 @@ def verify_calls(address: str, calls: int, burst: int, prompt: list[int]):
                 if answer.finished:
                     break
             stub.CloseSession(common_pb2.CloseSessionRequest(session_id=opened.session_id))
-    return statistics.median(walls), statistics.median(computes)
+    return statistics.mean(walls), statistics.mean(computes)
 
 
 def main() -> None:
@@ -128,37 +165,75 @@ def main() -> None:
     parser.add_argument("--bursts", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--context", type=int, default=512, help="prompt tokens (made up)")
     parser.add_argument("--verifier-args", default="", metavar="FLAGS")
+    parser.add_argument(
+        "--max-draft-tokens",
+        type=int,
+        default=VerifierConfig.max_draft_tokens,
+        help="as the verifier's, for its warm-up",
+    )
     args = parser.parse_args()
     mlx_settings.apply()
 
     rows = [
-        ("thread hop", thread_hop(args.calls), None),
-        ("loopback TCP", loopback_tcp(args.calls), None),
+        ("thread hop", thread_hop(args.calls), None, None),
+        ("loopback TCP", loopback_tcp(args.calls), None, None),
     ]
+    prompt = [(17 * i + 3) % 200 + 50 for i in range(args.context)]  # valid in any vocabulary
+    extra = shlex.split(args.verifier_args)
+    on_gpu = device_kind() == "gpu"
+    ahead = on_gpu and "--look-ahead off" not in " ".join(extra)  # as the verifier decides
+    target = Target(load_target(args.target, resolve_dtype(args.dtype)),
+                    gemv_rows=0 if on_gpu else None, row_forwards=on_gpu)  # fmt: skip
+    worker = MlxThread(inline_rounds=False)
+    loop = asyncio.new_event_loop()
+    ways = {
+        "this thread": lambda fn, *a: fn(*a),
+        "MLX thread": lambda fn, *a: worker.submit(fn, *a).result(),
+        "asyncio+MLX": lambda fn, *a: loop.run_until_complete(worker.run(fn, *a)),
+    }
+    for name, way in ways.items():
+        engine_calls(target, 8, 1, prompt, way, ahead)  # first calls of a shape aside
+        for burst in args.bursts:
+            wall, compute = engine_calls(target, args.calls, burst, prompt, way, ahead)
+            rows.append((f"engine b={burst}, {name}", wall, compute, None))
+    # the verifier's own warm-up (every verify and tree size), then the worker's path again
+    warmed = worker.submit(warm_up, target, args.max_draft_tokens, "full").result()
+    print(f"warm-up in this process: {warmed.calls} calls in {warmed.seconds:.1f} s", flush=True)
+    for burst in args.bursts:
+        wall, compute = engine_calls(target, args.calls, burst, prompt, ways["MLX thread"], ahead)
+        rows.append((f"engine b={burst}, MLX, warmed", wall, compute, None))
+
     logs = Path(tempfile.mkdtemp(prefix="call-overhead-"))
     model = ["--model", args.target] if args.target else []
-    flags = ["--dtype", args.dtype, *model, *shlex.split(args.verifier_args)]
-    verifier = spawn("verifier", flags, log_dir=logs)
-    prompt = [(17 * i + 3) % 200 + 50 for i in range(args.context)]  # valid in any vocabulary
+    metrics_port = free_port("127.0.0.1")
+    flags = ["--dtype", args.dtype, *model, *extra]
+    verifier = spawn("verifier", [*flags, "--metrics-port", str(metrics_port)], log_dir=logs)
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     try:
         verifier.wait_healthy(900)
-        rows.append(("gRPC health", health(verifier.address, args.calls), None))
+        rows.append(("gRPC health", health(verifier.address, args.calls), None, None))
         verify_calls(verifier.address, 8, 1, prompt)  # first calls of a session shape aside
         for burst in args.bursts:
+            before = handler_seconds(metrics_url)
             wall, compute = verify_calls(verifier.address, args.calls, burst, prompt)
-            rows.append((f"Verify b={burst}", wall, compute))
+            after = handler_seconds(metrics_url)
+            handler = (after[0] - before[0]) / max(after[1] - before[1], 1)  # a mean, not median
+            rows.append((f"Verify b={burst}", wall, compute, handler))
     finally:
         verifier.stop()
+        worker.shutdown()
 
-    print(f"device {device_kind()}, verifier {' '.join(flags)}, medians of {args.calls} calls; "
+    print(f"device {device_kind()}, verifier {' '.join(flags)}, look-ahead in this process "
+          f"{'on' if ahead else 'off'}, medians of {args.calls} calls (Verify: means); "
           f"logs in {logs}")  # fmt: skip
-    print(f"  {'call':<14} {'wall ms':>9} {'compute ms':>11} {'outside ms':>11}")
-    for name, wall, compute in rows:
+    print(f"  {'call':<26} {'wall ms':>9} {'compute ms':>11} {'handler ms':>11} {'outside ms':>11}")
+    for name, wall, compute, handler in rows:
         if compute is None:
-            print(f"  {name:<14} {1000 * wall:9.3f}")
-        else:
-            print(f"  {name:<14} {1000 * wall:9.3f} {1000 * compute:11.3f} "
-                  f"{1000 * (wall - compute):11.3f}")  # fmt: skip
+            print(f"  {name:<26} {1000 * wall:9.3f}")
+            continue
+        shown = f"{1000 * handler:11.3f}" if handler is not None else f"{'':11}"
+        print(f"  {name:<26} {1000 * wall:9.3f} {1000 * compute:11.3f} {shown} "
+              f"{1000 * (wall - compute):11.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":
