@@ -165,6 +165,13 @@ def add_bench_args(p) -> None:
         metavar="N",
         help="requests each client sends one after the other at every --concurrency level",
     )
+    p.add_argument(
+        "--concurrency-faults",
+        action="store_true",
+        help="at the highest --concurrency level, once every client's first request runs, kill "
+        "the drafter and kill and restart the verifier (the drafter returns after it); every "
+        "request must still finish with its solo output",
+    )
     p.add_argument("--json", dest="json_out", type=Path, help="write results here")
     p.add_argument("--log-dir", type=Path, help="service logs (default: a temp dir)")
 
@@ -478,6 +485,9 @@ def run_bench(args) -> int:
             f"specd: unknown drafter(s) {unknown}; choose from {', '.join(BENCH_DRAFTERS)}",
             file=sys.stderr,
         )
+        return 2
+    if args.concurrency_faults and not args.concurrency:
+        print("specd: bench: --concurrency-faults needs --concurrency LEVELS", file=sys.stderr)
         return 2
     if args.concurrency:
         from coordinator.concurrency import parse_levels

@@ -6,15 +6,23 @@ prompts taken in turn from the question set) to one stack per drafter; the table
 aggregate tokens per second (all tokens over the wall time of the level) and each request's
 latency (p50, p99). mlx-lm's `batch_generate` runs the same N * requests prompts with a batch of
 N. Every greedy output is compared with the same prompt's output at level 1.
+
+With --concurrency-faults the highest level runs a second time, and once every client's first
+request is running the drafter is killed and the verifier killed and started again on its
+address; the drafter comes back once the verifier serves. Every request must still complete,
+with the output it had in the clean run.
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import grpc
 
 MLX_LM_BATCHED = "mlx-lm batched"
 
@@ -34,7 +42,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def level_row(level: int, tokens: int, wall_s: float, latencies: list[float], differ: int) -> dict:
+def level_row(
+    level: int, tokens: int, wall_s: float, latencies: list[float], differ: int, failed: int = 0
+) -> dict:
     return {
         "clients": level,
         "requests": len(latencies),
@@ -44,6 +54,7 @@ def level_row(level: int, tokens: int, wall_s: float, latencies: list[float], di
         "p50_s": statistics.median(latencies),
         "p99_s": percentile(latencies, 0.99),
         "outputs_differing_from_solo": differ,
+        "failed": failed,
     }
 
 
@@ -65,33 +76,100 @@ def mlx_lm_batched(target, prompts: list[list[int]], levels: list[int], args) ->
     return rows
 
 
-def services(client, request_of, prompts: list[list[int]], levels: list[int], args) -> list[dict]:
+class FaultDrill:
+    """Kill the drafter and restart the verifier of `stack` while requests run (`__call__`);
+    `done` says what happened, `error` what went wrong."""
+
+    def __init__(self, stack, timeout_s: float = 600.0):
+        self.stack = stack
+        self.timeout_s = timeout_s
+        self.done: list[str] = []
+        self.error: str | None = None
+
+    def __call__(self) -> None:
+        try:
+            drafter = self.stack.services.get("drafter")
+            if drafter is not None:
+                drafter.kill()
+                self.done.append("drafter killed")
+            self.stack.restart("verifier").wait_healthy(self.timeout_s)
+            self.done.append("verifier killed and restarted")
+            if drafter is not None:
+                self.stack.restart("drafter").wait_healthy(self.timeout_s)
+                self.done.append("drafter restarted")
+        except Exception as exc:  # noqa: BLE001 - reported in the level's row
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def summary(self) -> str:
+        done = ", ".join(self.done) or "no fault (the first requests never all ran at once)"
+        return done + (f"; {self.error}" if self.error else "")
+
+
+def services(
+    client, request_of, prompts: list[list[int]], levels: list[int], args, drill=None
+) -> list[dict]:
+    """Each level's row. With `drill` (a FaultDrill) the last level runs again, the drill
+    starting once every client's first request has its first tokens, and each output is
+    compared with the same request's output in the clean run."""
     rows, solo = [], {}
-    for level in levels:
+    runs = [(level, None) for level in levels]
+    if drill is not None:
+        runs.append((levels[-1], drill))
+    outputs: list = []
+    for level, faulted in runs:
         batch = _level_prompts(prompts, level, args.concurrency_requests)
+        if faulted is not None:  # request by request against the clean run of this level
+            solo = {n: out for n, out in enumerate(outputs) if out is not None}
+            batch = [(n, ids) for n, (_, ids) in enumerate(batch)]
         start = time.perf_counter()
-        outputs, latencies = _clients(client, request_of, batch, level)
+        outputs, latencies, failed = _clients(client, request_of, batch, level, faulted)
         wall = time.perf_counter() - start
-        differ = _count_differing(solo, [i for i, _ in batch], outputs)
-        rows.append(level_row(level, sum(map(len, outputs)), wall, latencies, differ))
+        finished = [(i, out) for (i, _), out in zip(batch, outputs, strict=True) if out is not None]
+        differ = _count_differing(solo, [i for i, _ in finished], [out for _, out in finished])
+        tokens = sum(len(out) for _, out in finished)
+        row = level_row(level, tokens, wall, latencies, differ, failed)
+        if faulted is not None:
+            row["faults"] = faulted.summary()
+        rows.append(row)
     return rows
 
 
-def _clients(client, request_of, batch, level: int) -> tuple[list[list[int]], list[float]]:
+def _clients(client, request_of, batch, level: int, drill=None):
     """`level` clients at once, client j sending requests j, j + level, ... in turn: each
-    request's output ids (in batch order) and every request's latency."""
-    outputs: list[list[int]] = [[] for _ in batch]
+    request's output ids (in batch order; None where it failed), every finished request's
+    latency, and how many failed. `drill` runs once the first `level` requests all stream."""
+    outputs: list[list[int] | None] = [None] * len(batch)
     latencies: list[float] = []
+    failures: list[str] = []
+    started: set[int] = set()
+    lock = threading.Lock()
+    drill_thread = threading.Thread(target=drill or (lambda: None), daemon=True)
 
     def one_client(first: int) -> None:
         for n in range(first, len(batch), level):
             start = time.perf_counter()
-            outputs[n] = list(client.generate(request_of(batch[n][1])).token_ids)
+            ids: list[int] = []
+            try:
+                for message in client.stream(request_of(batch[n][1])):
+                    ids.extend(message.token_ids)
+                    if ids and n < level and n not in started:
+                        with lock:
+                            started.add(n)
+                            if drill is not None and len(started) == min(level, len(batch)):
+                                drill_thread.start()
+            except grpc.RpcError as exc:
+                failures.append(f"request {n}: {exc.code().name} {exc.details()}")
+                continue
+            outputs[n] = ids
             latencies.append(time.perf_counter() - start)
 
     with ThreadPoolExecutor(level) as pool:
         list(pool.map(one_client, range(level)))
-    return outputs, latencies
+    if drill_thread.ident is not None:  # started
+        drill_thread.join()
+    for line in failures:
+        print(f"concurrency: {line}", file=sys.stderr)
+    return outputs, latencies, len(failures)
 
 
 def _level_prompts(prompts, level: int, per_client: int) -> list[tuple[int, list[int]]]:
@@ -121,20 +199,22 @@ def run_concurrency(args, target, drafters: list[str], prompts, log_dir: Path) -
         with bench_stack(args, d, log_dir / f"concurrency-{d}") as stack:
             client = CoordinatorClient(stack.coordinator)
             client.generate(bench_request(prompts[0], args, d))  # the first request aside
+            drill = FaultDrill(stack) if args.concurrency_faults else None
             results[d] = services(client, lambda ids, d=d: bench_request(ids, args, d),
-                                  prompts, levels, args)  # fmt: skip
+                                  prompts, levels, args, drill)  # fmt: skip
             client.close()
         _print_rows(d, results[d])
     return results
 
 
 def _print_rows(name: str, rows: list[dict]) -> None:
-    print(f"{name}: clients  requests  aggregate tok/s  p50 s  p99 s  differing from solo",
-          file=sys.stderr)  # fmt: skip
+    print(f"{name}: clients  requests  aggregate tok/s  p50 s  p99 s  differing from solo  "
+          "failed", file=sys.stderr)  # fmt: skip
     for r in rows:
+        faults = f"  ({r['faults']})" if r.get("faults") else ""
         print(f"  {r['clients']:>5} {r['requests']:>9} {r['aggregate_tok_s']:16.1f} "
-              f"{r['p50_s']:6.2f} {r['p99_s']:6.2f}  {r['outputs_differing_from_solo']}",
-              file=sys.stderr)  # fmt: skip
+              f"{r['p50_s']:6.2f} {r['p99_s']:6.2f}  {r['outputs_differing_from_solo']:>19}  "
+              f"{r['failed']:>6}{faults}", file=sys.stderr)  # fmt: skip
 
 
 def write_concurrency(path: Path, results: dict[str, list[dict]]) -> None:
@@ -170,16 +250,19 @@ def write_concurrency(path: Path, results: dict[str, list[dict]]) -> None:
 def concurrency_table(results: dict[str, list[dict]]) -> str:
     """Markdown: aggregate tok/s and latency per level, each service beside mlx-lm batched."""
     lines = [
-        "| runner | clients | aggregate tok/s | vs mlx-lm batched | p50 s | p99 s | differing |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| runner | clients | aggregate tok/s | vs mlx-lm batched | p50 s | p99 s | differing "
+        "| failed |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     plain = {r["clients"]: r["aggregate_tok_s"] for r in results.get(MLX_LM_BATCHED, [])}
     for name, rows in results.items():
         for r in rows:
             base = plain.get(r["clients"])
             ratio = f"{r['aggregate_tok_s'] / base:.2f}×" if base else "–"
+            faults = f" ({r['faults']})" if r.get("faults") else ""
             lines.append(
-                f"| {name} | {r['clients']} | {r['aggregate_tok_s']:.1f} | {ratio} | "
-                f"{r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['outputs_differing_from_solo']} |"
+                f"| {name} | {r['clients']}{faults} | {r['aggregate_tok_s']:.1f} | {ratio} | "
+                f"{r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['outputs_differing_from_solo']} | "
+                f"{r.get('failed', 0)} |"
             )
     return "\n".join(lines)

@@ -139,6 +139,7 @@ class Stack:
     log_dir: Path | None = None
     startup_timeout_s: float = 600.0
     services: dict[str, ServiceProcess] = field(default_factory=dict)
+    _flags: dict[str, list[str]] = field(default_factory=dict, repr=False)
 
     def start(self) -> Stack:
         names = ["verifier", *(["drafter"] if self.drafter else []), "coordinator"]
@@ -175,7 +176,15 @@ class Stack:
         return self
 
     def _spawn(self, name: str, args: list[str]) -> None:
+        self._flags[name] = args
         self.services[name] = spawn(name, args, self.host, self.ports.get(name), self.log_dir)
+
+    def restart(self, name: str) -> ServiceProcess:
+        """Kill service `name` (SIGKILL) and start it again on its address with the same flags;
+        returns the new process, not yet healthy."""
+        self.services[name].kill()
+        self._spawn(name, self._flags[name])
+        return self.services[name]
 
     @property
     def coordinator(self) -> str:

@@ -264,3 +264,10 @@ def test_concurrency_levels_are_checked():
         with pytest.raises(ValueError, match="--concurrency"):
             parse_levels(bad)
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and percentile([1.0, 9.0], 0.99) == 9.0
+
+
+def test_concurrency_faults_need_levels(capsys):
+    from specd.cli import main
+
+    assert main(["bench", "--questions", "mt-bench", "--concurrency-faults"]) == 2
+    assert "--concurrency-faults needs --concurrency" in capsys.readouterr().err

@@ -17,14 +17,18 @@ TOKENS = 600
 K = 4  # pinned: adaptation could stop drafting on a tiny target, and faults need drafts
 
 
+def ngram_stack(model_dir, log_dir, recovery_s: int = 60) -> Stack:
+    return Stack(
+        target=str(model_dir),
+        drafter="ngram",
+        log_dir=log_dir,
+        coordinator_args=["--verifier-recovery-timeout", str(recovery_s)],
+    )
+
+
 @pytest.fixture
 def stack(tiny_model_dir, tmp_path):
-    with Stack(
-        target=str(tiny_model_dir),
-        drafter="ngram",
-        log_dir=tmp_path,
-        coordinator_args=["--verifier-recovery-timeout", "60"],
-    ) as s:
+    with ngram_stack(tiny_model_dir, tmp_path) as s:
         yield s
 
 
@@ -95,12 +99,7 @@ def test_verifier_killed_then_restarted_on_same_address(stack, tiny_model_dir, t
 
 
 def test_verifier_that_never_comes_back(tiny_model_dir, tmp_path):
-    with Stack(
-        target=str(tiny_model_dir),
-        drafter="ngram",
-        log_dir=tmp_path,
-        coordinator_args=["--verifier-recovery-timeout", "2"],
-    ) as stack:
+    with ngram_stack(tiny_model_dir, tmp_path, recovery_s=2) as stack:
         client = CoordinatorClient(stack.coordinator)
         received = []
         with pytest.raises(grpc.RpcError) as err:
@@ -258,3 +257,32 @@ def test_which_upstream_errors_count_as_a_lost_session():
     # a servicer's own failure is a bug to report, not a reason to move the session
     assert not session_lost(err(grpc.StatusCode.INTERNAL, "internal error: ValueError: x"))
     assert not session_lost(err(grpc.StatusCode.INVALID_ARGUMENT, "bad draft_ids"))
+
+
+def test_faults_under_load_lose_no_request(tiny_model_dir, tmp_path):
+    """16 sessions at once; the drafter killed and the verifier restarted while all of them run:
+    every request completes with the output it had without faults."""
+    from argparse import Namespace
+
+    from coordinator.concurrency import FaultDrill, services
+
+    prompts = [f"{PROMPT} {n} " * (1 + n % 3) for n in range(16)]
+
+    def request_of(prompt):
+        return make_request(prompt=prompt, max_tokens=300, num_draft_tokens=K)
+
+    with ngram_stack(tiny_model_dir, tmp_path, recovery_s=120) as stack:
+        client = CoordinatorClient(stack.coordinator)
+        drill = FaultDrill(stack, timeout_s=120)
+        clean, faulted = services(
+            client, request_of, prompts, [16], Namespace(concurrency_requests=1), drill
+        )
+        log = stack.services["coordinator"].log_path.read_text()
+    assert drill.error is None
+    assert faulted["faults"] == "drafter killed, verifier killed and restarted, drafter restarted"
+    assert clean["failed"] == faulted["failed"] == 0
+    assert clean["requests"] == faulted["requests"] == 16
+    assert faulted["outputs_differing_from_solo"] == 0
+    assert faulted["tokens"] == clean["tokens"]
+    # the verifier's restart hit requests in flight, not one request alone
+    assert log.count("lost the session") >= 8
