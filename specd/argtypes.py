@@ -51,3 +51,22 @@ def positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def byte_size(text: str) -> int:
+    """A memory size: bytes, or a number with a unit such as 512MiB, 8GiB, 2GB."""
+    number = text.strip().lower().rstrip("bikmgt")
+    unit = text.strip().lower()[len(number) :]
+    try:
+        value = float(number) * _SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"expected a size such as 8GiB, 512MiB or a byte count, got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least one byte, got {text!r}")
+    return int(value)

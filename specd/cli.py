@@ -15,7 +15,14 @@ from typing import NoReturn
 import grpc
 
 from specd import mlx_settings
-from specd.argtypes import int_between, non_negative_int, port, positive_float, positive_int
+from specd.argtypes import (
+    byte_size,
+    int_between,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+)
 from specd.platform import ensure_fast_blas
 from specd.security import ClientSecurity, ServerSecurity
 
@@ -85,7 +92,8 @@ def _client_security(args, prefix: str = "") -> ClientSecurity:
 
 
 # flags whose config field has another name (the others: the flag's dest, or dest + "_s")
-_CONFIG_FIELDS = {"verifier_recovery_timeout": "verifier_recovery_s"}
+_CONFIG_FIELDS = {"verifier_recovery_timeout": "verifier_recovery_s",
+                  "max_kv_memory": "max_kv_bytes"}  # fmt: skip
 
 
 def _defaults_from_configs(kinds) -> None:
@@ -155,6 +163,13 @@ def _add_serve(sub) -> None:
     v.add_argument("--gemv-rows", type=int_between(0), metavar="N", help=GEMV_HELP)
     v.add_argument("--float32-weights", action="store_true", help=FLOAT32_WEIGHTS_HELP)
     v.add_argument("--max-sessions", type=int_between(1))
+    v.add_argument(
+        "--max-kv-memory",
+        type=byte_size,
+        metavar="SIZE",
+        help="refuse new sessions while the open ones' KV caches hold this much (e.g. 8GiB; "
+        "default: no limit beyond --max-sessions)",
+    )
     v.add_argument("--max-context", type=int_between(0), help="0: the model's own limit")
     v.add_argument("--max-draft-tokens", type=int_between(1))
     v.add_argument(
@@ -329,6 +344,7 @@ def _service_config(args):
             host=args.host,
             port=args.port,
             max_sessions=args.max_sessions,
+            max_kv_bytes=args.max_kv_memory,
             max_context=args.max_context,
             max_draft_tokens=args.max_draft_tokens,
             warmup=args.warmup,

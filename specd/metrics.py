@@ -9,6 +9,10 @@ _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 RPCS = Counter("specd_rpc_total", "RPCs served, by method and status code", ["method", "code"])
 RPC_SECONDS = Histogram("specd_rpc_seconds", "time to answer an RPC", ["method"], buckets=_FAST)
 SESSIONS = Gauge("specd_open_sessions", "sessions open in this service")
+KV_BYTES = Gauge("specd_kv_cache_bytes", "bytes the open sessions' KV caches hold (verifier)")
+MLX_BYTES = Gauge(
+    "specd_mlx_memory_bytes", "MLX memory: active (in arrays), cache (freed, kept), peak", ["kind"]
+)
 
 REQUESTS = Counter(
     "specd_requests_total", "generation requests, by finish reason or error", ["outcome"]
@@ -38,6 +42,15 @@ DECODE_BATCH = Histogram(
 VERIFIER_REOPENS = Counter(
     "specd_verifier_reopens_total", "sessions re-opened after a verifier was lost"
 )
+
+
+def watch_mlx_memory() -> None:
+    """Read MLX's allocator at each scrape."""
+    import mlx.core as mx
+
+    for kind, read in (("active", mx.get_active_memory), ("cache", mx.get_cache_memory),
+                       ("peak", mx.get_peak_memory)):  # fmt: skip
+        MLX_BYTES.labels(kind).set_function(read)
 
 
 def serve_metrics(host: str, port: int) -> int:

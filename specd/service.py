@@ -329,6 +329,10 @@ class SessionTable:
         item[1] = time.monotonic()
         return item[0]
 
+    def values(self) -> list:
+        """The open items (a snapshot: safe to read from another thread)."""
+        return [value for value, _ in list(self._items.values())]
+
     def pop(self, session_id: str):
         value = self.get(session_id)
         del self._items[session_id]

@@ -205,3 +205,16 @@ def test_each_service_default_is_its_config_dataclass_default(service):
                    "coordinator": CoordinatorConfig}[service]  # fmt: skip
     config, _ = _service_config(build_parser().parse_args(["serve", service]))
     assert config == config_type()
+
+
+def test_byte_sizes():
+    import argparse
+
+    from specd.argtypes import byte_size
+
+    assert byte_size("1") == 1 and byte_size("8GiB") == 8 * 2**30
+    assert byte_size("512MiB") == 512 * 2**20 and byte_size("2GB") == 2 * 10**9
+    assert byte_size("1.5kib") == 1536
+    for bad in ("", "lots", "8 parsecs", "0", "-3GiB"):
+        with pytest.raises(argparse.ArgumentTypeError, match="size|at least"):
+            byte_size(bad)

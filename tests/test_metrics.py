@@ -54,3 +54,44 @@ def test_metrics_after_requests_and_json_logs(tiny_model_dir, tmp_path):
     assert "specd_open_sessions" in verifier
     records = [json.loads(line) for line in log_lines if line.startswith("{")]
     assert any("ready" in r["message"] for r in records)
+
+
+def test_kv_cache_bytes_and_the_kv_memory_limit(tiny_model_dir, tmp_path):
+    import grpc
+    import pytest
+
+    from specd.launch import spawn
+    from specd.service import channel_options
+    from specd.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+
+    metrics_port = free_ports(1)[0]
+    # a limit of one byte: the first session passes it, the second is refused
+    flags = ["--model", str(tiny_model_dir), "--metrics-port", str(metrics_port),
+             "--max-kv-memory", "1"]  # fmt: skip
+    verifier = spawn("verifier", flags, log_dir=tmp_path)
+    try:
+        verifier.wait_healthy(120)
+        with grpc.insecure_channel(verifier.address, options=channel_options()) as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+
+            def open_session():
+                request = verifier_pb2.OpenSessionRequest(prompt_ids=[3, 4, 5, 6])
+                return stub.OpenSession(request, timeout=60).session_id
+
+            assert value(scrape(metrics_port), "specd_kv_cache_bytes") == 0
+            first = open_session()
+            held = value(scrape(metrics_port), "specd_kv_cache_bytes")
+            assert held > 0
+            with pytest.raises(grpc.RpcError) as refused:
+                open_session()
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-kv-memory" in refused.value.details()
+            stub.CloseSession(common_pb2.CloseSessionRequest(session_id=first), timeout=30)
+            assert value(scrape(metrics_port), "specd_kv_cache_bytes") == 0
+            second = open_session()  # room again once the first is closed
+            assert value(scrape(metrics_port), "specd_kv_cache_bytes") == held
+            stub.CloseSession(common_pb2.CloseSessionRequest(session_id=second), timeout=30)
+            text = scrape(metrics_port)
+            assert value(text, 'specd_mlx_memory_bytes{kind="peak"}') >= held
+    finally:
+        verifier.stop()

@@ -17,6 +17,7 @@ class VerifierConfig:
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 50051
     max_sessions: int = 64  # each holds a KV cache; beyond this OpenSession is refused
+    max_kv_bytes: int | None = None  # new sessions refused while open ones' KV caches hold this
     max_context: int = 0  # 0: the model's max_position_embeddings
     session_idle_timeout_s: float = 600.0  # sessions a dead coordinator left are freed after
     max_draft_tokens: int = 64  # a verify of more tokens costs more than it can save

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from specd import metrics
 from specd.models.load import device_kind
 from specd.service import MlxThread, Server, register
 from specd.v1 import verifier_pb2
@@ -19,6 +20,8 @@ SERVICE_NAME = SERVICE.full_name
 async def serve(config: VerifierConfig) -> None:
     mlx_thread = MlxThread(inline_rounds=device_kind() == "cpu")
     servicer = VerifierServicer(config, mlx_thread)
+    metrics.KV_BYTES.set_function(servicer.kv_bytes)
+    metrics.watch_mlx_memory()
     server = Server(config.host, config.port, [SERVICE_NAME], config.security, config.metrics_port)
     register(server.server, servicer, SERVICE)
     await server.start()  # health answers NOT_SERVING while the model loads

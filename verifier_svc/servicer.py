@@ -114,6 +114,22 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.look_ahead = on_gpu(self.config.look_ahead, "look-ahead") and target.forwards_queue
         return target
 
+    def kv_bytes(self) -> int:
+        """Bytes the open sessions' KV caches hold (allocated, not just filled)."""
+        return sum(layer.nbytes for session in self.sessions.values() for layer in session.cache)
+
+    def _ensure_kv_room(self) -> None:
+        limit = self.config.max_kv_bytes
+        if limit is None:
+            return
+        held = self.kv_bytes()
+        if held >= limit:
+            raise ResourceExhausted(
+                f"the {len(self.sessions)} open sessions' KV caches hold {_mib(held)}, at or past "
+                f"the limit (--max-kv-memory) of {_mib(limit)}; close finished sessions or raise "
+                "the limit"
+            )
+
     def _ready(self) -> Target:
         if self.target is None:
             raise Unavailable("the verifier is still loading its model; retry shortly")
@@ -169,6 +185,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         sampling = check_sampling(request.sampling)
         seed = request.sampling.seed if request.sampling.HasField("seed") else None
         self.sessions.ensure_room()
+        self._ensure_kv_room()
         result = await self.mlx.run(
             prefill, target, prompt, layers, ROWS_DTYPES[request.rows_dtype], sampling, seed
         )
@@ -289,6 +306,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         session = self.sessions.pop(request.session_id)
         self._rounds.forget(id(session))  # its rounds are not waited for any more
         return common_pb2.CloseSessionResponse()
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def _rows(rows) -> common_pb2.Tensor | None:
