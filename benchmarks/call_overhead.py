@@ -39,11 +39,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specd import mlx_settings
 from specd.launch import free_port, spawn
-from specd.models.load import device_kind, load_target, resolve_dtype
+from specd.models.load import device_kind
 from specd.service import MlxThread, channel_options
 from specd.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_svc.config import VerifierConfig
 from verifier_svc.engine import Target, decode, prefill
+from verifier_svc.servicer import target_for
 from verifier_svc.warmup import warm_up
 
 
@@ -182,8 +183,7 @@ def main() -> None:
     extra = shlex.split(args.verifier_args)
     on_gpu = device_kind() == "gpu"
     ahead = on_gpu and "--look-ahead off" not in " ".join(extra)  # as the verifier decides
-    target = Target(load_target(args.target, resolve_dtype(args.dtype)),
-                    gemv_rows=0 if on_gpu else None, row_forwards=on_gpu)  # fmt: skip
+    target = target_for(VerifierConfig(model=args.target, dtype=args.dtype))  # as served
     worker = MlxThread(inline_rounds=False)
     loop = asyncio.new_event_loop()
     ways = {

@@ -25,15 +25,14 @@ def one_process(args) -> None:
     from specd import mlx_settings
 
     mlx_settings.apply()
-    from specd.models.load import device_kind, load_target, resolve_dtype
+    from specd.models.load import device_kind
     from specd.service import MlxThread
     from verifier_svc.config import VerifierConfig
-    from verifier_svc.engine import Target
+    from verifier_svc.servicer import target_for
     from verifier_svc.warmup import warm_up
 
     on_gpu = device_kind() == "gpu"
-    target = Target(load_target(args.target, resolve_dtype(args.dtype)),
-                    gemv_rows=0 if on_gpu else None, row_forwards=on_gpu)  # fmt: skip
+    target = target_for(VerifierConfig(model=args.target, dtype=args.dtype))
     worker = MlxThread(inline_rounds=False)
 
     def on_worker(fn, *a):
@@ -58,7 +57,7 @@ def one_process(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", help="model (default: the embedded SmolLM2)")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--warmup", choices=["full", "minimal"], default="full")
     parser.add_argument("--processes", type=int, default=3)
     parser.add_argument("--after", type=int, default=4, help="lines after the warm-up")

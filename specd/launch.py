@@ -97,18 +97,24 @@ def spawn(
     host: str = "127.0.0.1",
     port: int | None = None,
     log_dir: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> ServiceProcess:
     """`python -m specd serve NAME --host H --port P ARGS`; output to log_dir/NAME.log if given."""
     port = port or free_port(host)
     return start_service(
-        name, ["--host", host, "--port", str(port), *args], f"{host}:{port}", log_dir
+        name, ["--host", host, "--port", str(port), *args], f"{host}:{port}", log_dir, env
     )
 
 
 def start_service(
-    name: str, args: list[str], address: str, log_dir: Path | None = None
+    name: str,
+    args: list[str],
+    address: str,
+    log_dir: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> ServiceProcess:
-    """`python -m specd serve NAME ARGS`, reachable at `address` once healthy."""
+    """`python -m specd serve NAME ARGS`, reachable at `address` once healthy; env: the
+    process's environment (default: this one with OpenBLAS preloaded where that applies)."""
     cmd = [sys.executable, "-m", "specd", "serve", name, *args]
     log_path = None
     out = None
@@ -116,7 +122,7 @@ def start_service(
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"{name}.log"
         out = open(log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
-    process = subprocess.Popen(cmd, stdout=out, stderr=out, env=blas_env())
+    process = subprocess.Popen(cmd, stdout=out, stderr=out, env=env or blas_env())
     if out is not None:
         out.close()
     return ServiceProcess(name, address, process, log_path)

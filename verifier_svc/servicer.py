@@ -89,6 +89,16 @@ def on_gpu(mode: str, option: str) -> bool:
 INLINE_MAX_STEPS = 4  # the coordinator's default decode burst (~0.25 s of forwards)
 
 
+def target_for(config: VerifierConfig) -> Target:
+    """The target as the verifier serves it: its dtype, numpy forwards, float16-held weights
+    and row-by-row forwards as configured."""
+    half = config.half_weights and half_weights_pay(config.dtype, config.gemv_rows)
+    loaded = load_target(config.model, config.dtype, config.cache_dir, half)
+    return Target(
+        loaded, config.gemv_rows, row_forwards=on_gpu(config.row_forwards, "row-forwards")
+    )
+
+
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, config: VerifierConfig, mlx_thread: MlxThread):
         self.config = config
@@ -103,12 +113,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.target = await self.mlx.run(self._load_and_warm)
 
     def _load_and_warm(self) -> Target:
-        half = self.config.half_weights and half_weights_pay(
-            self.config.dtype, self.config.gemv_rows
-        )
-        loaded = load_target(self.config.model, self.config.dtype, self.config.cache_dir, half)
-        rows = on_gpu(self.config.row_forwards, "row-forwards")
-        target = Target(loaded, self.config.gemv_rows, row_forwards=rows)
+        target = target_for(self.config)
         self.warmup = warm_up(target, self.config.max_draft_tokens, self.config.warmup)
         # a queued forward pays where the device runs it while Python goes on
         self.look_ahead = on_gpu(self.config.look_ahead, "look-ahead") and target.forwards_queue
