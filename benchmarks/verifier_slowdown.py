@@ -12,6 +12,7 @@ and prints each variant's median compute per call (the verifier's own clock). Th
 never touches the device, so no second context shares it.
 
     python benchmarks/verifier_slowdown.py [--target DIR] [--dtype float32] [--rounds 2]
+        [--variants engine,service,minimal,no-preload]
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=30, help="decodes per measurement")
     parser.add_argument("--burst", type=int, default=4, help="tokens per decode")
     parser.add_argument("--context", type=int, default=512, help="prompt tokens (made up)")
+    parser.add_argument(
+        "--variants", help="comma-separated subset of: engine, service, minimal, no-preload"
+    )
     args = parser.parse_args()
 
     unpreloaded = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
@@ -91,7 +95,8 @@ def main() -> None:
         "service, minimal": lambda: service(args, ["--warmup", "minimal"], None),
         "service, no BLAS preload": lambda: service(args, ["--warmup", "minimal"], unpreloaded),
     }
-    names = list(variants)
+    short = dict(zip(("engine", "service", "minimal", "no-preload"), variants, strict=True))
+    names = [short[v] for v in args.variants.split(",")] if args.variants else list(variants)
     results: dict[str, list[float]] = {name: [] for name in names}
     for turn in range(args.rounds):
         for name in names[turn % len(names) :] + names[: turn % len(names)]:
