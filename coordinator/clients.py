@@ -205,8 +205,9 @@ class VerifierClient:
         )
         r = await self.rounds.call(session_id, request, self.timeout_s)
         return Verified(
-            list(r.committed_ids), r.num_accepted, r.finished, r.hidden_rows, r.compute_s
-        )
+            list(r.committed_ids), r.num_accepted, r.finished, r.hidden_rows, r.compute_s,
+            r.forward_share or 1.0,
+        )  # fmt: skip
 
     async def close(self, session_id: str) -> None:
         await self.rounds.end(session_id)

@@ -43,7 +43,7 @@ class LocalVerifier:
             r = self._engine.verify_tree(self.target, session, list(draft_ids), draft_parents)
         else:
             r = self._engine.verify(self.target, session, list(draft_ids), draft_probs)
-        return Verified(r.committed, r.num_accepted, r.finished, r.rows, r.compute_s)
+        return Verified(r.committed, r.num_accepted, r.finished, r.rows, r.compute_s, r.share)
 
     async def close(self, session_id) -> None:
         self.sessions.pop(session_id, None)

@@ -31,6 +31,7 @@ class Verified:
     finished: bool
     rows: Any  # [1 + num_accepted, L*H]
     compute_s: float = 0.0
+    share: float = 1.0  # its part of forwards the verifier shared with other sessions
 
 
 @dataclass
@@ -444,8 +445,10 @@ def _record(stats: RoundStats, played: Round, new: list[int]) -> None:
 
 
 def _learn_round(adaptive: AdaptiveK, played: Round) -> None:
-    """What the round tells adaptive k: acceptance, and the cost of drafts and verifies."""
-    verify_s = played.verify_done - played.draft_done
+    """What the round tells adaptive k: acceptance, and the cost of drafts and verifies. A
+    verify that shared its forwards with other sessions costs its share of their time: in a
+    batch, drafts' rows slow every session in it."""
+    verify_s = (played.verify_done - played.draft_done) * played.verified.share
     if played.kind == "beside":
         _learn_beside(
             adaptive, played.k, played.guess, played.verified, played.matched, played.decode_s,
@@ -534,7 +537,7 @@ def _learn_beside(
     draft of k, each timed on its own."""
     checked = min(len(guess.ids), len(verified.committed))
     adaptive.observe(k, checked, matched)
-    adaptive.costs.verify.observe(1, decode_s / max(1, len(verified.committed)))
+    adaptive.costs.verify.observe(1, decode_s * verified.share / max(1, len(verified.committed)))
     if guess_s is not None:
         adaptive.costs.draft.observe(k, guess_s)
 

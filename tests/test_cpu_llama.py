@@ -243,6 +243,12 @@ def test_rounds_of_several_sessions_at_once_equal_each_alone(pair):
     for got, want in zip(together_sessions, alone_sessions, strict=True):
         assert (got.position, got.last_token) == (want.position, want.last_token)
         assert got.cache[0].offset == want.cache[0].offset == got.position - 1
+    # each round's part of the shared forwards: its rows (a verify 1 + drafts, a plain round a
+    # row per token) over all rows, so drafts in a batch are priced as the rows they add
+    rows = [len(together[0].committed), len(together[1].committed), len(together[2].committed),
+            1 + len(greedy), 4]  # fmt: skip
+    assert [r.share for r in together] == pytest.approx([n / sum(rows) for n in rows])
+    assert all(a.share == 1.0 for a in alone)
 
 
 def test_more_sessions_than_a_forward_takes_go_in_groups(pair, monkeypatch):

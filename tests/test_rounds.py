@@ -386,3 +386,21 @@ def test_drafts_carried_from_a_guess_do_not_outlive_a_round_without_drafts(targe
     assert verifier.calls[:4] == [(0, 0), (0, 0), (0, 4), (4, 0)]
     assert oracle.calls >= 3 and stats.predrafted_rounds == 0
     assert stats.accepted == stats.drafted  # the oracle's drafts: never a stale one
+
+
+def test_a_shared_forward_prices_a_verify_at_the_rounds_share():
+    """A verify the verifier ran together with other sessions' costs adaptive k its share of
+    the forward (its rows over all rows), not the whole forward's wall time."""
+    from coordinator.rounds import Round, Verified, _learn_round
+
+    def priced(share: float) -> float:
+        adaptive = AdaptiveK(SpeculationCosts(), k_max=4)
+        for _ in range(40):
+            played = Round(k=3, start=0.0, drafted=Drafted([5, 6, 7]), called_drafter=True)
+            played.verified = Verified([5, 6, 7, 8], 3, False, None, share=share)
+            played.draft_done, played.verify_done = 0.01, 0.09  # 80 ms of wall time
+            _learn_round(adaptive, played)
+        return adaptive.costs.verify.predict(4)
+
+    assert priced(1.0) == pytest.approx(0.08, rel=0.05)
+    assert priced(0.25) == pytest.approx(0.02, rel=0.05)

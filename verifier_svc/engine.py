@@ -171,6 +171,7 @@ class VerifyResult:
     finished: bool
     rows: mx.array | None  # [1 + num_accepted, L*H]
     compute_s: float
+    share: float = 1.0  # its rows over all rows of the forwards it shared (rounds_many)
 
 
 def _greedy_next(logits: mx.array) -> mx.array:
@@ -459,8 +460,16 @@ def _together(target: Target, rounds: list[Round]) -> list[VerifyResult]:
             _rollback(r.session.cache, r.session.position - 1)
         raise
     seconds = time.perf_counter() - start
+    # a verify forwards its last token and drafts once; a plain round one row per token
+    own_rows = [
+        1 + len(r.drafts) if r.drafts else len(tokens)
+        for r, tokens in zip(rounds, committed, strict=True)
+    ]
+    all_rows = sum(own_rows)
     results = []
-    for r, tokens, num_accepted, parts in zip(rounds, committed, accepted, rows, strict=True):
+    for r, tokens, num_accepted, parts, own in zip(
+        rounds, committed, accepted, rows, own_rows, strict=True
+    ):
         session = r.session
         session.position += len(tokens)
         session.last_token = tokens[-1]
@@ -469,7 +478,9 @@ def _together(target: Target, rounds: list[Round]) -> list[VerifyResult]:
         if parts:
             kept = mx.array(np.concatenate(parts)).astype(session.rows_dtype)
             mx.eval(kept)
-        results.append(VerifyResult(tokens, num_accepted, session.finished, kept, seconds))
+        results.append(
+            VerifyResult(tokens, num_accepted, session.finished, kept, seconds, own / all_rows)
+        )
     return results
 
 

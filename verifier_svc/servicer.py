@@ -251,6 +251,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             hidden_rows=_rows(result.rows),
             position=session.position,
             compute_s=result.compute_s,
+            forward_share=result.share,
         )
 
     VerifyStream = stream_of(Verify)

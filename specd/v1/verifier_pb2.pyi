@@ -87,17 +87,19 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., draft_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., plain_steps: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("committed_ids", "num_accepted", "finished", "hidden_rows", "position", "compute_s")
+    __slots__ = ("committed_ids", "num_accepted", "finished", "hidden_rows", "position", "compute_s", "forward_share")
     COMMITTED_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_ROWS_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SHARE_FIELD_NUMBER: _ClassVar[int]
     committed_ids: _containers.RepeatedScalarFieldContainer[int]
     num_accepted: int
     finished: bool
     hidden_rows: _common_pb2.Tensor
     position: int
     compute_s: float
-    def __init__(self, committed_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., finished: _Optional[bool] = ..., hidden_rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., position: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    forward_share: float
+    def __init__(self, committed_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., finished: _Optional[bool] = ..., hidden_rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., position: _Optional[int] = ..., compute_s: _Optional[float] = ..., forward_share: _Optional[float] = ...) -> None: ...
