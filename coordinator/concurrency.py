@@ -43,18 +43,36 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def level_row(
-    level: int, tokens: int, wall_s: float, latencies: list[float], differ: int, failed: int = 0
+    level: int,
+    tokens: int,
+    wall_s: float,
+    latencies: list[float],
+    differ: int,
+    failed: int = 0,
+    stats: list | None = None,
 ) -> dict:
+    """stats: the services' per-request GenerateStats, for how much they drafted."""
+    drafting = {}
+    if stats:
+        rounds = sum(s.rounds for s in stats)
+        generated = sum(s.generated_tokens for s in stats)
+        drafting = {
+            "drafted_per_token": sum(s.drafted for s in stats) / max(1, generated),
+            "tau": 1 + sum(s.accepted for s in stats) / rounds if rounds else 1.0,
+        }
     return {
-        "clients": level,
-        "requests": len(latencies),
-        "tokens": tokens,
-        "wall_s": round(wall_s, 3),
-        "aggregate_tok_s": tokens / wall_s if wall_s > 0 else 0.0,
-        "p50_s": statistics.median(latencies),
-        "p99_s": percentile(latencies, 0.99),
-        "outputs_differing_from_solo": differ,
-        "failed": failed,
+        **drafting,
+        **{
+            "clients": level,
+            "requests": len(latencies),
+            "tokens": tokens,
+            "wall_s": round(wall_s, 3),
+            "aggregate_tok_s": tokens / wall_s if wall_s > 0 else 0.0,
+            "p50_s": statistics.median(latencies),
+            "p99_s": percentile(latencies, 0.99),
+            "outputs_differing_from_solo": differ,
+            "failed": failed,
+        },
     }
 
 
@@ -122,12 +140,12 @@ def services(
             solo = {n: out for n, out in enumerate(outputs) if out is not None}
             batch = [(n, ids) for n, (_, ids) in enumerate(batch)]
         start = time.perf_counter()
-        outputs, latencies, failed = _clients(client, request_of, batch, level, faulted)
+        outputs, latencies, failed, stats = _clients(client, request_of, batch, level, faulted)
         wall = time.perf_counter() - start
         finished = [(i, out) for (i, _), out in zip(batch, outputs, strict=True) if out is not None]
         differ = _count_differing(solo, [i for i, _ in finished], [out for _, out in finished])
         tokens = sum(len(out) for _, out in finished)
-        row = level_row(level, tokens, wall, latencies, differ, failed)
+        row = level_row(level, tokens, wall, latencies, differ, failed, stats)
         if faulted is not None:
             row["faults"] = faulted.summary()
         rows.append(row)
@@ -137,9 +155,11 @@ def services(
 def _clients(client, request_of, batch, level: int, drill=None):
     """`level` clients at once, client j sending requests j, j + level, ... in turn: each
     request's output ids (in batch order; None where it failed), every finished request's
-    latency, and how many failed. `drill` runs once the first `level` requests all stream."""
+    latency, how many failed, and the finished requests' stats. `drill` runs once the first
+    `level` requests all stream."""
     outputs: list[list[int] | None] = [None] * len(batch)
     latencies: list[float] = []
+    stats: list = []  # each finished request's GenerateStats
     failures: list[str] = []
     started: set[int] = set()
     lock = threading.Lock()
@@ -152,6 +172,8 @@ def _clients(client, request_of, batch, level: int, drill=None):
             try:
                 for message in client.stream(request_of(batch[n][1])):
                     ids.extend(message.token_ids)
+                    if message.finish_reason:
+                        stats.append(message.stats)
                     if ids and n < level and n not in started:
                         with lock:
                             started.add(n)
@@ -169,7 +191,7 @@ def _clients(client, request_of, batch, level: int, drill=None):
         drill_thread.join()
     for line in failures:
         print(f"concurrency: {line}", file=sys.stderr)
-    return outputs, latencies, len(failures)
+    return outputs, latencies, len(failures), stats
 
 
 def _level_prompts(prompts, level: int, per_client: int) -> list[tuple[int, list[int]]]:
@@ -212,9 +234,11 @@ def _print_rows(name: str, rows: list[dict]) -> None:
           "failed", file=sys.stderr)  # fmt: skip
     for r in rows:
         faults = f"  ({r['faults']})" if r.get("faults") else ""
+        drafting = (f"  drafted/token {r['drafted_per_token']:.2f}, tau {r['tau']:.2f}"
+                    if "tau" in r else "")  # fmt: skip
         print(f"  {r['clients']:>5} {r['requests']:>9} {r['aggregate_tok_s']:16.1f} "
               f"{r['p50_s']:6.2f} {r['p99_s']:6.2f}  {r['outputs_differing_from_solo']:>19}  "
-              f"{r['failed']:>6}{faults}", file=sys.stderr)  # fmt: skip
+              f"{r['failed']:>6}{drafting}{faults}", file=sys.stderr)  # fmt: skip
 
 
 def write_concurrency(path: Path, results: dict[str, list[dict]]) -> None:

@@ -249,11 +249,25 @@ def test_concurrency_levels_measure_services_beside_mlx_lm_batched(tiny_model_di
         assert [r["requests"] for r in rows] == [2, 6]
         for r in rows:
             assert r["tokens"] > 0 and r["aggregate_tok_s"] > 0 and r["p99_s"] >= r["p50_s"] > 0
+    # how much each stack drafted: nothing without a drafter
+    assert all(r["drafted_per_token"] == 0 and r["tau"] == 1 for r in levels["none"])
     # greedy: every service output under concurrency equals the same prompt's solo output
     assert all(r["outputs_differing_from_solo"] == 0 for n in ("ngram", "none") for r in levels[n])
     table = (tmp_path / "levels.md").read_text()
     assert "| ngram | 3 |" in table and "| mlx-lm batched | 1 |" in table
     assert (tmp_path / "levels.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_concurrency_rows_say_how_much_was_drafted():
+    from types import SimpleNamespace
+
+    from coordinator.concurrency import level_row
+
+    stats = [SimpleNamespace(rounds=10, generated_tokens=20, drafted=30, accepted=10),
+             SimpleNamespace(rounds=30, generated_tokens=40, drafted=0, accepted=0)]  # fmt: skip
+    row = level_row(2, 60, 1.0, [0.5, 0.7], 0, 0, stats)
+    assert row["drafted_per_token"] == 0.5 and row["tau"] == 1.25
+    assert "tau" not in level_row(2, 60, 1.0, [0.5, 0.7], 0)  # mlx-lm's rows draft nothing
 
 
 def test_concurrency_levels_are_checked():
