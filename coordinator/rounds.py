@@ -138,6 +138,10 @@ class RoundStats:
         return statistics.median(t.outside_forwards for t in self.round_times)
 
 
+EMPTY_BACKOFF_AFTER = 4  # empty answers in a row before rounds skip the drafter
+EMPTY_BACKOFF_MAX = 4  # rounds skipped at most between two calls
+
+
 class DrafterLink:
     """The drafter side of one request: its session, what it has not heard yet, its faults.
 
@@ -157,6 +161,7 @@ class DrafterLink:
         self.retry_at: float | None = None  # set while the drafter is down
         self.carried: Drafted | None = None  # next block, drafted while the last verify ran
         self.empty_answers = 0  # drafter calls in a row that proposed nothing
+        self.calls_skipped = 0  # rounds in a row decoded without asking, after empty answers
         self.all_rows: list = []  # rows of every verified position, for a re-open
 
     async def open(self, context_ids: list[int], rows) -> None:
@@ -183,7 +188,18 @@ class DrafterLink:
     ) -> Drafted:
         drafted = await self._draft(position, k, sampling, speculative_ids, tree)
         self.empty_answers = 0 if drafted.ids else self.empty_answers + 1
+        self.calls_skipped = 0
         return drafted
+
+    def skip_call(self) -> bool:
+        """After EMPTY_BACKOFF_AFTER empty answers in a row, ask only every few rounds (1, 2,
+        then EMPTY_BACKOFF_MAX rounds skipped between calls): an answer that finds nothing
+        still costs a call, and under load the CPU it takes from the verifier."""
+        over = self.empty_answers - EMPTY_BACKOFF_AFTER
+        if over < 0 or self.calls_skipped >= min(2**over, EMPTY_BACKOFF_MAX):
+            return False
+        self.calls_skipped += 1
+        return True
 
     async def _draft(self, position: int, k: int, sampling, speculative_ids, tree) -> Drafted:
         if self.retry_at is not None:
@@ -388,7 +404,7 @@ def _round_kind(request: _Request, played: Round, remaining: int) -> str:
         # the last call found nothing; this one will likely find nothing too, so decode
         # meanwhile instead of waiting for it with one token to verify
         played.steps = min(plan.decode_burst, link.empty_answers, remaining)
-        return "beside"
+        return "plain" if link.skip_call() else "beside"
     return "draft"
 
 

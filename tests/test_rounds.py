@@ -271,13 +271,34 @@ def test_draft_calls_after_empty_ones_run_beside_growing_decode_bursts(target):
     # the first call finds nothing before a one-token verify; each later one runs beside a
     # burst one token longer than the last, up to --decode-burst
     assert verifier.calls[:6] == [(0, 0), (0, 0), (0, 2), (0, 3), (0, 4), (0, 4)]
-    # all but the first call ran beside a burst; the last token (k = 0) was decoded alone
-    assert stats.beside_calls == silent.proposer.calls - 1 == len(verifier.calls) - 2
+    # all but the first call ran beside a burst; after four empty answers in a row some
+    # bursts ran without a call (DrafterLink.skip_call)
+    assert stats.beside_calls == silent.proposer.calls - 1 < len(verifier.calls) - 2
     assert stats.draft_calls == silent.proposer.calls
     assert stats.rounds == len(out) - 1 and stats.drafted == 0
     serial = CountingVerifier(target)
     out, _ = collect(serial, LocalDrafter(SilentProposer(10**9)), PROMPTS[2], Plan(41, 4))
     assert out == plain and len(serial.calls) == len(out) - 1  # off: one token a call
+
+
+def test_after_empty_answers_the_drafter_is_asked_every_few_rounds():
+    from coordinator.rounds import EMPTY_BACKOFF_AFTER, DrafterLink
+
+    link = DrafterLink(drafter=None, stats=RoundStats())
+    link.empty_answers = EMPTY_BACKOFF_AFTER - 1
+    assert not link.skip_call()  # before the backoff every round asks
+    link.empty_answers += 1
+    rounds = ""
+    for _ in range(15):  # S: a round without a call; C: a call, and it finds nothing again
+        if link.skip_call():
+            rounds += "S"
+        else:
+            rounds += "C"
+            link.empty_answers += 1
+            link.calls_skipped = 0  # as DrafterLink.draft does
+    assert rounds == "SCSSCSSSSCSSSSC"  # 1, 2, then at most 4 rounds between calls
+    link.empty_answers = 0  # an answer with drafts: every round asks again
+    assert not link.skip_call()
 
 
 def test_a_guess_made_beside_a_burst_drafts_the_next_round_when_the_burst_matches(target):
