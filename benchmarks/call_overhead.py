@@ -44,7 +44,7 @@ from specd.service import MlxThread, channel_options
 from specd.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_svc.config import VerifierConfig
 from verifier_svc.engine import Target, decode, prefill
-from verifier_svc.servicer import target_for
+from verifier_svc.servicer import on_gpu, target_for
 from verifier_svc.warmup import warm_up
 
 
@@ -132,9 +132,23 @@ def handler_seconds(metrics_url: str) -> tuple[float, int]:
     return found["sum"], int(found["count"])
 
 
+def as_served(target_dir: str | None, dtype: str, verifier_flags: list[str]):
+    """The target a verifier started with these flags serves, and whether it leaves the next
+    forward queued after a plain decode (as the verifier decides both)."""
+    from specd.cli import build_parser
+
+    flags = build_parser().parse_args(["serve", "verifier", *verifier_flags])
+    config = VerifierConfig(
+        model=target_dir, dtype=dtype, gemv_rows=flags.gemv_rows,
+        half_weights=not flags.float32_weights, row_forwards=flags.row_forwards,
+    )  # fmt: skip
+    target = target_for(config)
+    return target, on_gpu(flags.look_ahead, "look-ahead") and target.forwards_queue
+
+
 def verify_calls(address: str, calls: int, burst: int, prompt: list[int]):
-    """Means of (client wall, verifier compute) per call of `burst` plain tokens (means, to
-    set beside the handler's mean time from the verifier's metrics)."""
+    """Each call's client wall time and verifier compute, over `calls` calls of `burst`
+    plain tokens (a new session every 256 tokens)."""
     walls, computes = [], []
     with grpc.insecure_channel(address, options=channel_options()) as channel:
         stub = verifier_pb2_grpc.VerifierStub(channel)
@@ -155,7 +169,7 @@ def verify_calls(address: str, calls: int, burst: int, prompt: list[int]):
                 if answer.finished:
                     break
             stub.CloseSession(common_pb2.CloseSessionRequest(session_id=opened.session_id))
-    return statistics.mean(walls), statistics.mean(computes)
+    return walls, computes
 
 
 def main() -> None:
@@ -181,9 +195,7 @@ def main() -> None:
     ]
     prompt = [(17 * i + 3) % 200 + 50 for i in range(args.context)]  # valid in any vocabulary
     extra = shlex.split(args.verifier_args)
-    on_gpu = device_kind() == "gpu"
-    ahead = on_gpu and "--look-ahead off" not in " ".join(extra)  # as the verifier decides
-    target = target_for(VerifierConfig(model=args.target, dtype=args.dtype))  # as served
+    target, ahead = as_served(args.target, args.dtype, extra)
     worker = MlxThread(inline_rounds=False)
     loop = asyncio.new_event_loop()
     ways = {
@@ -215,7 +227,9 @@ def main() -> None:
         verify_calls(verifier.address, 8, 1, prompt)  # first calls of a session shape aside
         for burst in args.bursts:
             before = handler_seconds(metrics_url)
-            wall, compute = verify_calls(verifier.address, args.calls, burst, prompt)
+            # means, to set beside the handler's mean time from the verifier's metrics
+            wall, compute = map(statistics.mean, verify_calls(verifier.address, args.calls,
+                                                               burst, prompt))  # fmt: skip
             after = handler_seconds(metrics_url)
             handler = (after[0] - before[0]) / max(after[1] - before[1], 1)  # a mean, not median
             rows.append((f"Verify b={burst}", wall, compute, handler))

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import grpc
+from call_overhead import as_served
 
 from coordinator.bench import plain_decode
 from specd import mlx_settings
@@ -33,7 +34,7 @@ from specd.launch import Stack, spawn
 from specd.models.load import device_kind, load_target, resolve_dtype
 from specd.service import MlxThread, channel_options
 from specd.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from verifier_svc.engine import Target, decode, prefill
+from verifier_svc.engine import decode, prefill
 
 
 def direct_verifier(address: str, prompt: list[int], tokens: int, burst: int):
@@ -78,9 +79,8 @@ def main() -> None:
     prompt = [(17 * i + 3) % 1000 + 100 for i in range(args.context)]
     eos = set(loaded.identity.eos_token_ids)
     extra = shlex.split(args.verifier_args)
-    on_gpu = device_kind() == "gpu"
-    look_ahead = on_gpu and "--look-ahead" not in extra
-    target = Target(loaded, gemv_rows=0 if on_gpu else None, row_forwards=on_gpu)
+    # the engine's own copy, as the verifier serves it: its forward wrappers stay off mlx-lm's
+    target, look_ahead = as_served(args.target, dtype, extra)
     worker = MlxThread(inline_rounds=False)
 
     def mlx_lm():

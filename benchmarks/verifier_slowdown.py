@@ -26,13 +26,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import grpc
-
 from specd.launch import spawn
-from specd.service import channel_options
-from specd.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from call_overhead import verify_calls  # noqa: E402 - a sibling script, found by the path above
 
 
 def engine_process(args) -> float:
@@ -46,30 +44,15 @@ def engine_process(args) -> float:
 
 
 def service(args, flags: list[str], env: dict[str, str] | None) -> float:
+    """Median verifier compute per Verify(plain_steps) call of a fresh verifier service."""
     logs = Path(tempfile.mkdtemp(prefix="slowdown-"))
     model = ["--model", args.target] if args.target else []
     verifier = spawn("verifier", [*model, "--dtype", args.dtype, *flags], log_dir=logs, env=env)
     prompt = [(17 * i + 3) % 200 + 50 for i in range(args.context)]
-    computes = []
     try:
         verifier.wait_healthy(900)
-        with grpc.insecure_channel(verifier.address, options=channel_options()) as channel:
-            stub = verifier_pb2_grpc.VerifierStub(channel)
-            for warm in (True, False):  # a first session's calls aside
-                opened = stub.OpenSession(
-                    verifier_pb2.OpenSessionRequest(prompt_ids=prompt), timeout=600
-                )
-                position = opened.position
-                for _ in range(8 if warm else args.calls):
-                    answer = stub.Verify(
-                        verifier_pb2.VerifyRequest(session_id=opened.session_id,
-                                                   position=position, plain_steps=args.burst),
-                        timeout=600,
-                    )  # fmt: skip
-                    position = answer.position
-                    if not warm:
-                        computes.append(answer.compute_s)
-                stub.CloseSession(common_pb2.CloseSessionRequest(session_id=opened.session_id))
+        verify_calls(verifier.address, 8, args.burst, prompt)  # a first session's calls aside
+        _, computes = verify_calls(verifier.address, args.calls, args.burst, prompt)
     finally:
         verifier.stop()
     return statistics.median(computes)

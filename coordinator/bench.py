@@ -169,8 +169,8 @@ def add_bench_args(p) -> None:
         "--concurrency-faults",
         action="store_true",
         help="at the highest --concurrency level, once every client's first request runs, kill "
-        "the drafter and kill and restart the verifier (the drafter returns after it); every "
-        "request must still finish with its solo output",
+        "the drafter and kill and restart the verifier (the drafter returns after it), in a "
+        "second run of that level; every request must still finish with its first run's output",
     )
     p.add_argument("--json", dest="json_out", type=Path, help="write results here")
     p.add_argument("--log-dir", type=Path, help="service logs (default: a temp dir)")

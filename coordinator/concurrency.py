@@ -52,28 +52,23 @@ def level_row(
     stats: list | None = None,
 ) -> dict:
     """stats: the services' per-request GenerateStats, for how much they drafted."""
-    drafting = {}
+    row = {
+        "clients": level,
+        "requests": len(latencies),
+        "tokens": tokens,
+        "wall_s": round(wall_s, 3),
+        "aggregate_tok_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "p50_s": statistics.median(latencies),
+        "p99_s": percentile(latencies, 0.99),
+        "outputs_differing_from_solo": differ,
+        "failed": failed,
+    }
     if stats:
         rounds = sum(s.rounds for s in stats)
         generated = sum(s.generated_tokens for s in stats)
-        drafting = {
-            "drafted_per_token": sum(s.drafted for s in stats) / max(1, generated),
-            "tau": 1 + sum(s.accepted for s in stats) / rounds if rounds else 1.0,
-        }
-    return {
-        **drafting,
-        **{
-            "clients": level,
-            "requests": len(latencies),
-            "tokens": tokens,
-            "wall_s": round(wall_s, 3),
-            "aggregate_tok_s": tokens / wall_s if wall_s > 0 else 0.0,
-            "p50_s": statistics.median(latencies),
-            "p99_s": percentile(latencies, 0.99),
-            "outputs_differing_from_solo": differ,
-            "failed": failed,
-        },
-    }
+        row["drafted_per_token"] = sum(s.drafted for s in stats) / max(1, generated)
+        row["tau"] = 1 + sum(s.accepted for s in stats) / rounds if rounds else 1.0
+    return row
 
 
 def mlx_lm_batched(target, prompts: list[list[int]], levels: list[int], args) -> list[dict]:
