@@ -180,7 +180,7 @@ def add_bench_args(p) -> None:
 class Baseline:
     token_ids: list[int]
     seconds: float
-    logprobs: list = field(repr=False)  # per step, kept to explain a difference
+    margins: list[float] = field(repr=False)  # per step, the top-2 logprob margin
 
 
 def plain_decode(
@@ -203,14 +203,19 @@ def plain_decode(
         logprobs.append(lp)
         if token in eos_ids:
             break
-    return Baseline(ids, time.perf_counter() - start, logprobs)
+    seconds = time.perf_counter() - start
+    return Baseline(ids, seconds, step_margins(logprobs))
 
 
-def top2_margin(logprobs) -> float:
+def step_margins(logprobs: list) -> list[float]:
+    """Top-2 margin of each step's logprobs (kept to explain a difference), computed after
+    the timed decode in one evaluation."""
     import mlx.core as mx
 
-    top = mx.topk(logprobs, 2).tolist()
-    return abs(top[1] - top[0])
+    if not logprobs:
+        return []
+    top = mx.topk(mx.stack(logprobs).astype(mx.float32), 2, axis=-1).tolist()
+    return [abs(a - b) for a, b in top]
 
 
 def logit_rounding(model, prompt_ids: list[int], tokens: list[int], position: int) -> dict:
@@ -443,8 +448,8 @@ def _spec_row(question, base: Baseline, spec, spec_s: float, temperature: float)
     if temperature == 0 and not row["identical"]:
         pos = first_difference(spec.token_ids, base.token_ids)
         row["first_difference"] = pos
-        if pos is not None and pos < len(base.logprobs):
-            row["baseline_margin"] = top2_margin(base.logprobs[pos])
+        if pos is not None and pos < len(base.margins):
+            row["baseline_margin"] = base.margins[pos]
     return row
 
 
@@ -470,13 +475,27 @@ def _fastest_row(question, base: Baseline, tries: list, temperature: float) -> d
     return row
 
 
-def run_bench(args) -> int:
-    from contextlib import ExitStack
+def chat_prompts(tokenizer, questions) -> list[list[int]]:
+    from specd.prompts import encode_chat
 
-    from specd.client import CoordinatorClient
+    return [encode_chat(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
+
+
+def announce(args, name: str, dtype_timings: dict, drafters, count: int, log_dir: Path) -> None:
+    if dtype_timings:
+        timed = ", ".join(f"{d} {ms:.2f} ms" for d, ms in dtype_timings.items())
+        print(f"bench: dtype auto chose {args.dtype} ({timed})", file=sys.stderr)
+    print(
+        f"bench: {count} questions, target {name} ({args.dtype}), drafters "
+        f"{', '.join(drafters)}, {args.max_tokens} tokens; logs in {log_dir}",
+        file=sys.stderr,
+    )
+
+
+def run_bench(args) -> int:
+    from coordinator.baseline import BaselineProcess
     from specd.datasets import load_questions
     from specd.models.load import load_target
-    from specd.prompts import encode_chat
 
     drafters = [d.strip() for d in args.drafter.split(",") if d.strip()]
     unknown = sorted(d for d in drafters if not _known(d))
@@ -512,20 +531,12 @@ def run_bench(args) -> int:
         )
         return 1
     started = time.perf_counter()
-    target = load_target(args.target, args.dtype)
-    if target.dtype_timings:  # auto measured once: every stack and the baseline use its choice
-        timed = ", ".join(f"{d} {ms:.2f} ms" for d, ms in target.dtype_timings.items())
-        print(f"bench: dtype auto chose {target.dtype} ({timed})", file=sys.stderr)
-    args.dtype = target.dtype
-    tokenizer, eos = target.tokenizer, set(target.identity.eos_token_ids)
-    prompts = [encode_chat(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specd-bench-"))
-    print(
-        f"bench: {len(questions)} questions, target {target.identity.name} ({target.dtype}), "
-        f"drafters {', '.join(drafters)}, {args.max_tokens} tokens; logs in {log_dir}",
-        file=sys.stderr,
-    )
-    if args.concurrency:
+    if args.concurrency:  # mlx-lm's batched generation runs in this process
+        target = load_target(args.target, args.dtype)
+        args.dtype = target.dtype
+        prompts = chat_prompts(target.tokenizer, questions)
+        log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specd-bench-"))
+        announce(args, target.identity.name, target.dtype_timings, drafters, len(prompts), log_dir)
         from coordinator.concurrency import concurrency_table, run_concurrency, write_concurrency
 
         levels = run_concurrency(args, target, drafters, prompts, log_dir)
@@ -533,6 +544,28 @@ def run_bench(args) -> int:
         if args.json_out:
             write_concurrency(args.json_out, levels)
         return 0
+    try:
+        plain = BaselineProcess(args.target, args.dtype)
+    except RuntimeError as exc:
+        print(f"specd: bench: {exc}", file=sys.stderr)
+        return 1
+    with plain:
+        return _bench_against(args, plain, questions, drafters, started)
+
+
+def _bench_against(args, plain, questions, drafters: list[str], started: float) -> int:
+    """The sequential bench: every question through each drafter's stack and through plain
+    mlx-lm (`plain`, a BaselineProcess), in turn."""
+    from contextlib import ExitStack
+
+    from specd.client import CoordinatorClient
+    from specd.models.load import load_tokenizer
+
+    target = plain.target
+    args.dtype = target.dtype  # auto measured once: every stack and the baseline use its choice
+    prompts = chat_prompts(load_tokenizer(args.target), questions)
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="specd-bench-"))
+    announce(args, target.name, target.dtype_timings, drafters, len(prompts), log_dir)
     rows: dict[str, list[dict]] = {d: [] for d in drafters}
     memory = {}
     with ExitStack() as running:
@@ -548,7 +581,7 @@ def run_bench(args) -> int:
             if args.in_process:
                 in_process[d] = in_process_runner(args, d)
                 in_process[d](prompts[0][:8])
-        plain_decode(target.model, prompts[0], 8, eos)
+        plain.decode(prompts[0], 8)
         for i, (question, prompt_ids) in enumerate(zip(questions, prompts, strict=True)):
             if i and args.time_limit and time.perf_counter() - started > args.time_limit:
                 print(f"bench: --time-limit {args.time_limit:g} s reached; reporting the "
@@ -558,9 +591,7 @@ def run_bench(args) -> int:
             tries = {d: [] for d in drafters}
             bases = []
             for _ in range(args.repeat):
-                bases.append(
-                    plain_decode(target.model, prompt_ids, args.max_tokens, eos, args.temperature)
-                )
+                bases.append(plain.decode(prompt_ids, args.max_tokens, args.temperature))
                 for d in drafters:
                     start = time.perf_counter()
                     spec = clients[d].generate(requests[d])
@@ -578,7 +609,7 @@ def run_bench(args) -> int:
                 if row.get("first_difference") is not None:
                     pos = row["first_difference"]
                     if pos < len(base.token_ids):
-                        row.update(logit_rounding(target.model, prompt_ids, base.token_ids, pos))
+                        row.update(plain.rounding(prompt_ids, base.token_ids, pos))
                 if i == 0:
                     row["first_request_s"], row["first_request_tokens"] = first[d]
                 rows[d].append(row)
@@ -643,7 +674,7 @@ def _result(args, target, drafter: str, rows: list[dict], memory: dict, asked: i
     return {
         "questions_asked": asked,  # more than were run when --time-limit stopped the bench
         "first_request_vs_later": first_request_ratio(rows),
-        "target": target.identity.name,
+        "target": target.name,
         "drafter": drafter,
         "dtype": target.dtype,
         "gemv_rows": args.gemv_rows,  # None: the verifier's default

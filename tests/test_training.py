@@ -169,32 +169,46 @@ def test_a_continued_head_can_grow_or_shrink_its_draft_vocabulary(tiny_model_dir
 
 
 def test_distill_writes_the_targets_own_replies_and_resumes(tiny_model_dir, data, tmp_path):
+    """Every user turn is a prompt after the conversation before it; each record is that
+    conversation ended with the target's own greedy reply; a second run only adds the rest."""
     from coordinator.bench import plain_decode
     from drafter_svc.distill import DistillOptions, distill
+    from drafter_svc.eagle3.data import ROLES
     from specd.models.load import load_target
 
     out = tmp_path / "replies.jsonl"
-    opts = DistillOptions(target=str(tiny_model_dir), out=out, conversations=2,
+    opts = DistillOptions(target=str(tiny_model_dir), out=out, conversations=3,
                           max_new_tokens=12, batch_size=1, data=data)  # fmt: skip
-    assert distill(opts)["new_replies"] == 2
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(records) == 2
+    assert distill(opts)["new_replies"] == 3
+    records = [json.loads(line)["conversations"] for line in out.read_text().splitlines()]
+    assert sorted(len(turns) for turns in records) == [2, 2, 4]  # one conversation's two turns
     plain = load_target(str(tiny_model_dir), "float32")
-    for record in records:
-        user, reply = record["conversations"]
-        assert user["from"] == "human" and user["value"].startswith("say something")
-        prompt = plain.tokenizer.apply_chat_template(
-            [{"role": "user", "content": user["value"]}], add_generation_prompt=True,
-            tokenize=True,
-        )  # fmt: skip
+    for turns in records:
+        assert [t["from"] for t in turns] == ["human", "gpt"] * (len(turns) // 2)
+        assert turns[0]["value"].startswith("say something")
+        chat = [{"role": ROLES[t["from"]], "content": t["value"]} for t in turns[:-1]]
+        prompt = plain.tokenizer.apply_chat_template(chat, add_generation_prompt=True,
+                                                     tokenize=True)  # fmt: skip
         greedy = plain_decode(plain.model, list(prompt), 12, set(plain.identity.eos_token_ids))
-        assert reply["value"] == plain.tokenizer.decode(greedy.token_ids).strip()
-    opts.conversations, opts.batch_size = 4, 3
-    summary = distill(opts)  # resumes: only the two missing replies are generated
-    assert summary["new_replies"] == 2 and summary["replies"] == 4
-    prompts = [json.loads(line)["conversations"][0]["value"]
+        assert turns[-1]["value"] == plain.tokenizer.decode(greedy.token_ids).strip()
+    opts.conversations, opts.batch_size = 6, 3
+    summary = distill(opts)  # resumes: only the three missing replies are generated
+    assert summary["new_replies"] == 3 and summary["replies"] == 6
+    prompts = [json.dumps(json.loads(line)["conversations"][:-1])
                for line in out.read_text().splitlines()]  # fmt: skip
-    assert len(prompts) == len(set(prompts)) == 4
+    assert len(prompts) == len(set(prompts)) == 6
+
+
+def test_distill_of_first_turns_answers_each_opening_message(tiny_model_dir, data, tmp_path):
+    from drafter_svc.distill import DistillOptions, distill
+
+    out = tmp_path / "first.jsonl"
+    opts = DistillOptions(target=str(tiny_model_dir), out=out, conversations=4,
+                          max_new_tokens=4, batch_size=4, data=data, turns="first")  # fmt: skip
+    distill(opts)
+    records = [json.loads(line)["conversations"] for line in out.read_text().splitlines()]
+    assert len(records) == 4 and all(len(turns) == 2 for turns in records)
+    assert len({turns[0]["value"] for turns in records}) == 4
 
 
 def test_distill_waves_of_unequal_prompts_give_each_prompt_its_greedy_reply(tiny_model_dir):
@@ -353,7 +367,7 @@ def test_a_checkpoint_of_another_run_is_refused(tiny_model_dir, data, tmp_path):
 def test_no_benchmark_prompt_reaches_training_or_distillation(tmp_path):
     """A conversation holding a turn of MT-bench, HumanEval or the input-grounded set, however
     its whitespace and case differ, is left out of what train and distill read."""
-    from drafter_svc.distill import first_user_turns
+    from drafter_svc.distill import user_turns
     from drafter_svc.eagle3.train import read_conversations
     from specd.datasets import load_questions
 
@@ -376,4 +390,5 @@ def test_no_benchmark_prompt_reaches_training_or_distillation(tmp_path):
     kept = read_conversations(path)
     assert [r["conversations"][0]["value"] for r in kept] == ["a fresh question",
                                                               "another fresh one"]  # fmt: skip
-    assert sorted(first_user_turns(kept, seed=0)) == ["a fresh question", "another fresh one"]
+    openings = [chat[0]["content"] for chat in user_turns(kept, seed=0)]
+    assert sorted(openings) == ["a fresh question", "another fresh one"]

@@ -289,17 +289,23 @@ def load_target(
     return LoadedTarget(model, tokenizer, path, dtype, identity, max_context, dtype_timings)
 
 
-def describe_tokenizer(spec: str | None, cache_dir: Path | None = None) -> tuple[str, int]:
-    """(fingerprint, vocab size) of a model without loading its weights."""
-    from mlx_lm.utils import load_tokenizer
+def load_tokenizer(spec: str | None, cache_dir: Path | None = None):
+    """A model's tokenizer as `load_target` gives it (EOS ids from its config), no weights."""
+    from mlx_lm.utils import load_tokenizer as mlx_lm_tokenizer
 
     from specd.models.resolve import resolve_model
 
     path = resolve_model(spec, cache_dir)
-    full_config = json.loads((path / "config.json").read_text())
-    config = _text_config(full_config)
-    # the EOS ids as mlx_lm.load sees them, so the print equals the verifier's
-    tokenizer = load_tokenizer(path, eos_token_ids=full_config.get("eos_token_id"))
+    config = json.loads((path / "config.json").read_text())
+    return mlx_lm_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+
+
+def describe_tokenizer(spec: str | None, cache_dir: Path | None = None) -> tuple[str, int]:
+    """(fingerprint, vocab size) of a model without loading its weights."""
+    from specd.models.resolve import resolve_model
+
+    config = _text_config(json.loads((resolve_model(spec, cache_dir) / "config.json").read_text()))
+    tokenizer = load_tokenizer(spec, cache_dir)  # the EOS ids the verifier's print has
     return tokenizer_fingerprint(tokenizer), int(config.get("vocab_size") or 0)
 
 
