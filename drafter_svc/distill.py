@@ -82,7 +82,7 @@ def _done_prompts(path: Path) -> set[str]:
         text = text[: text.rfind("\n") + 1]
         path.write_text(text, encoding="utf-8")
     done = set()
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 may sit in a reply
         if not line.strip():
             continue
         try:

@@ -392,3 +392,18 @@ def test_no_benchmark_prompt_reaches_training_or_distillation(tmp_path):
                                                               "another fresh one"]  # fmt: skip
     openings = [chat[0]["content"] for chat in user_turns(kept, seed=0)]
     assert sorted(openings) == ["a fresh question", "another fresh one"]
+
+
+def test_jsonl_lines_end_at_newlines_only(tmp_path):
+    """A reply may hold U+2028, U+0085 or a form feed, which str.splitlines() splits at but
+    JSON Lines does not: training and distill's resume read such a record whole."""
+    from drafter_svc.distill import _done_prompts
+    from drafter_svc.eagle3.train import read_conversations
+
+    odd = "one\u2028two\x85three\x0cfour"
+    record = {"conversations": [{"from": "human", "value": f"q {odd}"},
+                                {"from": "gpt", "value": odd}]}  # fmt: skip
+    path = tmp_path / "odd.jsonl"
+    path.write_text(json.dumps(record, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert read_conversations(path) == [record]
+    assert len(_done_prompts(path)) == 1

@@ -383,8 +383,8 @@ def _read_records(path: Path | None) -> list[dict]:
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not UTF-8 text") from None
     if str(path).endswith(".jsonl"):
-        records = []
-        for number, line in enumerate(text.splitlines(), 1):
+        records = []  # JSON Lines end at "\n" only: U+2028 and the like may sit inside a string
+        for number, line in enumerate(text.split("\n"), 1):
             if line.strip():
                 records.append(_json(line, f"{path}:{number}"))
         return records
