@@ -57,7 +57,7 @@ def eagle3_depth_profile(drafter, seq, rows, argmax, start, top: int = 4):
     positions = first_right = second_right = 0
     for a in range(start, len(seq) - 2):
         state = drafter.open([int(x) for x in seq[: a + 1]], mx.array(rows[:a]))
-        logits = np.array(drafter.head.logits(state.last_hidden))
+        logits = np.array(drafter.head.logits(mx.array(state.last_hidden)))
         best = drafter._to_target(np.argsort(-logits)[:top])
         covered += [int(argmax[a]) in best[: j + 1] for j in range(top)]
         positions += 1
