@@ -84,3 +84,27 @@ def test_install_is_idempotent(tiny_model_dir):
     linears = [m for _, m in model.named_modules() if isinstance(m, rowwise.RowLinear)]
     assert len(linears) == 7 * len(model.layers)
     assert all(type(m.inner) is nn.Linear for m in linears)
+
+
+def test_a_prefill_longer_than_max_rows_takes_the_models_own_attention(targets, monkeypatch):
+    """Row by row is for verifies of a few tokens; a prompt of hundreds split into chunks of
+    three query rows cost 3-9x mlx-lm's prefill on the H200. Past max_rows each layer makes
+    one attention call, as the model's own forward does."""
+    target = targets[1]
+    calls = []
+    fused = mx.fast.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[2])  # query rows
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", counting)
+    layers = len(target.model.layers)
+    for n, per_layer in ((rowwise.DEFAULT_MAX_ROWS, -(-rowwise.DEFAULT_MAX_ROWS // 3)),
+                         (rowwise.DEFAULT_MAX_ROWS + 1, 1), (120, 1)):  # fmt: skip
+        calls.clear()
+        cache = target.new_cache()
+        target.forward(mx.array([(5 * i + 3) % 90 + 3 for i in range(n)]), cache)
+        assert len(calls) == per_layer * layers, n
+    assert calls == [120] * layers
+

@@ -48,18 +48,21 @@ class RowLinear(nn.Module):
 
 
 class ChunkedAttention(nn.Module):
-    """mlx-lm's Llama attention, with several query rows under a causal mask attended in
-    chunks small enough for the fused kernel. Array masks (draft trees) take the model's own
-    path."""
+    """mlx-lm's Llama attention, with 4..max_rows query rows under a causal mask attended in
+    chunks small enough for the fused kernel. Array masks (draft trees) and longer inputs (a
+    prefill: hundreds of chunks would cost several times the unfused kernel) take the model's
+    own path."""
 
-    def __init__(self, inner: nn.Module):
+    def __init__(self, inner: nn.Module, max_rows: int):
         super().__init__()
         self.inner = inner
+        self._max_rows = max_rows
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         batch, rows, _ = x.shape
         causal = mask is None or (isinstance(mask, str) and mask == "causal")
-        if rows <= FUSED_QUERY_ROWS or batch != 1 or cache is None or not causal:
+        own = rows <= FUSED_QUERY_ROWS or rows > self._max_rows
+        if own or batch != 1 or cache is None or not causal:
             return self.inner(x, mask=mask, cache=cache)
         a = self.inner
         queries = a.q_proj(x).reshape(1, rows, a.n_heads, -1).transpose(0, 2, 1, 3)
@@ -119,5 +122,5 @@ def install(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> bool:
                 if not isinstance(linear, RowLinear):
                     setattr(module, name, RowLinear(linear, max_rows))
         if not isinstance(layer.self_attn, ChunkedAttention):
-            layer.self_attn = ChunkedAttention(layer.self_attn)
+            layer.self_attn = ChunkedAttention(layer.self_attn, max_rows)
     return True
