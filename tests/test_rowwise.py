@@ -108,3 +108,30 @@ def test_a_prefill_longer_than_max_rows_takes_the_models_own_attention(targets, 
         assert len(calls) == per_layer * layers, n
     assert calls == [120] * layers
 
+
+def test_decode_steps_run_the_models_own_modules_and_wrappers_come_back(targets):
+    """A one-token forward that keeps no rows runs unwrapped (no wrapper's Python call on a
+    launch-bound GPU); the next forward that needs them has every wrapper back."""
+    from specd.models.capture import Bypass
+
+    own, served = targets
+    served.supports_trees(served.new_cache())  # tree RoPE wrappers installed too
+
+    def wrappers() -> int:
+        return sum(isinstance(m, Bypass.WRAPPERS) for _, m in served.model.named_modules())
+
+    installed = wrappers()
+    layers = len(served.model.layers)
+    assert installed >= 10 * layers  # capture, attention, 7 products, RoPE per layer
+    caches = [t.new_cache() for t in (own, served)]
+    for t, cache in zip((own, served), caches, strict=True):
+        t.forward(mx.array(PROMPT), cache)
+    step = mx.array([17])
+    want, _ = own.forward(step, caches[0])
+    got, rows = served.forward(step, caches[1])
+    assert wrappers() == 0 and rows is None
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-4).item()
+    want, want_rows = own.forward(step, caches[0], (0, 1))
+    got, rows = served.forward(step, caches[1], (0, 1))  # capture: wrapped again
+    assert wrappers() == installed
+    assert mx.allclose(rows, want_rows, rtol=1e-5, atol=1e-4).item()

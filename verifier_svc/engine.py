@@ -91,7 +91,8 @@ class Target:
         self._sink = install_capture(self.model)
         self.row_forwards = row_forwards and rowwise.install(self.model)
         # the seam: every forward goes to the first of these that fits (verifier_svc.forwards)
-        self.forwards: list[Forward] = [MlxForward(self.model, self._sink)]
+        self._mlx = MlxForward(self.model, self._sink)
+        self.forwards: list[Forward] = [self._mlx]
         if cpu_layers is not None:
             self.forwards.insert(0, CpuKernelForward(cpu_layers))
         self._tree_ready: bool | None = None
@@ -113,6 +114,7 @@ class Target:
     def supports_trees(self, cache: list) -> bool:
         """Tree verify needs wrappable RoPE and plain KV caches (rows can be moved)."""
         if self._tree_ready is None:
+            self._mlx.bypass.wrapped()
             self._tree_ready = install_tree_positions(self.model, self._sink)
         return self._tree_ready and all(type(c) is KVCache for c in cache)
 

@@ -17,7 +17,7 @@ import mlx.nn as nn
 import numpy as np
 
 from specd.cpu.llama import CpuLlama
-from specd.models.capture import CaptureSink
+from specd.models.capture import Bypass, CaptureSink
 from verifier_svc.tree import ancestor_mask, depths, rope_groups
 
 
@@ -55,11 +55,14 @@ class MlxForward:
 
     def __init__(self, model: nn.Module, sink: CaptureSink):
         self.model, self.sink = model, sink
+        self.bypass = Bypass(model)
 
     def fits(self, tokens: int, cache: list) -> bool:
         return True
 
     def __call__(self, token_ids, cache, capture, tree=None):
+        # a decode step that keeps no rows runs the model's own modules, unwrapped
+        self.bypass.set(token_ids.size == 1 and not capture and tree is None)
         sink = self.sink
         if tree is not None:
             sees = tree.sees()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from specd.models.rowwise import ChunkedAttention
+from specd.models.rowwise import ChunkedAttention, RowLinear
 
 
 class CaptureSink:
@@ -99,3 +99,52 @@ def install_tree_positions(model: nn.Module, sink: CaptureSink) -> bool:
         if not isinstance(attn.rope, GroupedRoPE):
             attn.rope = GroupedRoPE(attn.rope, sink)
     return True
+
+
+class Bypass:
+    """Takes every wrapper (capture, tree RoPE, row-by-row) out of a model's forward and puts
+    them back. A one-token forward that keeps no layer output and verifies no tree needs none
+    of them, and on a launch-bound GPU their Python calls (about ten a layer) are host time
+    each decode step waits for (benchmarks/graph_build.py). The switch is sticky, so a run of
+    decode steps pays it once; wrappers are installed only with them in (`wrapped`)."""
+
+    WRAPPERS = (CapturingLayer, GroupedRoPE, RowLinear, ChunkedAttention)
+
+    def __init__(self, model: nn.Module):
+        self._model = model
+        self._slots: list | None = None  # (parent, key, wrapper); found at the first switch
+        self.bare = False
+
+    def set(self, bare: bool) -> None:
+        if bare == self.bare:
+            return
+        if self._slots is None:
+            self._slots = self._find()
+        for parent, key, wrapper in self._slots:
+            parent[key] = wrapper.inner if bare else wrapper
+        self.bare = bare
+
+    def wrapped(self) -> None:
+        """Put the wrappers back, for a caller about to install more (found again later)."""
+        self.set(False)
+        self._slots = None
+
+    def _find(self) -> list:
+        slots = []
+
+        def visit(parent, key, child) -> None:
+            if isinstance(child, self.WRAPPERS):
+                slots.append((parent, key, child))
+                child = child.inner  # a wrapper's parent is never a wrapper: swaps commute
+            if isinstance(child, nn.Module):
+                for name, value in child.items():
+                    if isinstance(value, (nn.Module, list)):
+                        visit(child, name, value)
+            elif isinstance(child, list):
+                for index, value in enumerate(child):
+                    visit(child, index, value)
+
+        for name, value in self._model.items():
+            if isinstance(value, (nn.Module, list)):
+                visit(self._model, name, value)
+        return slots
