@@ -173,6 +173,14 @@ def _add_serve(sub) -> None:
     v.add_argument("--max-context", type=int_between(0), help="0: the model's own limit")
     v.add_argument("--max-draft-tokens", type=int_between(1))
     v.add_argument(
+        "--prefill-slice-tokens",
+        type=int_between(0),
+        metavar="N",
+        help="prefill prompts longer than N a decoder layer at a time while other sessions are "
+        "open, so their rounds run in between instead of waiting for the whole prompt (the "
+        "same numbers; 0: never)",
+    )
+    v.add_argument(
         "--warmup",
         choices=WARMUP_CHOICES,
         help="forwards run before health reports SERVING: full = every verify, tree and decode "
@@ -347,6 +355,7 @@ def _service_config(args):
             max_kv_bytes=args.max_kv_memory,
             max_context=args.max_context,
             max_draft_tokens=args.max_draft_tokens,
+            prefill_slice_tokens=args.prefill_slice_tokens,
             warmup=args.warmup,
             look_ahead=args.look_ahead,
             row_forwards=args.row_forwards,

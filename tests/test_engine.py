@@ -252,3 +252,30 @@ def test_a_failed_round_after_a_look_ahead_leaves_the_committed_tokens(target, m
     assert session.cache[0].offset == position - 1
     monkeypatch.undo()
     assert decode(target, session, 4).committed == reference[4:8]
+
+
+@pytest.mark.parametrize("gemv_rows", [None, 0])  # the default backends; MLX alone
+def test_a_prefill_a_layer_at_a_time_gives_the_same_numbers(tiny_model_dir, gemv_rows):
+    """prefill_steps(sliced) runs a long prompt's forward one decoder layer per step (a server
+    runs other rounds between them): the same KV, rows and first token, bit for bit."""
+    from verifier_svc.engine import prefill_steps
+
+    target = Target(load_target(str(tiny_model_dir), "float32"), gemv_rows=gemv_rows)
+    assert target.slices_prefill
+    prompt = [(7 * i + 3) % 90 + 3 for i in range(300)]
+    whole = prefill(target, prompt, capture=(0, 1), rows_dtype=mx.float32)
+    steps = prefill_steps(target, prompt, (0, 1), mx.float32)
+    taken = 0
+    while True:
+        try:
+            next(steps)
+            taken += 1
+        except StopIteration as done:
+            sliced = done.value
+            break
+    assert taken == len(target.model.layers)
+    assert sliced.first_token == whole.first_token
+    assert mx.array_equal(sliced.rows, whole.rows).item()
+    for a, b in zip(sliced.session.cache, whole.session.cache, strict=True):
+        assert a.offset == b.offset
+        assert all(mx.array_equal(x, y).item() for x, y in zip(a.state, b.state, strict=True))

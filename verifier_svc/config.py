@@ -21,6 +21,9 @@ class VerifierConfig:
     max_context: int = 0  # 0: the model's max_position_embeddings
     session_idle_timeout_s: float = 600.0  # sessions a dead coordinator left are freed after
     max_draft_tokens: int = 64  # a verify of more tokens costs more than it can save
+    # longer prompts are prefilled a decoder layer per job while other sessions are open, so
+    # their rounds run in between (0: never); a layer of a 1,000-token prompt is ~0.2 s on a CPU
+    prefill_slice_tokens: int = 256
     warmup: str = "auto"  # verifier_svc.warmup: full on a GPU, minimal on a CPU
     look_ahead: str = "auto"  # GPU_MODES: queue the next forward after a plain decode
     row_forwards: str = "auto"  # GPU_MODES: verifies of a few tokens as decode steps compute rows

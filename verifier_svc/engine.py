@@ -127,6 +127,18 @@ class Target:
         layout = TreeLayout(parents, _cache_len(cache))
         return self._backend(token_ids.size, cache)(token_ids, cache, capture, layout)
 
+    @property
+    def slices_prefill(self) -> bool:
+        """Whether `prefill_steps` can run a prompt's forward a decoder layer at a time."""
+        return self._mlx.slices_layers()
+
+    def on_mlx(self, tokens: int, cache: list) -> bool:
+        return self._backend(tokens, cache) is self._mlx
+
+    def layer_by_layer(self, token_ids: mx.array, cache: list, capture: tuple[int, ...] = ()):
+        """A generator: the forward of token_ids a layer per `next()`; returns the rows."""
+        return self._mlx.layer_by_layer(token_ids, cache, capture)
+
     def new_cache(self) -> list:
         return make_prompt_cache(self.model)
 
@@ -213,14 +225,39 @@ def prefill(
     seed: int | None = None,
 ) -> PrefillResult:
     """Process the prompt like mlx-lm does (all but the last token in chunks, then the last)."""
+    steps = prefill_steps(target, prompt_ids, capture, rows_dtype, sampling, seed, sliced=False)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def prefill_steps(
+    target: Target,
+    prompt_ids: list[int],
+    capture: tuple[int, ...] = (),
+    rows_dtype: mx.Dtype = mx.float16,
+    sampling: SamplingConfig = GREEDY,
+    seed: int | None = None,
+    sliced: bool = True,
+):
+    """`prefill` as a generator that returns its PrefillResult. sliced (where the target can,
+    `Target.slices_prefill`): each `next()` runs one decoder layer of a chunk, so a server can
+    run other sessions' rounds between them instead of stalling them for a long prompt's
+    whole forward; the same kernels on the same shapes, so the same numbers."""
     start = time.perf_counter()
+    sliced = sliced and target.slices_prefill
     cache = target.new_cache()
     prompt = mx.array(prompt_ids, dtype=mx.int32)
     row_chunks = []
     done = 0
     while len(prompt_ids) - done > 1:
         n = min(PREFILL_CHUNK, len(prompt_ids) - done - 1)
-        _, rows = target.forward(prompt[done : done + n], cache, capture)
+        if sliced and target.on_mlx(n, cache):  # the CPU kernels' numbers differ: not sliced
+            rows = yield from target.layer_by_layer(prompt[done : done + n], cache, capture)
+        else:
+            _, rows = target.forward(prompt[done : done + n], cache, capture)
         if rows is not None:
             row_chunks.append(rows.astype(rows_dtype))
         mx.eval([c.state for c in cache], row_chunks)

@@ -15,9 +15,10 @@ from typing import Protocol
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.base import create_attention_mask
 
 from specd.cpu.llama import CpuLlama
-from specd.models.capture import Bypass, CaptureSink
+from specd.models.capture import Bypass, CaptureSink, CapturingLayer
 from verifier_svc.tree import ancestor_mask, depths, rope_groups
 
 
@@ -79,6 +80,34 @@ class MlxForward:
             sink.wanted, sink.outputs = frozenset(), {}
             sink.mask, sink.rope_groups = None, None
         return logits, rows
+
+    def layer_by_layer(self, token_ids, cache, capture):
+        """The forward of `token_ids` for their KV and captured rows alone (no logits), one
+        decoder layer per step: a generator that evaluates a layer each `next()` and returns
+        the rows (or None). The same kernels on the same shapes as `__call__`, so the same
+        numbers. Other forwards may run between steps (and swap wrappers, reset the sink): this
+        holds its own list of the bare layers and keeps the wanted outputs itself.
+        Llama-family models (mlx-lm's `llama` module) only: see `slices_layers`."""
+        inner = self.model.model
+        layers = [layer.inner if isinstance(layer, CapturingLayer) else layer
+                  for layer in inner.layers]  # fmt: skip
+        hidden = inner.embed_tokens(token_ids[None])
+        masks = {False: create_attention_mask(hidden, cache[inner.fa_idx])}
+        if inner.swa_idx is not None:
+            masks[True] = create_attention_mask(
+                hidden, cache[inner.swa_idx], window_size=inner.sliding_window
+            )
+        kept = {}
+        for index, (layer, layer_cache) in enumerate(zip(layers, cache, strict=True)):
+            hidden = layer(hidden, masks[bool(layer.use_sliding)], cache=layer_cache)
+            if index in capture:
+                kept[index] = hidden[0]
+            mx.eval(hidden, *layer_cache.state)
+            yield
+        return mx.concatenate([kept[i] for i in capture], axis=-1) if capture else None
+
+    def slices_layers(self) -> bool:
+        return type(self.model.model).__module__ == "mlx_lm.models.llama"
 
 
 class CpuKernelForward:
