@@ -92,14 +92,16 @@ class MlxForward:
         layers = [layer.inner if isinstance(layer, CapturingLayer) else layer
                   for layer in inner.layers]  # fmt: skip
         hidden = inner.embed_tokens(token_ids[None])
-        masks = {False: create_attention_mask(hidden, cache[inner.fa_idx])}
-        if inner.swa_idx is not None:
+        # as mlx-lm's LlamaModel makes its masks (older versions have no sliding layers)
+        masks = {False: create_attention_mask(hidden, cache[getattr(inner, "fa_idx", 0)])}
+        if getattr(inner, "swa_idx", None) is not None:
             masks[True] = create_attention_mask(
                 hidden, cache[inner.swa_idx], window_size=inner.sliding_window
             )
         kept = {}
         for index, (layer, layer_cache) in enumerate(zip(layers, cache, strict=True)):
-            hidden = layer(hidden, masks[bool(layer.use_sliding)], cache=layer_cache)
+            mask = masks[bool(getattr(layer, "use_sliding", False))]
+            hidden = layer(hidden, mask, cache=layer_cache)
             if index in capture:
                 kept[index] = hidden[0]
             mx.eval(hidden, *layer_cache.state)
