@@ -3,25 +3,70 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specd.argtypes import int_between, positive_float, positive_int
+from specd.argtypes import port as port_number  # `port` is a field here
+from specd.options import option
 from specd.security import ClientSecurity, ServerSecurity
 
 
 @dataclass
 class CoordinatorConfig:
-    verifier: str = "127.0.0.1:50051"  # comma-separated: the others take over on a fault
-    drafter: str | None = "127.0.0.1:50052"  # None: no speculation, verify-only rounds
+    """The coordinator's settings; those with a flag of `specd serve coordinator` declare it
+    (specd.options)."""
+
+    verifier: str = option(
+        "127.0.0.1:50051", "verifier address; several, comma-separated, take over from each other"
+    )
+    drafter: str | None = option(
+        "127.0.0.1:50052", "drafter address, or 'none' for plain decoding through the verifier"
+    )  # None: no speculation, verify-only rounds
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 50050
-    http_port: int | None = None  # OpenAI-compatible HTTP API; None: off
-    default_max_tokens: int = 256  # when a request leaves max_tokens at 0
-    overlap_drafting: bool = False  # draft the next block during the verify (across hosts)
-    adaptive: bool = True  # choose k per round, up to the drafter's default; off: always that
-    decode_burst: int = 4  # tokens one verify call decodes when no drafts are wanted
-    draft_beside_decode: bool = True  # after an empty draft call, the next runs beside a burst
-    verify_timeout_s: float = 60.0  # deadline of one Verify call
+    http_port: int | None = option(
+        None, "also serve the OpenAI-compatible API on this port", type=port_number
+    )
+    default_max_tokens: int = option(
+        256, "tokens when a request leaves max_tokens at 0", type=int_between(1)
+    )
+    overlap_drafting: bool = option(
+        False,
+        "draft the next block while the verify runs, betting on full acceptance; hides "
+        "drafter latency when it is on another host",
+    )
+    adaptive: bool = option(
+        True,
+        "always draft the drafter's default k instead of adapting it per round",
+        flag="--no-adaptive",
+    )
+    decode_burst: int = option(
+        4,
+        "tokens one verifier call may decode when no drafts are wanted (no drafter, or adaptive "
+        "k at 0): fewer round trips; streamed output arrives in chunks of this size. 1: a call "
+        "per token",
+        type=positive_int,
+    )
+    draft_beside_decode: bool = option(
+        True,
+        "after a draft call that proposed nothing (no n-gram match), make the next call before "
+        "the verify as usual, instead of beside a decode burst of up to --decode-burst tokens "
+        "whose tokens it must then match",
+        flag="--no-draft-beside-decode",
+    )
+    verify_timeout_s: float = option(
+        60.0, "deadline of one verify call, seconds", type=positive_float
+    )
     prefill_timeout_s: float = 600.0  # long prompts on a CPU take minutes
-    draft_timeout_s: float = 5.0  # a hung drafter costs at most this, then rounds go on without
-    verifier_recovery_s: float = 60.0  # how long a lost session waits for a verifier to return
+    draft_timeout_s: float = option(
+        5.0,
+        "deadline of one draft call, seconds; past it the round goes on without drafts",
+        type=positive_float,
+    )
+    verifier_recovery_s: float = option(
+        60.0,
+        "seconds a request waits for a lost verifier to come back",
+        flag="--verifier-recovery-timeout",
+        type=positive_float,
+    )
     drafter_wait_s: float = 30.0  # at start, how long to wait for the drafter before serving
     connect_timeout_s: float = 600.0  # how long to wait at start for the verifier to load
     cache_dir: Path | None = None  # where tokenizer files from the verifier are kept

@@ -6,6 +6,8 @@ from pathlib import Path
 from drafter_svc.dflash.proposer import DFlashOptions
 from drafter_svc.eagle3.proposer import Eagle3Options
 from drafter_svc.ngram import NgramConfig
+from specd.argtypes import non_negative_int
+from specd.options import option
 from specd.security import ServerSecurity
 
 KINDS = ("ngram", "eagle3", "dflash")
@@ -13,20 +15,40 @@ KINDS = ("ngram", "eagle3", "dflash")
 
 @dataclass
 class DrafterConfig:
-    kind: str = "ngram"
+    """The drafter's settings; those with a flag of `specd serve drafter` declare it
+    (specd.options). The kind-specific flags build `ngram`, `eagle3` and `dflash` through
+    `drafter_options`."""
+
+    kind: str = option("ngram", "how drafts are made", choices=KINDS)
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 50052
     ngram: NgramConfig = field(default_factory=NgramConfig)
     eagle3: Eagle3Options = field(default_factory=Eagle3Options)
     dflash: DFlashOptions = field(default_factory=DFlashOptions)
-    target: str | None = None  # bind to this target: pairing then checks its fingerprint
+    target: str | None = option(
+        None,
+        "bind to this target: pairing refuses any other (model drafters: the target whose "
+        "embedding they read; default the embedded SmolLM2)",
+    )
     cache_dir: Path | None = None  # where a --target model is resolved
     max_sessions: int = 1024  # n-gram state is only the token list
     max_context: int = 1 << 17  # tokens per session
     max_tree_tokens: int = 128  # largest draft tree a request may ask for
     session_idle_timeout_s: float = 600.0  # sessions a dead coordinator left are freed after
-    blas_threads: int = 1  # OpenBLAS threads in this process; 0: the library's default
-    warmup: str = "auto"  # drafter_svc.warmup: model drafters' forwards before SERVING
+    blas_threads: int = option(
+        1,
+        "OpenBLAS threads for this drafter (0: the library's default, one per core). A "
+        "drafter's products are small, and a second thread spins after each job on a core a "
+        "verifier on the same machine needs (docs/history)",
+        type=non_negative_int,
+    )
+    warmup: str = option(
+        "auto",
+        "eagle3, dflash: full = run the drafter's forwards of every size before health "
+        "reports SERVING (a GPU compiles kernels per shape class), minimal = none; auto = full "
+        "on a GPU",
+        choices=("auto", "full", "minimal"),
+    )
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, token
     metrics_port: int | None = None  # Prometheus /metrics on this port; 0: the OS picks
 

@@ -16,38 +16,29 @@ import grpc
 
 from specd import mlx_settings
 from specd.argtypes import (
-    byte_size,
     int_between,
     non_negative_int,
     port,
     positive_float,
-    positive_int,
 )
+from specd.options import add_flags, flag_values
 from specd.platform import ensure_fast_blas
 from specd.security import ClientSecurity, ServerSecurity
 
-DEFAULT_PORTS = {"coordinator": 50050, "verifier": 50051, "drafter": 50052}
-WARMUP_CHOICES = ["auto", "full", "minimal"]  # specd.models.load.WARMUP_MODES
-GPU_OPTIONS = {  # the verifier's auto|on|off options whose auto is: on where MLX runs on a GPU
-    "--look-ahead": "after a greedy plain decode, queue the forward of the token just committed "
-    "before answering, so the device works while the answer travels (as mlx-lm's decode loop "
-    "keeps one step queued); auto = on on a GPU",
-    "--row-forwards": "compute verifies of 2-16 tokens row by row with the kernels of a decode "
-    "step (Llama-family models with unquantized weights): on a GPU one-row kernels cost a "
-    "fraction of the matrix products, and each row's logits are the decode step's; auto = on "
-    "on a GPU",
-}
-GEMV_HELP = (
-    "forwards of at most N tokens (decode steps, verifies) run on numpy, float32 on the CPU "
-    "only: whole layers for Llama-family targets, the weight products alone for others; "
-    "0: all in MLX (default on the CPU with float32: 32 for Llama-family targets, 3 for "
-    "others; else 0)"
-)
-FLOAT32_WEIGHTS_HELP = (
-    "keep every weight float32 in memory; by default, with the numpy forwards above, weights "
-    "that float16 holds exactly (all of a model dequantized from a 4-bit or half checkpoint, "
-    "as the embedded one is) are kept as float16: half the bytes per decode step, same outputs"
-)
+
+def _service_configs() -> dict:
+    """Each service's config class: its fields' defaults are the command line's."""
+    from coordinator.config import CoordinatorConfig
+    from drafter_svc.config import DrafterConfig
+    from verifier_svc.config import VerifierConfig
+
+    return {"verifier": VerifierConfig, "drafter": DrafterConfig, "coordinator": CoordinatorConfig}
+
+
+def _default_port(service: str) -> int:
+    return _service_configs()[service]().port
+
+
 KIND_ONLY_FLAGS = {  # drafter flags that mean something to some kinds only: refused elsewhere
     "ngram_min_n": ("ngram",),
     "ngram_max_n": ("ngram",),
@@ -91,48 +82,23 @@ def _client_security(args, prefix: str = "") -> ClientSecurity:
     )
 
 
-# flags whose config field has another name (the others: the flag's dest, or dest + "_s")
-_CONFIG_FIELDS = {"verifier_recovery_timeout": "verifier_recovery_s",
-                  "max_kv_memory": "max_kv_bytes"}  # fmt: skip
-
-
-def _defaults_from_configs(kinds) -> None:
-    """Each service flag that sets a config field defaults to that field's default, so each
-    default is written once, in the service's config dataclass."""
-    from coordinator.config import CoordinatorConfig
-    from drafter_svc.config import DrafterConfig
-    from verifier_svc.config import VerifierConfig
-
-    configs = {"verifier": VerifierConfig, "drafter": DrafterConfig,
-               "coordinator": CoordinatorConfig}  # fmt: skip
-    for name, config_type in configs.items():
-        parser = kinds.choices[name]
-        fields = {f.name: f for f in dataclasses.fields(config_type)}
-        defaults = {}
-        for action in parser._actions:
-            for candidate in (_CONFIG_FIELDS.get(action.dest), action.dest, action.dest + "_s"):
-                field = fields.get(candidate) if candidate else None
-                if field is not None and field.default is not dataclasses.MISSING:
-                    defaults[action.dest] = field.default
-                    break
-        parser.set_defaults(**defaults)
-
-
 def _add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="run one service")
     kinds = serve.add_subparsers(dest="service", required=True)
-    for name in ("verifier", "drafter", "coordinator"):
+    for name, config_type in _service_configs().items():
+        default = {f.name: f.default for f in dataclasses.fields(config_type)}
         p = kinds.add_parser(name, help=f"run the {name}")
         p.add_argument(
             "--config",
             type=Path,
             help=f"deployment TOML: its [{name}] table sets defaults; flags win",
         )
-        p.add_argument("--host", help="address to bind (default loopback)")
+        p.add_argument("--host", default=default["host"], help="address to bind (default loopback)")
         p.add_argument(
             "--port",
             type=port,
-            help=f"port (default {DEFAULT_PORTS[name]}; 0 picks a free one)",
+            default=default["port"],
+            help=f"port (default {default['port']}; 0 picks a free one)",
         )
         p.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
         p.add_argument(
@@ -146,59 +112,18 @@ def _add_serve(sub) -> None:
         )
         p.add_argument("--cache-dir", type=Path, help="model/tokenizer cache (~/.cache/specd)")
         _add_server_security(p)
-        if name != "coordinator":
+        if "session_idle_timeout_s" in default:
             p.add_argument(
                 "--session-idle-timeout",
                 type=positive_float,
+                default=default["session_idle_timeout_s"],
                 help="seconds after which an unused session is freed",
             )
-    v = kinds.choices["verifier"]
-    v.add_argument("--model", help="mlx-lm dir, .gguf file or hub id (default: embedded)")
-    v.add_argument(
-        "--dtype",
-        choices=["auto", "native", "float32", "float16", "bfloat16"],
-        help="compute dtype; auto = float32 on CPU; on a GPU the faster of the model as stored "
-        "and float32, timed at start-up (half precision is never chosen: it flips near-ties)",
-    )
-    v.add_argument("--gemv-rows", type=int_between(0), metavar="N", help=GEMV_HELP)
-    v.add_argument("--float32-weights", action="store_true", help=FLOAT32_WEIGHTS_HELP)
-    v.add_argument("--max-sessions", type=int_between(1))
-    v.add_argument(
-        "--max-kv-memory",
-        type=byte_size,
-        metavar="SIZE",
-        help="refuse new sessions while the open ones' KV caches hold this much (e.g. 8GiB; "
-        "default: no limit beyond --max-sessions)",
-    )
-    v.add_argument("--max-context", type=int_between(0), help="0: the model's own limit")
-    v.add_argument("--max-draft-tokens", type=int_between(1))
-    v.add_argument(
-        "--prefill-slice-tokens",
-        type=int_between(0),
-        metavar="N",
-        help="prefill prompts longer than N a decoder layer at a time while other sessions are "
-        "open, so their rounds run in between instead of waiting for the whole prompt (the "
-        "same numbers; 0: never)",
-    )
-    v.add_argument(
-        "--warmup",
-        choices=WARMUP_CHOICES,
-        help="forwards run before health reports SERVING: full = every verify, tree and decode "
-        "shape a round can use (a GPU compiles kernels per shape class), minimal = one round; "
-        "auto = full on a GPU, minimal on a CPU",
-    )
-    for flag, what in GPU_OPTIONS.items():
-        v.add_argument(flag, choices=["auto", "on", "off"], help=what)
+        add_flags(p, config_type)
     d = kinds.choices["drafter"]
-    d.add_argument("--kind", choices=["ngram", "eagle3", "dflash"])
     d.add_argument("--num-draft-tokens", type=int_between(1), help="default k per round")
     d.add_argument("--ngram-min-n", type=int_between(1), help="shortest suffix n-gram to match")
     d.add_argument("--ngram-max-n", type=int_between(1), help="longest suffix n-gram to match")
-    d.add_argument(
-        "--target",
-        help="bind to this target: pairing refuses any other (model drafters: the target whose "
-        "embedding they read; default the embedded SmolLM2)",
-    )
     d.add_argument(
         "--weights",
         type=Path,
@@ -221,13 +146,6 @@ def _add_serve(sub) -> None:
         help="eagle3: draft trees of this many tokens by default (0: chains)",
     )
     d.add_argument(
-        "--blas-threads",
-        type=non_negative_int,
-        help="OpenBLAS threads for this drafter (0: the library's default, one per core). A "
-        "drafter's products are small, and a second thread spins after each job on a core a "
-        "verifier on the same machine needs (docs/history)",
-    )
-    d.add_argument(
         "--mlx-forwards",
         action="store_true",
         default=None,
@@ -236,70 +154,9 @@ def _add_serve(sub) -> None:
     )
     d.add_argument("--tree-depth", type=int_between(1), help="eagle3: deepest tree path")
     d.add_argument(
-        "--warmup",
-        choices=WARMUP_CHOICES,
-        help="eagle3, dflash: full = run the drafter's forwards of every size before health "
-        "reports SERVING (a GPU compiles kernels per shape class), minimal = none; auto = full "
-        "on a GPU",
-    )
-    d.add_argument(
         "--tree-top-k", type=int_between(1), help="eagle3: children per expanded tree node"
     )
-    c = kinds.choices["coordinator"]
-    _add_client_security(c, "upstream-")
-    c.add_argument(
-        "--verifier",
-        help="verifier address; several, comma-separated, take over from each other",
-    )
-    c.add_argument(
-        "--verifier-recovery-timeout",
-        type=positive_float,
-        help="seconds a request waits for a lost verifier to come back",
-    )
-    c.add_argument("--http-port", type=port, help="also serve the OpenAI-compatible API here")
-    c.add_argument(
-        "--overlap-drafting",
-        action="store_true",
-        help="draft the next block while the verify runs, betting on full "
-        "acceptance; hides drafter latency when it is on another host",
-    )
-    c.add_argument(
-        "--verify-timeout",
-        type=positive_float,
-        help="deadline of one verify call, seconds",
-    )
-    c.add_argument(
-        "--draft-timeout",
-        type=positive_float,
-        help="deadline of one draft call; past it the round goes on without drafts",
-    )
-    c.add_argument(
-        "--drafter",
-        help="drafter address, or 'none' for plain decoding through the verifier",
-    )
-    c.add_argument("--default-max-tokens", type=int_between(1))
-    c.add_argument(
-        "--no-adaptive",
-        dest="adaptive",
-        action="store_false",
-        help="always draft the drafter's default k instead of adapting it per round",
-    )
-    c.add_argument(
-        "--decode-burst",
-        type=positive_int,
-        help="tokens one verifier call may decode when no drafts are wanted (no drafter, or "
-        "adaptive k at 0): fewer round trips; streamed output arrives in chunks of this size. "
-        "1: a call per token",
-    )
-    c.add_argument(
-        "--no-draft-beside-decode",
-        dest="draft_beside_decode",
-        action="store_false",
-        help="after a draft call that proposed nothing (no n-gram match), make the next call "
-        "before the verify as usual, instead of beside a decode burst of up to --decode-burst "
-        "tokens whose tokens it must then match",
-    )
-    _defaults_from_configs(kinds)
+    _add_client_security(kinds.choices["coordinator"], "upstream-")
 
 
 def _serve(args) -> int:
@@ -338,6 +195,17 @@ def _reason(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc} (--log-level debug shows where)"
 
 
+def _common_service_fields(args) -> dict:
+    """The config fields every service has, from the flags every `serve` parser has."""
+    return {
+        "host": args.host,
+        "port": args.port,
+        "cache_dir": args.cache_dir,
+        "metrics_port": args.metrics_port,
+        "security": _server_security(args),
+    }
+
+
 def _service_config(args):
     """The service's config and its serve coroutine; (None, None) after printing why not."""
     if args.service == "verifier":
@@ -345,24 +213,9 @@ def _service_config(args):
         from verifier_svc.server import serve
 
         config = VerifierConfig(
-            model=args.model,
-            dtype=args.dtype,
-            gemv_rows=args.gemv_rows,
-            half_weights=not args.float32_weights,
-            host=args.host,
-            port=args.port,
-            max_sessions=args.max_sessions,
-            max_kv_bytes=args.max_kv_memory,
-            max_context=args.max_context,
-            max_draft_tokens=args.max_draft_tokens,
-            prefill_slice_tokens=args.prefill_slice_tokens,
-            warmup=args.warmup,
-            look_ahead=args.look_ahead,
-            row_forwards=args.row_forwards,
-            cache_dir=args.cache_dir,
+            **flag_values(args, VerifierConfig),
+            **_common_service_fields(args),
             session_idle_timeout_s=args.session_idle_timeout,
-            security=_server_security(args),
-            metrics_port=args.metrics_port,
         )
     elif args.service == "drafter":
         from drafter_svc.config import DrafterConfig, drafter_options
@@ -385,15 +238,9 @@ def _service_config(args):
             return None, None
         config = DrafterConfig(
             **options,
-            host=args.host,
-            port=args.port,
-            target=args.target,
-            cache_dir=args.cache_dir,
+            **flag_values(args, DrafterConfig, skip=("kind",)),
+            **_common_service_fields(args),
             session_idle_timeout_s=args.session_idle_timeout,
-            security=_server_security(args),
-            metrics_port=args.metrics_port,
-            blas_threads=args.blas_threads,
-            warmup=args.warmup,
         )
     else:
         from coordinator.config import CoordinatorConfig
@@ -404,24 +251,11 @@ def _service_config(args):
             print("specd: coordinator: --verifier and --drafter need HOST:PORT addresses "
                   "(--drafter none for no drafting)", file=sys.stderr)  # fmt: skip
             return None, None
+        values = flag_values(args, CoordinatorConfig)
+        if values["drafter"] == "none":
+            values["drafter"] = None
         config = CoordinatorConfig(
-            verifier=args.verifier,
-            drafter=None if args.drafter == "none" else args.drafter,
-            host=args.host,
-            port=args.port,
-            default_max_tokens=args.default_max_tokens,
-            adaptive=args.adaptive,
-            decode_burst=args.decode_burst,
-            draft_beside_decode=args.draft_beside_decode,
-            verifier_recovery_s=args.verifier_recovery_timeout,
-            http_port=args.http_port,
-            overlap_drafting=args.overlap_drafting,
-            verify_timeout_s=args.verify_timeout,
-            draft_timeout_s=args.draft_timeout,
-            security=_server_security(args),
-            metrics_port=args.metrics_port,
-            upstream=_client_security(args, "upstream_"),
-            cache_dir=args.cache_dir,
+            **values, **_common_service_fields(args), upstream=_client_security(args, "upstream_")
         )
     return config, serve
 
@@ -469,7 +303,7 @@ def _up_from_config(args) -> int:
     try:
         for name in deployment.SERVICES:
             if name in tables:
-                address = deployment.address(args.config, name, DEFAULT_PORTS[name])
+                address = deployment.address(args.config, name, _default_port(name))
                 services.append(start_service(name, ["--config", str(args.config)], address))
         for service in services:
             service.wait_healthy(600)
@@ -652,22 +486,20 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run verifier, drafter and coordinator on this machine")
     up.add_argument("--target", help="model for the verifier (default: embedded SmolLM2)")
     up.add_argument("--drafter", default="ngram", choices=["ngram", "eagle3", "dflash", "none"])
-    up.add_argument("--dtype", default="auto")
-    up.add_argument("--gemv-rows", type=int_between(0), metavar="N", help=GEMV_HELP)
-    up.add_argument("--float32-weights", action="store_true", help=FLOAT32_WEIGHTS_HELP)
+    add_flags(up, _service_configs()["verifier"], only=("dtype", "gemv_rows", "half_weights"))
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument(
-        "--port", type=port, default=DEFAULT_PORTS["coordinator"], help="coordinator port"
+        "--port", type=port, default=_default_port("coordinator"), help="coordinator port"
     )
-    up.add_argument("--verifier-port", type=port, default=DEFAULT_PORTS["verifier"])
-    up.add_argument("--drafter-port", type=port, default=DEFAULT_PORTS["drafter"])
+    up.add_argument("--verifier-port", type=port, default=_default_port("verifier"))
+    up.add_argument("--drafter-port", type=port, default=_default_port("drafter"))
     up.add_argument("--http-port", type=port, help="also serve the OpenAI-compatible API here")
     up.add_argument(
         "--config", type=Path, help="deployment TOML: run the services it names with its options"
     )
 
     gen = sub.add_parser("generate", help="generate through a running coordinator")
-    gen.add_argument("--coordinator", default=f"127.0.0.1:{DEFAULT_PORTS['coordinator']}")
+    gen.add_argument("--coordinator", default=f"127.0.0.1:{_default_port('coordinator')}")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--max-tokens", type=non_negative_int, default=256, help="0: the default")
@@ -692,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sd = sub.add_parser("set-drafter", help="point a running coordinator at another drafter")
     sd.add_argument("address", help="host:port of a running drafter, or 'none'")
-    sd.add_argument("--coordinator", default=f"127.0.0.1:{DEFAULT_PORTS['coordinator']}")
+    sd.add_argument("--coordinator", default=f"127.0.0.1:{_default_port('coordinator')}")
     _add_client_security(sd)
 
     mp = sub.add_parser("model-path", help="print the local mlx-lm directory of a model")

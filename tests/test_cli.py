@@ -218,3 +218,33 @@ def test_byte_sizes():
     for bad in ("", "lots", "8 parsecs", "0", "-3GiB"):
         with pytest.raises(argparse.ArgumentTypeError, match="size|at least"):
             byte_size(bad)
+
+
+@pytest.mark.parametrize("service", ["verifier", "drafter", "coordinator"])
+def test_a_service_started_without_flags_gets_its_configs_defaults(service):
+    """Flags are declared on the config fields (specd.options): with none given, the config a
+    service starts with is its dataclass's default, field for field."""
+    from specd.cli import _service_config, _service_configs, build_parser
+
+    config, _ = _service_config(build_parser().parse_args(["serve", service]))
+    assert config == _service_configs()[service]()
+
+
+def test_declared_flags_set_their_fields():
+    from specd.cli import _service_config, build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "verifier", "--float32-weights", "--max-kv-memory", "1GiB",
+         "--session-idle-timeout", "5", "--prefill-slice-tokens", "0", "--row-forwards", "off"]
+    )  # fmt: skip
+    config, _ = _service_config(args)
+    assert (config.half_weights, config.max_kv_bytes, config.session_idle_timeout_s) == (
+        False, 1 << 30, 5.0)  # fmt: skip
+    assert config.prefill_slice_tokens == 0 and config.row_forwards == "off"
+    args = build_parser().parse_args(
+        ["serve", "coordinator", "--no-adaptive", "--overlap-drafting", "--drafter", "none",
+         "--verifier-recovery-timeout", "7"]
+    )  # fmt: skip
+    config, _ = _service_config(args)
+    assert not config.adaptive and config.overlap_drafting and config.drafter is None
+    assert config.verifier_recovery_s == 7.0 and config.draft_beside_decode

@@ -52,10 +52,14 @@ def test_modes(target):
 
 
 def test_the_flags_offer_the_modes_warm_up_takes():
-    from specd.cli import WARMUP_CHOICES
+    from specd.cli import build_parser
     from specd.models.load import WARMUP_MODES
 
-    assert tuple(WARMUP_CHOICES) == WARMUP_MODES
+    for service in ("verifier", "drafter"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", service, "--warmup", "all"])
+        for mode in WARMUP_MODES:
+            assert build_parser().parse_args(["serve", service, "--warmup", mode]).warmup == mode
 
 
 def test_the_long_context_stays_inside_the_models_limit(target, monkeypatch):

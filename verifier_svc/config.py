@@ -3,30 +3,92 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specd.argtypes import byte_size, int_between
+from specd.options import option
 from specd.security import ServerSecurity
 
 GPU_MODES = ("auto", "on", "off")  # auto: on where MLX runs the target on a GPU
+DTYPE_CHOICES = ("auto", "native", "float32", "float16", "bfloat16")  # specd.models.load.DTYPES
+WARMUP_CHOICES = ("auto", "full", "minimal")  # specd.models.load.WARMUP_MODES
+GEMV_HELP = (
+    "forwards of at most N tokens (decode steps, verifies) run on numpy, float32 on the CPU "
+    "only: whole layers for Llama-family targets, the weight products alone for others; "
+    "0: all in MLX (default on the CPU with float32: 32 for Llama-family targets, 3 for "
+    "others; else 0)"
+)
+FLOAT32_WEIGHTS_HELP = (
+    "keep every weight float32 in memory; by default, with the numpy forwards above, weights "
+    "that float16 holds exactly (all of a model dequantized from a 4-bit or half checkpoint, "
+    "as the embedded one is) are kept as float16: half the bytes per decode step, same outputs"
+)
 
 
 @dataclass
 class VerifierConfig:
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto: float32 on CPU; on a GPU the faster of as stored and float32, timed
-    gemv_rows: int | None = None  # None: Target's default for the device, dtype, architecture
-    half_weights: bool = True  # weights float16 holds exactly kept half for the numpy forwards
+    """The verifier's settings; each with a flag of `specd serve verifier` (specd.options)."""
+
+    model: str | None = option(
+        None, "mlx-lm dir, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    dtype: str = option(
+        "auto",
+        "compute dtype; auto = float32 on CPU; on a GPU the faster of the model as stored and "
+        "float32, timed at start-up (half precision is never chosen: it flips near-ties)",
+        choices=DTYPE_CHOICES,
+    )
+    gemv_rows: int | None = option(None, GEMV_HELP, type=int_between(0), metavar="N")
+    half_weights: bool = option(True, FLOAT32_WEIGHTS_HELP, flag="--float32-weights", invert=True)
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 50051
-    max_sessions: int = 64  # each holds a KV cache; beyond this OpenSession is refused
-    max_kv_bytes: int | None = None  # new sessions refused while open ones' KV caches hold this
-    max_context: int = 0  # 0: the model's max_position_embeddings
+    max_sessions: int = option(
+        64, "sessions held at once, each with its KV cache; beyond it OpenSession is refused",
+        type=int_between(1),
+    )  # fmt: skip
+    max_kv_bytes: int | None = option(
+        None,
+        "refuse new sessions while the open ones' KV caches hold this much (e.g. 8GiB; "
+        "default: no limit beyond --max-sessions)",
+        flag="--max-kv-memory",
+        type=byte_size,
+        metavar="SIZE",
+    )
+    max_context: int = option(
+        0, "tokens a session may hold; 0: the model's own limit", type=int_between(0)
+    )
     session_idle_timeout_s: float = 600.0  # sessions a dead coordinator left are freed after
-    max_draft_tokens: int = 64  # a verify of more tokens costs more than it can save
-    # longer prompts are prefilled a decoder layer per job while other sessions are open, so
-    # their rounds run in between (0: never); a layer of a 1,000-token prompt is ~0.2 s on a CPU
-    prefill_slice_tokens: int = 256
-    warmup: str = "auto"  # verifier_svc.warmup: full on a GPU, minimal on a CPU
-    look_ahead: str = "auto"  # GPU_MODES: queue the next forward after a plain decode
-    row_forwards: str = "auto"  # GPU_MODES: verifies of a few tokens as decode steps compute rows
+    max_draft_tokens: int = option(
+        64, "the most tokens one verify takes (drafts or plain steps)", type=int_between(1)
+    )
+    prefill_slice_tokens: int = option(
+        256,
+        "prefill prompts longer than N a decoder layer at a time while other sessions are "
+        "open, so their rounds run in between instead of waiting for the whole prompt (the "
+        "same numbers; 0: never)",
+        type=int_between(0),
+        metavar="N",
+    )
+    warmup: str = option(
+        "auto",
+        "forwards run before health reports SERVING: full = every verify, tree and decode "
+        "shape a round can use (a GPU compiles kernels per shape class), minimal = one round; "
+        "auto = full on a GPU, minimal on a CPU",
+        choices=WARMUP_CHOICES,
+    )
+    look_ahead: str = option(
+        "auto",
+        "after a greedy plain decode, queue the forward of the token just committed before "
+        "answering, so the device works while the answer travels (as mlx-lm's decode loop "
+        "keeps one step queued); auto = on on a GPU",
+        choices=GPU_MODES,
+    )
+    row_forwards: str = option(
+        "auto",
+        "compute verifies of 2-16 tokens row by row with the kernels of a decode step "
+        "(Llama-family models with unquantized weights): on a GPU one-row kernels cost a "
+        "fraction of the matrix products, and each row's logits are the decode step's; auto = "
+        "on on a GPU",
+        choices=GPU_MODES,
+    )
     cache_dir: Path | None = None  # where the embedded model is materialized
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, token
     metrics_port: int | None = None  # Prometheus /metrics on this port; 0: the OS picks
