@@ -25,7 +25,7 @@ from coordinator.bench import plain_decode
 from coordinator.local import LocalDrafter, LocalVerifier
 from coordinator.rounds import Plan, RoundStats, run_rounds
 from drafter_svc.config import DrafterConfig, drafter_options
-from drafter_svc.eagle3.data import Example, TargetFeatures
+from drafter_svc.data import Example, TargetFeatures
 from drafter_svc.server import make_proposer
 from specd.datasets import load_questions
 from specd.models.load import load_target

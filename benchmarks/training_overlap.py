@@ -10,8 +10,7 @@ from __future__ import annotations
 import argparse
 import random
 
-from drafter_svc.eagle3.data import to_messages, tokenize_chat
-from drafter_svc.eagle3.train import _holds_benchmark_turn, _read_records
+from drafter_svc.data import _holds_benchmark_turn, _read_records, to_messages, tokenize_chat
 from specd.datasets import available_builtin, benchmark_key, benchmark_keys, load_questions
 from specd.models.load import load_target
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from drafter_svc.eagle3.data import ROLES, head_logits, to_messages
+from drafter_svc.data import ROLES, head_logits, to_messages
 from specd.progress import Progress
 
 
@@ -136,7 +136,7 @@ def greedy_waves(model, prompts: list[list[int]], max_new_tokens: int, eos_ids, 
 
 
 def distill(opts: DistillOptions) -> dict:
-    from drafter_svc.eagle3.train import read_conversations
+    from drafter_svc.data import read_conversations
     from specd.models.load import load_target
 
     if opts.conversations < 1 or opts.max_new_tokens < 1 or opts.batch_size < 1:

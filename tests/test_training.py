@@ -172,8 +172,8 @@ def test_distill_writes_the_targets_own_replies_and_resumes(tiny_model_dir, data
     """Every user turn is a prompt after the conversation before it; each record is that
     conversation ended with the target's own greedy reply; a second run only adds the rest."""
     from coordinator.bench import plain_decode
+    from drafter_svc.data import ROLES
     from drafter_svc.distill import DistillOptions, distill
-    from drafter_svc.eagle3.data import ROLES
     from specd.models.load import load_target
 
     out = tmp_path / "replies.jsonl"
@@ -306,8 +306,7 @@ def test_features_reuse_a_smaller_cache_and_a_partial_run(tiny_model_dir, data, 
 
 def test_features_of_a_padded_batch_equal_those_of_each_conversation_alone(tiny_model_dir,
                                                                            data):  # fmt: skip
-    from drafter_svc.eagle3.data import TargetFeatures, build_examples
-    from drafter_svc.eagle3.train import read_conversations
+    from drafter_svc.data import TargetFeatures, build_examples, read_conversations
     from specd.models.load import load_target
 
     loaded = load_target(str(tiny_model_dir), "float32")
@@ -367,8 +366,8 @@ def test_a_checkpoint_of_another_run_is_refused(tiny_model_dir, data, tmp_path):
 def test_no_benchmark_prompt_reaches_training_or_distillation(tmp_path):
     """A conversation holding a turn of MT-bench, HumanEval or the input-grounded set, however
     its whitespace and case differ, is left out of what train and distill read."""
+    from drafter_svc.data import read_conversations
     from drafter_svc.distill import user_turns
-    from drafter_svc.eagle3.train import read_conversations
     from specd.datasets import load_questions
 
     grounded = load_questions("input-grounded")[0].turns[0]
@@ -397,8 +396,8 @@ def test_no_benchmark_prompt_reaches_training_or_distillation(tmp_path):
 def test_jsonl_lines_end_at_newlines_only(tmp_path):
     """A reply may hold U+2028, U+0085 or a form feed, which str.splitlines() splits at but
     JSON Lines does not: training and distill's resume read such a record whole."""
+    from drafter_svc.data import read_conversations
     from drafter_svc.distill import _done_prompts
-    from drafter_svc.eagle3.train import read_conversations
 
     odd = "one\u2028two\x85three\x0cfour"
     record = {"conversations": [{"from": "human", "value": f"q {odd}"},

@@ -29,6 +29,7 @@ from drafter_svc.checkpoints import (
     run_identity,
     save_training_state,
 )
+from drafter_svc.data import Features, embedding_matrix, head_matrix, split_held_out
 from drafter_svc.dflash.model import (
     DRAFT_VOCAB,
     DFlashConfig,
@@ -37,14 +38,8 @@ from drafter_svc.dflash.model import (
     save_draft_vocab,
     save_drafter,
 )
-from drafter_svc.eagle3.data import Features, embedding_matrix, head_matrix
 from drafter_svc.eagle3.model import default_capture_layers
-from drafter_svc.eagle3.train import (
-    TrainOptions,
-    choose_draft_vocab,
-    prepare_features,
-    split_held_out,
-)
+from drafter_svc.eagle3.train import TrainOptions, choose_draft_vocab, prepare_features
 from drafter_svc.training import epoch_order, run_steps
 
 

