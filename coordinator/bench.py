@@ -181,6 +181,7 @@ class Baseline:
     token_ids: list[int]
     seconds: float
     margins: list[float] = field(repr=False)  # per step, the top-2 logprob margin
+    first_token_s: float = 0.0  # from the call to the first token: the prompt's prefill
 
 
 def plain_decode(
@@ -196,15 +197,17 @@ def plain_decode(
         mx.random.seed(seed)
     ids, logprobs = [], []
     start = time.perf_counter()
+    first = 0.0
     for token, lp in generate_step(
         mx.array(prompt_ids), model, max_tokens=max_tokens, sampler=sampler
     ):
+        first = first or time.perf_counter() - start
         ids.append(token)
         logprobs.append(lp)
         if token in eos_ids:
             break
     seconds = time.perf_counter() - start
-    return Baseline(ids, seconds, step_margins(logprobs))
+    return Baseline(ids, seconds, step_margins(logprobs), first)
 
 
 def step_margins(logprobs: list) -> list[float]:
@@ -266,6 +269,16 @@ def summarize(rows: list[dict]) -> dict:
         "baseline_tok_s": sum(r["baseline_tokens"] for r in rows) / base if base else 0.0,
         "spec_tok_s": sum(r["tokens"] for r in rows) / spec if spec else 0.0,
         "round_split_ms": {k.removesuffix("_s"): round(v, 2) for k, v in split.items()},
+        # the prompt: the services' prefill (the coordinator's clock) against plain mlx-lm's
+        # time to its first token, median question
+        "prefill_median_ms": round(1000 * statistics.median(r["prefill_s"] for r in rows), 2)
+        if rows
+        else 0.0,
+        "baseline_first_token_median_ms": round(
+            1000 * statistics.median(r.get("baseline_first_token_s", 0.0) for r in rows), 2
+        )
+        if rows
+        else 0.0,
         # the median question's median round: time outside the two services' compute
         "round_outside_median_ms": round(
             1000 * statistics.median(r["round_overhead_median_s"] for r in rows), 2
@@ -423,6 +436,7 @@ def _spec_row(question, base: Baseline, spec, spec_s: float, temperature: float)
         "tokens": len(spec.token_ids),
         "baseline_tokens": len(base.token_ids),
         "baseline_s": base.seconds,
+        "baseline_first_token_s": base.first_token_s,
         "spec_s": spec_s,
         "tau": s["tau"],
         "identical": spec.token_ids == base.token_ids if temperature == 0 else None,
@@ -802,5 +816,9 @@ def format_table(result: dict) -> str:
         f"verify {split['verify']:.1f} ms (compute {split['verify_compute']:.1f}), "
         f"coordinator {split['coordinator']:.1f} ms; outside the compute, median "
         f"{result['overall']['round_outside_median_ms']:.1f} ms"
+    )
+    lines.append(
+        f"prompt, median question: prefill {overall['prefill_median_ms']:.1f} ms through the "
+        f"services, plain mlx-lm's first token {overall['baseline_first_token_median_ms']:.1f} ms"
     )
     return "\n".join(lines)

@@ -50,6 +50,14 @@ def test_bench_compares_drafters_and_writes_json_markdown_chart(tiny_model_dir, 
     assert pinned["overall"]["identical"] == 2
     assert {"draft_compute", "verify_compute"} <= set(pinned["overall"]["round_split_ms"])
     assert 0 < pinned["overall"]["round_outside_median_ms"] < 1000
+    # the prompt's cost on each side: the services' prefill, plain mlx-lm's first token
+    assert pinned["overall"]["prefill_median_ms"] > 0
+    assert (
+        0
+        < pinned["overall"]["baseline_first_token_median_ms"]
+        < 1000 * min(q["baseline_s"] for q in pinned["questions"])
+    )
+    assert "prompt, median question: prefill" in run.stdout
     table = (tmp_path / "out.md").read_text()
     assert "| ngram | **overall** |" in table and "| none | **overall** |" in table
     assert (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG"
@@ -102,14 +110,15 @@ def test_medians_per_question_shrug_off_one_slow_question():
         return {"baseline_s": base, "spec_s": spec, "inproc_s": inproc, "rounds": 10,
                 "accepted": 0, "identical": True, "baseline_tokens": 10, "tokens": 10,
                 "draft_s": 0, "verify_s": 0, "coordinator_s": 0, "draft_compute_s": 0,
-                "verify_compute_s": 1, "inproc_verify_compute_s": 1,
-                "round_overhead_median_s": 0.001}  # fmt: skip
+                "verify_compute_s": 1, "inproc_verify_compute_s": 1, "prefill_s": 0.1,
+                "baseline_first_token_s": 0.05, "round_overhead_median_s": 0.001}  # fmt: skip
 
     rows = [row(3, 1, 1), row(3, 1, 0.9), row(3, 1, 1.1), row(3, 3, 1)]  # the last: a slow spell
     out = summarize(rows)
     assert out["speedup"] == 2.0 and out["speedup_median"] == 3.0
     assert out["split_vs_inprocess"] == pytest.approx(4 / 6)
     assert out["split_vs_inprocess_median"] == pytest.approx(0.95)  # of 1/3, 0.9, 1, 1.1
+    assert (out["prefill_median_ms"], out["baseline_first_token_median_ms"]) == (100.0, 50.0)
 
 
 def test_repeats_keep_the_fastest_run_of_each_mode_and_every_difference():
