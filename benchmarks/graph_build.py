@@ -57,27 +57,24 @@ def build_ms(step, model, context: int, steps: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def variants(target_dir, dtype):
+def variants(target_dir, dtype) -> dict:
     """name -> (step, model); each variant its own copy of the model."""
 
-    def fresh():
-        return load_target(target_dir, dtype).model
+    def wrapped(*installs):
+        model = load_target(target_dir, dtype).model
+        for install in installs:
+            install(model)
+        return plain_step(model), model
 
-    out = {"mlx-lm's model": (lambda m: plain_step(m), fresh())}
-    model = fresh()
-    install_capture(model)
-    out["capture wrappers"] = (lambda m: plain_step(m), model)
-    model = fresh()
-    rowwise.install(model)
-    out["row-by-row wrappers"] = (lambda m: plain_step(m), model)
-    model = fresh()
-    install_tree_positions(model, install_capture(model))
-    out["capture + tree RoPE"] = (lambda m: plain_step(m), model)
-    loaded = load_target(target_dir, dtype)
-    served = Target(loaded, gemv_rows=0, row_forwards=True)
+    served = Target(load_target(target_dir, dtype), gemv_rows=0, row_forwards=True)
     served.supports_trees(served.new_cache())  # as after a first tree verify
-    out["as served (MLX forwards)"] = (lambda _m: served_step(served), served.model)
-    return {name: (make(model), model) for name, (make, model) in out.items()}
+    return {
+        "mlx-lm's model": wrapped(),
+        "capture wrappers": wrapped(install_capture),
+        "row-by-row wrappers": wrapped(rowwise.install),
+        "capture + tree RoPE": wrapped(lambda m: install_tree_positions(m, install_capture(m))),
+        "as served (MLX forwards)": (served_step(served), served.model),
+    }
 
 
 def main() -> None:

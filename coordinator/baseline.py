@@ -54,6 +54,10 @@ def _serve(conn, target: str | None, dtype: str) -> None:
             conn.send(logit_rounding(loaded.model, *payload))
 
 
+class PlainProcessDied(RuntimeError):
+    """The child running plain mlx-lm ended mid-bench (killed, or an error in MLX)."""
+
+
 class BaselineProcess:
     """A child process running plain mlx-lm on the target; a context manager."""
 
@@ -68,7 +72,8 @@ class BaselineProcess:
         try:
             kind, answer = self._conn.recv()
         except EOFError:
-            answer, kind = f"exit code {self._process.join(5) or self._process.exitcode}", "error"
+            self._process.join(5)
+            answer, kind = f"exit code {self._process.exitcode}", "error"
         if kind == "error":
             self.close()
             raise RuntimeError(f"plain mlx-lm could not load the target: {answer}")
@@ -89,7 +94,7 @@ class BaselineProcess:
             return self._conn.recv()
         except (EOFError, BrokenPipeError, ConnectionResetError):
             code = self._process.exitcode
-            raise RuntimeError(f"the plain mlx-lm process died (exit code {code})") from None
+            raise PlainProcessDied(f"the plain mlx-lm process died (exit code {code})") from None
 
     def close(self) -> None:
         if self._process.is_alive():

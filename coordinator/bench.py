@@ -507,7 +507,7 @@ def announce(args, name: str, dtype_timings: dict, drafters, count: int, log_dir
 
 
 def run_bench(args) -> int:
-    from coordinator.baseline import BaselineProcess
+    from coordinator.baseline import BaselineProcess, PlainProcessDied
     from specd.datasets import load_questions
     from specd.models.load import load_target
 
@@ -564,7 +564,11 @@ def run_bench(args) -> int:
         print(f"specd: bench: {exc}", file=sys.stderr)
         return 1
     with plain:
-        return _bench_against(args, plain, questions, drafters, started)
+        try:
+            return _bench_against(args, plain, questions, drafters, started)
+        except PlainProcessDied as exc:
+            print(f"specd: bench: {exc}", file=sys.stderr)
+            return 1
 
 
 def _bench_against(args, plain, questions, drafters: list[str], started: float) -> int:

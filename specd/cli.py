@@ -237,8 +237,7 @@ def _service_config(args):
             print(f"specd: {exc}", file=sys.stderr)
             return None, None
         config = DrafterConfig(
-            **options,
-            **flag_values(args, DrafterConfig, skip=("kind",)),
+            **{**flag_values(args, DrafterConfig), **options},  # both name the kind
             **_common_service_fields(args),
             session_idle_timeout_s=args.session_idle_timeout,
         )

@@ -86,12 +86,10 @@ def add_flags(parser, config_type, only: tuple[str, ...] | None = None) -> None:
         )
 
 
-def flag_values(args, config_type, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+def flag_values(args, config_type) -> dict[str, Any]:
     """The declared fields' values in parsed args, as config_type's keyword arguments."""
     values = {}
     for field, spec in _flagged(config_type):
-        if field.name in skip:
-            continue
         value = getattr(args, _dest(field, spec))
         values[field.name] = (not value) if spec.invert else value
     return values

@@ -330,3 +330,13 @@ def test_bench_says_why_plain_mlx_lm_could_not_load(tmp_path):
     )  # fmt: skip
     assert run.returncode == 1
     assert "plain mlx-lm could not load the target" in run.stderr and "missing" in run.stderr
+
+
+def test_a_killed_plain_mlx_lm_process_is_reported_not_hung(tiny_model_dir):
+    from coordinator.baseline import BaselineProcess, PlainProcessDied
+
+    with BaselineProcess(str(tiny_model_dir), "float32") as plain:
+        plain._process.kill()
+        plain._process.join()
+        with pytest.raises(PlainProcessDied, match=r"plain mlx-lm process died \(exit code -9\)"):
+            plain.decode([5, 6, 7], 4)

@@ -30,7 +30,7 @@ def test_open_sessions_round_between_the_layers_of_a_long_prefill(tiny_model_dir
 
     for name in ("rounds_many", "decode", "verify"):  # however the verifier runs a round
         monkeypatch.setattr(servicer_module, name, logging(getattr(servicer_module, name), "round"))
-    monkeypatch.setattr(servicer_module, "_advance", logging(servicer_module._advance, "layer"))
+    monkeypatch.setattr(servicer_module, "advance", logging(servicer_module.advance, "layer"))
 
     async def main():
         mlx = MlxThread()

@@ -226,11 +226,16 @@ def prefill(
 ) -> PrefillResult:
     """Process the prompt like mlx-lm does (all but the last token in chunks, then the last)."""
     steps = prefill_steps(target, prompt_ids, capture, rows_dtype, sampling, seed, sliced=False)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
+    return advance(steps)
+
+
+def advance(steps):
+    """One `next()` of a prefill_steps generator: None, or its result once it is done."""
+    try:
+        next(steps)
+    except StopIteration as done:
+        return done.value
+    return None
 
 
 def prefill_steps(

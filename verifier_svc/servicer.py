@@ -29,9 +29,9 @@ from verifier_svc.engine import (
     Session,
     Target,
     TreeUnsupported,
+    advance,
     decode,
     half_weights_pay,
-    prefill,
     prefill_steps,
     rounds_many,
     verify,
@@ -98,15 +98,6 @@ def target_for(config: VerifierConfig) -> Target:
     return Target(
         loaded, config.gemv_rows, row_forwards=on_gpu(config.row_forwards, "row-forwards")
     )
-
-
-def _advance(steps):
-    """One step of a prefill_steps generator: None, or its result once it is done."""
-    try:
-        next(steps)
-    except StopIteration as done:
-        return done.value
-    return None
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -201,20 +192,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         seed = request.sampling.seed if request.sampling.HasField("seed") else None
         self.sessions.ensure_room()
         self._ensure_kv_room()
+        # a long prompt with other sessions open runs a decoder layer per job, their rounds
+        # in between; otherwise the whole prefill is one job
+        sliced = 0 < self.config.prefill_slice_tokens < len(prompt) and len(self.sessions) > 0
         rows_dtype = ROWS_DTYPES[request.rows_dtype]
-        slice_above = self.config.prefill_slice_tokens
-        if (
-            slice_above
-            and len(prompt) > slice_above
-            and len(self.sessions)
-            and target.slices_prefill
-        ):
-            # open sessions' rounds run between the layers of a long prompt's forward
-            steps = prefill_steps(target, prompt, layers, rows_dtype, sampling, seed)
-            while (result := await self.mlx.run(_advance, steps)) is None:
-                pass
-        else:
-            result = await self.mlx.run(prefill, target, prompt, layers, rows_dtype, sampling, seed)
+        steps = prefill_steps(target, prompt, layers, rows_dtype, sampling, seed, sliced=sliced)
+        while (result := await self.mlx.run(advance, steps)) is None:
+            pass
         session_id = self.sessions.add(result.session)
         return verifier_pb2.OpenSessionResponse(
             session_id=session_id,

@@ -144,7 +144,5 @@ class Bypass:
                 for index, value in enumerate(child):
                     visit(child, index, value)
 
-        for name, value in self._model.items():
-            if isinstance(value, (nn.Module, list)):
-                visit(self._model, name, value)
+        visit(None, None, self._model)  # the model itself is never a wrapper
         return slots
