@@ -83,7 +83,7 @@ def check_target(what: str, weights: Path, cfg, layers, target_identity) -> None
 
 # options that may change between sittings of one run; any other change makes another run
 RESUMABLE_CHANGES = frozenset(
-    {"out", "epochs", "lr", "warmup", "grad_clip", "save_every", "resume", "cache_dir", "fmt"}
+    "out epochs lr warmup grad_clip save_every resume cache_dir fmt time_limit".split()
 )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,15 +23,20 @@ def epoch_order(count: int, epochs: float, seed: int) -> np.ndarray:
 
 def run_steps(trainer, step: Callable[[int], object], checkpoint: Path, save_every: int,
               describe: Callable[[list], str],
-              at_checkpoint: Callable[[], None] | None = None) -> tuple[list, float]:  # fmt: skip
+              at_checkpoint: Callable[[], None] | None = None,
+              deadline: float | None = None) -> tuple[list, float]:  # fmt: skip
     """Call step(trainer.step) until trainer.total_steps, checkpointing every save_every steps
     (and then calling at_checkpoint, e.g. a held-out evaluation, and at the end). step returns
     a record (or None when it had nothing to learn from); describe turns the recent records
-    into the progress line's figures. Returns (recent records, seconds)."""
+    into the progress line's figures. deadline (a time.perf_counter() value): take no step
+    after it; the checkpoint is saved as at the end, so a later run resumes there.
+    Returns (recent records, seconds)."""
     started, first = time.perf_counter(), trainer.step
     recent: list = []
     progress = Progress()
     while trainer.step < trainer.total_steps:
+        if deadline is not None and time.perf_counter() >= deadline:
+            break
         record = step(trainer.step)
         if record is not None:
             recent = (recent + [record])[-RECENT:]
@@ -48,6 +54,9 @@ def run_steps(trainer, step: Callable[[int], object], checkpoint: Path, save_eve
             if at_checkpoint is not None and trainer.step < trainer.total_steps:
                 at_checkpoint()
     progress.close()
+    if trainer.step < trainer.total_steps:
+        print(f"--time-limit reached at step {trainer.step} of {trainer.total_steps}; the same "
+              "command again goes on from there", file=sys.stderr)  # fmt: skip
     trainer.save_checkpoint(checkpoint)
     if at_checkpoint is not None:
         at_checkpoint()

@@ -626,6 +626,12 @@ def _add_common_train_args(p, what: str) -> None:
     )  # fmt: skip
     p.add_argument("--no-resume", dest="resume", action="store_false",
                    help="start over even if OUT/checkpoint exists")  # fmt: skip
+    p.add_argument(
+        "--time-limit", type=positive_float, metavar="SECONDS",
+        help="take no training step after this many seconds from the start (features "
+        "included); the checkpoint, the model and training.json are written as at the end, "
+        "and the same command again goes on from there",
+    )  # fmt: skip
 
 
 def _add_distill(sub) -> None:

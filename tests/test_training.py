@@ -55,6 +55,27 @@ def test_eagle3_training_writes_a_loadable_head_and_resumes(tiny_model_dir, data
     assert json.loads((out / "training.json").read_text())["steps"] == 12
 
 
+def test_training_stops_at_its_time_limit_then_goes_on(tiny_model_dir, data, tmp_path, capsys):
+    """A limit reached before the first step still writes the checkpoint, a loadable model and
+    training.json; the run after it takes every step from there."""
+    out = tmp_path / "head"
+    common = dict(target=str(tiny_model_dir), out=out, conversations=6, max_len=64,
+                  draft_vocab=100, save_every=2, warmup=2, data=data, epochs=1)  # fmt: skip
+    stopped = train_eagle3(TrainOptions(**common, time_limit=1e-6))
+    assert (stopped["steps"], stopped["total_steps"]) == (0, 6)
+    assert "--time-limit reached at step 0 of 6" in capsys.readouterr().err
+    load_head(out)
+    assert (out / "checkpoint").is_dir()
+    finished = train_eagle3(TrainOptions(**common, time_limit=600))
+    assert (finished["steps"], finished["total_steps"]) == (6, 6)
+    df_out = tmp_path / "dflash"
+    df = dict(target=str(tiny_model_dir), out=df_out, conversations=6, max_len=64, block_size=4,
+              layers=1, anchors=4, epochs=1, warmup=2, data=data, draft_vocab=20)  # fmt: skip
+    assert train_dflash(DFlashOptions(**df, time_limit=1e-6))["steps"] == 0
+    load_drafter(df_out)
+    assert train_dflash(DFlashOptions(**df))["steps"] == 6
+
+
 def test_eagle3_training_in_batches_takes_fewer_steps_and_resumes(tiny_model_dir, data,
                                                                    tmp_path):  # fmt: skip
     out = tmp_path / "head"

@@ -66,6 +66,7 @@ class DFlashOptions:
     draft_vocab: int = 8192  # tokens listed for frequency-ranked readout; 0: none
     batch_size: int = 1  # conversations per step, packed into one context (a GPU wants many)
     held_out: int = 0  # conversations kept out of training, their acceptance printed as it goes
+    time_limit: float | None = None  # seconds from the start: no step after, resumable
 
 
 def default_gamma(block_size: int) -> float:
@@ -294,6 +295,7 @@ class DFlashTrainer:
 def train(opts: DFlashOptions) -> dict:
     from specd.models.load import load_target
 
+    deadline = None if opts.time_limit is None else time.perf_counter() + opts.time_limit
     mx.random.seed(opts.seed)
     loaded = load_target(opts.target, "float32")
     layer_ids = default_capture_layers(loaded.identity.num_layers)
@@ -331,7 +333,7 @@ def train(opts: DFlashOptions) -> dict:
         return trainer.train_step([feats[j] for j in order[i * size : (i + 1) * size]], rng)
 
     evaluate()  # where it starts from
-    recent, train_s = run_steps(trainer, step, ckpt, opts.save_every, describe, evaluate)
+    recent, train_s = run_steps(trainer, step, ckpt, opts.save_every, describe, evaluate, deadline)
     losses, taus = [r[0] for r in recent], [r[1] for r in recent]
     save_drafter(trainer.model, opts.out)
     if opts.draft_vocab:
@@ -352,6 +354,7 @@ def train(opts: DFlashOptions) -> dict:
         "mask_token_id": trainer.cfg.mask_token_id,
         "epochs": opts.epochs,
         "steps": trainer.step,
+        "total_steps": trainer.total_steps,
         "feature_seconds": round(feature_s, 1),
         "train_seconds_this_run": round(train_s, 1),
         "final_loss": float(np.mean(losses)) if losses else None,

@@ -76,6 +76,7 @@ class TrainOptions:
     init_from: Path | None = None  # continue from this head (e.g. the shipped one)
     batch_size: int = 1  # conversations per step, padded to the longest (a GPU wants many)
     held_out: int = 0  # conversations kept out of training, their agreement printed as it goes
+    time_limit: float | None = None  # seconds from the start: no step after, resumable
 
 
 def head_config(loaded, draft_vocab: int, capture: tuple[int, ...]) -> Eagle3Config:
@@ -426,6 +427,7 @@ def _cached_prefix(cache_dir: Path, suffix: str, partial: Path, examples) -> lis
 def train(opts: TrainOptions) -> dict:
     from specd.models.load import load_target
 
+    deadline = None if opts.time_limit is None else time.perf_counter() + opts.time_limit
     mx.random.seed(opts.seed)
     loaded = load_target(opts.target, "float32")
     capture = default_capture_layers(loaded.identity.num_layers)
@@ -465,7 +467,7 @@ def train(opts: TrainOptions) -> dict:
         return trainer.train_step([feats[j] for j in order[i * size : (i + 1) * size]])
 
     evaluate()  # where it starts from
-    recent, train_s = run_steps(trainer, step, ckpt, opts.save_every, describe, evaluate)
+    recent, train_s = run_steps(trainer, step, ckpt, opts.save_every, describe, evaluate, deadline)
     recent_loss = [loss for loss, _ in recent]
     recent_agree = [agree for _, agree in recent]
     save_head(trainer.head, opts.out, fmt=opts.fmt)
@@ -481,6 +483,7 @@ def train(opts: TrainOptions) -> dict:
         "epochs": opts.epochs,
         "batch_size": opts.batch_size,
         "steps": trainer.step,
+        "total_steps": trainer.total_steps,
         "feature_seconds": round(feature_s, 1),
         "train_seconds_this_run": round(train_s, 1),
         "final_loss": float(np.mean(recent_loss)) if recent_loss else None,
