@@ -7,6 +7,7 @@ import threading
 import urllib.request
 
 import grpc
+import pytest
 
 from specd.launch import free_ports, spawn
 from specd.service import channel_options
@@ -48,11 +49,13 @@ def _batches(metrics_port: int) -> tuple[float, float]:
     return count, alone
 
 
-def test_concurrent_sessions_decode_together_and_as_each_alone(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("forwards", [[], ["--gemv-rows", "0"]], ids=["cpu-kernels", "mlx"])
+def test_concurrent_sessions_decode_together_and_as_each_alone(tiny_model_dir, tmp_path, forwards):
+    """On the CPU kernels, and in MLX as on a GPU."""
     metrics_port, port = free_ports(2)
     verifier = spawn(
         "verifier",
-        ["--model", str(tiny_model_dir), "--metrics-port", str(metrics_port)],
+        ["--model", str(tiny_model_dir), "--metrics-port", str(metrics_port), *forwards],
         port=port,
         log_dir=tmp_path,
     )

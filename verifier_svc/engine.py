@@ -132,6 +132,27 @@ class Target:
         """Whether `prefill_steps` can run a prompt's forward a decoder layer at a time."""
         return self._mlx.slices_layers()
 
+    def shared_forward(self, rounds: list[Round]):
+        """(forward_many, rows it takes) for greedy rounds that can share their forwards, or
+        None: the CPU kernels where every round fits them, else MLX for a Llama model (each
+        product of up to the row-by-row limit computed as a decode step computes it)."""
+        if len(rounds) < 2 or any(r.session.rng is not None for r in rounds):
+            return None
+        layers = self.cpu_layers
+        if layers is not None:
+            fits = all(layers.can_run(1 + len(r.drafts), r.session.cache) for r in rounds)
+            if fits and all(r.session.ahead is None for r in rounds):
+                return layers.forward_many, layers.max_rows
+            return None
+        if self._mlx.takes_many():
+            return self._mlx.forward_many, rowwise.DEFAULT_MAX_ROWS
+        return None
+
+    @property
+    def shares_forwards(self) -> bool:
+        """Whether greedy rounds of several sessions can share forwards at all."""
+        return self.cpu_layers is not None or self._mlx.takes_many()
+
     def on_mlx(self, tokens: int, cache: list) -> bool:
         return self._backend(tokens, cache) is self._mlx
 
@@ -423,46 +444,46 @@ class Round:
     session: Session
     drafts: list[int] = field(default_factory=list)
     steps: int = 1
+    look_ahead: bool = False  # a plain round run alone leaves its next forward queued
 
 
 def rounds_many(target: Target, rounds: list[Round]) -> list[VerifyResult | Exception]:
     """Greedy rounds of several sessions at once, each committing what `verify` (drafts) or
-    `decode` (steps, stopping after an EOS) would commit alone. On the CPU kernels each step is
-    one forward for a group of them (each weight read once for the group; a group holds at
-    most the rows a forward takes). Where that forward cannot take them (MLX, sampling, a
-    queued look-ahead) they run one after the other, each answered with its result or its
-    error. A shared forward that fails leaves its sessions as they were and fails them all."""
-    layers = target.cpu_layers
-    if (
-        layers is None
-        or len(rounds) < 2
-        or any(r.session.rng is not None or r.session.ahead is not None for r in rounds)
-        or not all(layers.can_run(1 + len(r.drafts), r.session.cache) for r in rounds)
-    ):
+    `decode` (steps, stopping after an EOS) would commit alone. Each step is one forward for a
+    group of them (`Target.shared_forward`: on the CPU kernels each weight read once for the
+    group, in MLX a decode step's launches shared; a group holds at most the rows a forward
+    takes). Where no shared forward takes them (sampling, a single round, another
+    architecture) they run one after the other, each answered with its result or its error.
+    A shared forward that fails leaves its sessions as they were and fails them all."""
+    shared = target.shared_forward(rounds)
+    if shared is None:
         return [_alone(target, r) for r in rounds]
+    forward_many, max_rows = shared
+    for r in rounds:
+        _drop_ahead(r.session)  # its queued forward is recomputed in the shared one
     groups, rows = [[]], 0
     for r in rounds:
-        if groups[-1] and rows + 1 + len(r.drafts) > layers.max_rows:
+        if groups[-1] and rows + 1 + len(r.drafts) > max_rows:
             groups.append([])
             rows = 0
         groups[-1].append(r)
         rows += 1 + len(r.drafts)
-    return [result for group in groups for result in _together(target, group)]
+    return [result for group in groups for result in _together(target, group, forward_many)]
 
 
 def _alone(target: Target, r: Round) -> VerifyResult | Exception:
     try:
         if r.drafts:
             return verify(target, r.session, r.drafts)
-        return decode(target, r.session, r.steps)
+        return decode(target, r.session, r.steps, look_ahead=r.look_ahead)
     except Exception as exc:  # noqa: BLE001 - this session's error, not the others'
         return exc
 
 
-def _together(target: Target, rounds: list[Round]) -> list[VerifyResult]:
+def _together(target: Target, rounds: list[Round], forward_many) -> list[VerifyResult]:
     """rounds_many's group in one forward per step: the first step takes each session's last
-    token and drafts, the next ones each plain round's latest token."""
-    layers = target.cpu_layers
+    token and drafts, the next ones each plain round's latest token. forward_many's logits
+    and rows are numpy (the CPU kernels) or MLX arrays."""
     start = time.perf_counter()
     capture = frozenset().union(*(r.session.capture for r in rounds))
     committed: list[list[int]] = [[] for _ in rounds]
@@ -477,13 +498,13 @@ def _together(target: Target, rounds: list[Round]) -> list[VerifyResult]:
                         rounds[i].session.cache)
                 for i in live
             ]  # fmt: skip
-            outs = layers.forward_many(segments, capture)
+            outs = forward_many(segments, capture)
             still = []
             for i, (logits, outputs) in zip(live, outs, strict=True):
                 r = rounds[i]
                 captured = None
                 if r.session.capture:
-                    captured = np.concatenate([outputs[j] for j in r.session.capture], -1)
+                    captured = _joined([outputs[j] for j in r.session.capture], -1)
                 if r.drafts:  # a verify: one step, its accepted prefix kept
                     acceptance = _accept(target, r.session, r.drafts, None, mx.array(logits))
                     committed[i], accepted[i] = acceptance.committed, acceptance.num_accepted
@@ -520,12 +541,18 @@ def _together(target: Target, rounds: list[Round]) -> list[VerifyResult]:
         session.finished = tokens[-1] in target.eos_ids
         kept = None
         if parts:
-            kept = mx.array(np.concatenate(parts)).astype(session.rows_dtype)
+            kept = mx.array(_joined(parts, 0)).astype(session.rows_dtype)
             mx.eval(kept)
         results.append(
             VerifyResult(tokens, num_accepted, session.finished, kept, seconds, own / all_rows)
         )
     return results
+
+
+def _joined(parts: list, axis: int):
+    if any(isinstance(p, mx.array) for p in parts):
+        return mx.concatenate([mx.array(p) for p in parts], axis=axis)
+    return np.concatenate(parts, axis=axis)
 
 
 def _merged(results: list[VerifyResult]) -> VerifyResult:

@@ -9,16 +9,18 @@ MLX for the rest; everywhere else MLX alone.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
-from specd.cpu.llama import CpuLlama
+from specd.cpu.llama import CpuLlama, Segment
 from specd.models.capture import Bypass, CaptureSink, CapturingLayer
+from specd.models.rowwise import ChunkedAttention
 from verifier_svc.tree import ancestor_mask, depths, rope_groups
 
 
@@ -110,6 +112,66 @@ class MlxForward:
 
     def slices_layers(self) -> bool:
         return type(self.model.model).__module__ == "mlx_lm.models.llama"
+
+    def takes_many(self) -> bool:
+        """Whether `forward_many` covers the model: mlx-lm's Llama, no sliding-window layers."""
+        return self.slices_layers() and getattr(self.model.model, "swa_idx", None) is None
+
+    def forward_many(
+        self, segments: list[Segment], capture: frozenset[int]
+    ) -> list[tuple[mx.array, dict[int, mx.array]]]:
+        """Several sessions' new tokens in one MLX graph, each at the end of its own cache:
+        the norms, products and MLP over every row at once (a decode step's launches shared
+        by the sessions), RoPE, the cache update and attention per session, and the logits
+        per session with the shapes it has alone. Evaluated before it returns. Causal masks
+        only (no trees); `takes_many` models only."""
+        self.bypass.set(False)  # products of a few rows through the row-by-row wrappers
+        inner = self.model.model
+        spans = np.cumsum([0] + [len(s.token_ids) for s in segments]).tolist()
+        ids = mx.array(np.concatenate([s.token_ids for s in segments]), dtype=mx.int32)
+        hidden = inner.embed_tokens(ids[None])
+        kept: dict[int, mx.array] = {}
+        for index, layer in enumerate(inner.layers):
+            layer = layer.inner if isinstance(layer, CapturingLayer) else layer
+            caches = [s.cache[index] for s in segments]
+            hidden = hidden + _attention_many(layer.self_attn, layer.input_layernorm(hidden),
+                                              spans, caches)  # fmt: skip
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            if index in capture:
+                kept[index] = hidden[0]
+        final = inner.norm(hidden)
+        out = []
+        for a, b in itertools.pairwise(spans):
+            part = final[:, a:b]
+            if self.model.args.tie_word_embeddings:
+                logits = inner.embed_tokens.as_linear(part)
+            else:
+                logits = self.model.lm_head(part)
+            out.append((logits[0], {i: rows[a:b] for i, rows in kept.items()}))
+        mx.eval(out, [[c.state for c in s.cache] for s in segments])
+        return out
+
+
+def _attention_many(attn: nn.Module, x: mx.array, spans: list[int], caches: list) -> mx.array:
+    """A Llama attention over [1, rows, H] holding several sessions' rows (spans), each session
+    rotated at its own offset and attending to its own cache, as it would alone."""
+    own = attn.inner if isinstance(attn, ChunkedAttention) else attn
+    queries, keys, values = own.q_proj(x), own.k_proj(x), own.v_proj(x)
+    parts = []
+    for (a, b), cache in zip(itertools.pairwise(spans), caches, strict=True):
+        rows = b - a
+        q = queries[:, a:b].reshape(1, rows, own.n_heads, -1).transpose(0, 2, 1, 3)
+        k = keys[:, a:b].reshape(1, rows, own.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = values[:, a:b].reshape(1, rows, own.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = own.rope(q, offset=cache.offset), own.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        if isinstance(attn, ChunkedAttention) and attn.chunks(rows):
+            out = attn.attend(q, k, v, rows)
+        else:  # as the model's own attention calls it
+            mask = "causal" if rows > 1 else None
+            out = scaled_dot_product_attention(q, k, v, cache=cache, scale=own.scale, mask=mask)
+        parts.append(out.transpose(0, 2, 1, 3).reshape(1, rows, -1))
+    return own.o_proj(mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0])
 
 
 class CpuKernelForward:

@@ -236,7 +236,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
         if steps > 1 and drafts:
             raise InvalidArgument("plain_steps > 1 takes no drafts: send them in their own call")
-        if parents is None and probs is None and session.rng is None and target.cpu_layers:
+        if parents is None and probs is None and session.rng is None and target.shares_forwards:
             # a greedy chain or plain round: the sessions waiting together share forwards
             result = await self.mlx.run_batched(
                 self._rounds, (session, request.position, drafts, steps)
@@ -277,6 +277,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         """As many as fit in the context; at least one passed `_check_round`."""
         return min(max(asked, 1), self.max_context - session.position + 1)
 
+    def _looks_ahead(self, session: Session, steps: int) -> bool:
+        return self.look_ahead and session.position + steps < self.max_context
+
     def _rounds_many(self, items: list) -> list:
         """Greedy rounds of the sessions waiting together (an MlxThread batch): a result, or
         the error to answer with, for each (session, position, drafts, plain_steps)."""
@@ -289,7 +292,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 answers[n] = exc
                 continue
             steps = 1 if drafts else self._plain_steps(session, asked)
-            ready.append((n, Round(session, drafts, steps)))
+            ahead = not drafts and self._looks_ahead(session, steps)
+            ready.append((n, Round(session, drafts, steps, ahead)))
         metrics.DECODE_BATCH.observe(len(ready))
         results = rounds_many(self._ready(), [r for _, r in ready])
         for (n, _), result in zip(ready, results, strict=True):
@@ -303,8 +307,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._check_round(session, position, len(drafts))
         if plain_steps > 1 or (not drafts and parents is None and session.rng is None):
             steps = self._plain_steps(session, plain_steps)
-            ahead = self.look_ahead and session.position + steps < self.max_context
-            return decode(target, session, steps, look_ahead=ahead)
+            return decode(target, session, steps, look_ahead=self._looks_ahead(session, steps))
         if parents is None:
             return verify(target, session, drafts, probs)
         try:

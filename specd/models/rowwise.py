@@ -61,8 +61,7 @@ class ChunkedAttention(nn.Module):
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         batch, rows, _ = x.shape
         causal = mask is None or (isinstance(mask, str) and mask == "causal")
-        own = rows <= FUSED_QUERY_ROWS or rows > self._max_rows
-        if own or batch != 1 or cache is None or not causal:
+        if not self.chunks(rows) or batch != 1 or cache is None or not causal:
             return self.inner(x, mask=mask, cache=cache)
         a = self.inner
         queries = a.q_proj(x).reshape(1, rows, a.n_heads, -1).transpose(0, 2, 1, 3)
@@ -71,6 +70,17 @@ class ChunkedAttention(nn.Module):
         queries = a.rope(queries, offset=cache.offset)
         keys = a.rope(keys, offset=cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
+        out = self.attend(queries, keys, values, rows)
+        return a.o_proj(out.transpose(0, 2, 1, 3).reshape(1, rows, -1))
+
+    def chunks(self, rows: int) -> bool:
+        """Whether `rows` query rows are attended in chunks (else the model's own call)."""
+        return FUSED_QUERY_ROWS < rows <= self._max_rows
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, rows: int) -> mx.array:
+        """Causal attention of the last `rows` positions [1, heads, rows, D] to the cache's
+        keys and values, in chunks of rows the fused kernel takes."""
+        scale = self.inner.scale
         base = keys.shape[2] - rows
         parts = []
         for start in range(0, rows, FUSED_QUERY_ROWS):
@@ -81,12 +91,11 @@ class ChunkedAttention(nn.Module):
                     queries[:, :, start:stop],
                     keys[:, :, : base + stop],
                     values[:, :, : base + stop],
-                    scale=a.scale,
+                    scale=scale,
                     mask="causal",
                 )
             )
-        out = mx.concatenate(parts, axis=2).transpose(0, 2, 1, 3).reshape(1, rows, -1)
-        return a.o_proj(out)
+        return mx.concatenate(parts, axis=2)
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:

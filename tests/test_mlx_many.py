@@ -1,0 +1,117 @@
+"""Greedy rounds of several sessions sharing MLX forwards (`MlxForward.forward_many`, the GPU's
+path): each session commits what it commits alone, with the same rows and caches."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from specd.models.load import load_target
+from verifier_svc.engine import Round, Target, decode, prefill, rounds_many, verify
+
+PROMPTS = [[5 + (7 * i + j) % 90 for j in range(4 + 5 * i)] for i in range(5)]
+CAPTURES = [(0, 1), (), (1,), (0, 1), (0,)]
+
+
+@pytest.fixture(scope="module", params=["own", "row-by-row"])
+def target(request, tiny_model_dir):
+    """All-MLX targets (no CPU kernels): the model's own products, and the GPU's row-by-row."""
+    rows = request.param == "row-by-row"
+    made = Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0,
+                  row_forwards=rows)  # fmt: skip
+    assert made.cpu_layers is None and made.shares_forwards and made.row_forwards == rows
+    return made
+
+
+def _sessions(target: Target):
+    return [prefill(target, p, c).session for p, c in zip(PROMPTS, CAPTURES, strict=True)]
+
+
+def _close(got, want) -> None:
+    got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    assert np.allclose(got, want, rtol=1e-3, atol=2e-3), np.abs(got - want).max()
+
+
+def test_rounds_sharing_mlx_forwards_equal_each_alone(target, monkeypatch):
+    greedy = decode(target, _sessions(target)[3], 3).committed
+    wrong = decode(target, _sessions(target)[4], 1).committed[0] + 1
+    # plain bursts, a verify long enough for chunked attention, one of the greedy
+    # continuation (all accepted), one rejected at once: 16 rows, one forward
+    plans = [([], 4), ([], 1), ([3, 1, 4, 1, 5, 9], 1), (greedy, 1), ([wrong, 5], 1)]
+    alone = [
+        verify(target, s, d) if d else decode(target, s, k)
+        for s, (d, k) in zip(_sessions(target), plans, strict=True)
+    ]
+    calls = []
+    real = type(target._mlx).forward_many
+
+    def counted(self, segments, capture):
+        calls.append(len(segments))
+        return real(self, segments, capture)
+
+    monkeypatch.setattr(type(target._mlx), "forward_many", counted)
+    sessions = _sessions(target)
+    together = rounds_many(
+        target, [Round(s, d, k) for s, (d, k) in zip(sessions, plans, strict=True)]
+    )
+    assert calls and calls[0] == len(plans)  # the first step: every session in one forward
+    assert together[3].num_accepted == 3 and together[4].num_accepted == 0
+    for a, b in zip(alone, together, strict=True):
+        assert (b.committed, b.num_accepted, b.finished) == (a.committed, a.num_accepted,
+                                                             a.finished)  # fmt: skip
+        assert (a.rows is None) == (b.rows is None)
+        if a.rows is not None:
+            _close(b.rows, a.rows)
+        assert b.share < 1.0
+    for session in sessions:
+        assert session.cache[0].offset == session.position - 1
+    # the caches hold what decoding alone leaves: the next steps agree too
+    again = rounds_many(target, [Round(s, [], 3) for s in sessions])
+    after_alone = [decode(target, s, 3).committed for s in _sessions_after(target, plans)]
+    assert [r.committed for r in again] == after_alone
+
+
+def _sessions_after(target: Target, plans):
+    sessions = _sessions(target)
+    for s, (d, k) in zip(sessions, plans, strict=True):
+        verify(target, s, d) if d else decode(target, s, k)
+    return sessions
+
+
+def test_a_session_with_a_queued_look_ahead_joins_and_a_lone_round_keeps_it(target):
+    first, second = _sessions(target)[:2]
+    decode(target, first, 2, look_ahead=True)
+    assert first.ahead is not None
+    want = decode(target, _sessions_after_steps(target, 0, 2), 3).committed
+    results = rounds_many(target, [Round(first, [], 3), Round(second, [], 3)])
+    assert results[0].committed == want and first.ahead is None
+    lone = rounds_many(target, [Round(second, [], 2, look_ahead=True)])
+    assert len(lone[0].committed) == 2 and second.ahead is not None
+
+
+def _sessions_after_steps(target: Target, index: int, steps: int):
+    session = _sessions(target)[index]
+    decode(target, session, steps)
+    return session
+
+
+def test_more_rows_than_a_forward_takes_go_in_groups(target, monkeypatch):
+    from specd.models import rowwise
+
+    monkeypatch.setattr(rowwise, "DEFAULT_MAX_ROWS", 4)
+    sessions = _sessions(target)
+    alone = [decode(target, s, 2).committed for s in _sessions(target)]
+    rows = []
+    real = type(target._mlx).forward_many
+
+    def counted(self, segments, capture):
+        rows.append(sum(len(s.token_ids) for s in segments))
+        return real(self, segments, capture)
+
+    monkeypatch.setattr(type(target._mlx), "forward_many", counted)
+    rounds = [Round(s, [], 2) for s in sessions]
+    rounds[1].drafts, rounds[1].steps = [7, 8], 1  # three rows of a forward
+    results = rounds_many(target, rounds)
+    assert [r.committed for n, r in enumerate(results) if n != 1] == alone[:1] + alone[2:]
+    assert rows == [4, 1, 3, 3]  # (a plain round and the verify), its second step, the rest
