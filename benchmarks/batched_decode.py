@@ -3,12 +3,13 @@
 and how many sessions the verifier ran per batch (its specd_decode_batch_sessions metric).
 
     python benchmarks/batched_decode.py [--target DIR] [--clients 1 4 8] [--calls 12]
-        [--burst 4] [--context 60]
+        [--burst 4] [--context 60] [--verifier-args "--gemv-rows 0"]
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import threading
 import time
 import urllib.request
@@ -55,10 +56,17 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=12, help="Verify calls per client")
     parser.add_argument("--burst", type=int, default=4, help="tokens per call")
     parser.add_argument("--context", type=int, default=60, help="prompt tokens (made up)")
+    parser.add_argument(
+        "--verifier-args",
+        default="",
+        help='more verifier flags (e.g. "--gemv-rows 0": MLX forwards, as on a GPU)',
+    )
     args = parser.parse_args()
     metrics_port, port = free_ports(2)
-    flags = ["--metrics-port", str(metrics_port)] + (
-        ["--model", args.target] if args.target else []
+    flags = (
+        ["--metrics-port", str(metrics_port)]
+        + (["--model", args.target] if args.target else [])
+        + shlex.split(args.verifier_args)
     )
     verifier = spawn("verifier", flags, port=port)
     rows = []

@@ -499,21 +499,24 @@ def _together(target: Target, rounds: list[Round], forward_many) -> list[VerifyR
                 for i in live
             ]  # fmt: skip
             outs = forward_many(segments, capture)
+            # every session's greedy choices in one evaluation: one wait for the device a step
+            choices = [_greedy_next(mx.array(logits)) for logits, _ in outs]
+            mx.eval(choices)
             still = []
-            for i, (logits, outputs) in zip(live, outs, strict=True):
+            for i, (_, outputs), choice in zip(live, outs, choices, strict=True):
                 r = rounds[i]
                 captured = None
                 if r.session.capture:
                     captured = _joined([outputs[j] for j in r.session.capture], -1)
-                if r.drafts:  # a verify: one step, its accepted prefix kept
-                    acceptance = _accept(target, r.session, r.drafts, None, mx.array(logits))
+                if r.drafts:  # a verify: one step, its accepted prefix kept (as `_accept`)
+                    acceptance = accept_greedy(r.drafts, choice.tolist(), target.eos_ids)
                     committed[i], accepted[i] = acceptance.committed, acceptance.num_accepted
                     kept = 1 + acceptance.num_accepted
                     _rollback(r.session.cache, r.session.position - 1 + kept)
                     if captured is not None:
                         rows[i].append(captured[:kept])
                     continue
-                token = _greedy_next(mx.array(logits)).item()  # as decode takes it
+                token = choice.item()  # as decode takes it
                 committed[i].append(token)
                 if captured is not None:
                     rows[i].append(captured)
