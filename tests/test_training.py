@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -245,6 +246,51 @@ def test_distill_waves_of_unequal_prompts_give_each_prompt_its_greedy_reply(tiny
     for index, prompt in enumerate(prompts):
         alone = plain_decode(loaded.model, prompt, 10, eos).token_ids
         assert got[index] == [t for t in alone if t not in eos]
+
+
+def test_sampled_distill_draws_from_the_targets_distribution(tiny_model_dir):
+    """At temperature 0.7 a reply's first token follows softmax(logits / 0.7) (chi-square over
+    4,000 draws at once); seeded draws repeat; a near-zero temperature is the greedy reply."""
+    from stats import chi_square
+
+    from drafter_svc.distill import greedy_waves
+    from specd.models.load import load_target
+
+    loaded = load_target(str(tiny_model_dir), "float32")
+    eos = set(loaded.identity.eos_token_ids)
+    prompt = [5, 9, 14, 3, 7]
+    logits = loaded.model(mx.array([prompt]))[0, -1].astype(mx.float32)
+    probs = np.array(mx.softmax(logits / 0.7))
+
+    def first_tokens(temperature: float, copies: int, seed: int) -> list[int]:
+        mx.random.seed(seed)
+        waves = greedy_waves(loaded.model, [prompt] * copies, 1, set(), copies, temperature)
+        return [reply[0] for _, reply in sorted(waves)]
+
+    draws = first_tokens(0.7, 4000, seed=3)
+    stat, critical, _ = chi_square(np.bincount(draws, minlength=len(probs)), probs)
+    assert stat < critical
+    assert first_tokens(1.0, 50, seed=4) == first_tokens(1.0, 50, seed=4)
+    greedy = dict(greedy_waves(loaded.model, [prompt], 6, eos, 1))[0]
+    cold = dict(greedy_waves(loaded.model, [prompt], 6, eos, 1, temperature=1e-4))[0]
+    assert cold == greedy
+
+
+def test_sampled_distill_runs_repeat_with_their_seed(tiny_model_dir, data, tmp_path):
+    from drafter_svc.distill import DistillOptions, distill
+
+    def run(name: str, seed: int) -> str:
+        out = tmp_path / name
+        summary = distill(DistillOptions(target=str(tiny_model_dir), out=out, conversations=3,
+                                         max_new_tokens=8, batch_size=3, data=data,
+                                         temperature=0.8, seed=seed))  # fmt: skip
+        assert summary["temperature"] == 0.8 and summary["new_replies"] == 3
+        return out.read_text()
+
+    assert run("a.jsonl", 1) == run("b.jsonl", 1)
+    with pytest.raises(ValueError, match="temperature"):
+        distill(DistillOptions(target=str(tiny_model_dir), out=tmp_path / "c.jsonl",
+                               temperature=-1.0, data=data))  # fmt: skip
 
 
 def test_distill_resumes_after_a_kill_mid_write(tiny_model_dir, data, tmp_path):
