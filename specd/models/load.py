@@ -81,14 +81,16 @@ def resolve_dtype(requested: str) -> str:
 # then flips where the top two logits tie to within half precision's rounding. A model stored
 # in half precision is therefore computed in float32 when that fits.
 GPU_CANDIDATES = ("native", "float32")
-# A round's two typical forwards: a decode step and a verify of 8 tokens, after this context.
-_PROBE_CONTEXT, _PROBE_SIZES, _PROBE_REPEATS = 256, (1, 8), 9
+# A round's two typical forwards after this context: a decode step, timed in a run of steps
+# each queued before the last one's token is read (as the verifier and mlx-lm decode, so the
+# graph building hides behind the device's work), and a verify of 8 tokens.
+_PROBE_CONTEXT, _PROBE_STEPS, _PROBE_VERIFY, _PROBE_REPEATS = 256, 16, 8, 5
 
 
 def _forward_ms(model) -> float:
-    """ms of the probe forwards (decode step + verify of 8) at the end of a cache: the best of
-    several timings each (a shared device only ever adds time), after one untimed pass that
-    compiles their kernels."""
+    """ms of a decode step (a pipelined run's time per step) plus a verify of 8 tokens, at the
+    end of a cache: the best of several timings each (a shared device only ever adds time),
+    after one untimed pass that compiles their kernels."""
     import time
 
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
@@ -96,18 +98,31 @@ def _forward_ms(model) -> float:
     cache = make_prompt_cache(model)
     model(mx.arange(100, 100 + _PROBE_CONTEXT)[None], cache=cache)
     mx.eval([c.state for c in cache])
-    total = 0.0
-    for n in _PROBE_SIZES:
-        block = mx.arange(500, 500 + n)[None]
-        samples = []
-        for i in range(_PROBE_REPEATS + 1):
-            start = time.perf_counter()
-            mx.eval(mx.argmax(model(block, cache=cache)[0], axis=-1))
-            if i:  # the first compiles
-                samples.append(time.perf_counter() - start)
-            trim_prompt_cache(cache, n)
-        total += min(samples)
-    return 1000 * total
+
+    def step(token: mx.array) -> mx.array:
+        return mx.argmax(model(token.reshape(1, 1), cache=cache)[0, -1])
+
+    decode, verify = [], []
+    block = mx.arange(500, 500 + _PROBE_VERIFY)[None]
+    for i in range(_PROBE_REPEATS + 1):
+        start = time.perf_counter()
+        token = step(mx.array(7))
+        mx.async_eval(token)
+        for _ in range(_PROBE_STEPS - 1):
+            following = step(token)
+            mx.async_eval(following)
+            token.item()
+            token = following
+        token.item()
+        elapsed = time.perf_counter() - start
+        trim_prompt_cache(cache, _PROBE_STEPS)
+        start = time.perf_counter()
+        mx.eval(mx.argmax(model(block, cache=cache)[0], axis=-1))
+        if i:  # the first compiles
+            decode.append(elapsed / _PROBE_STEPS)
+            verify.append(time.perf_counter() - start)
+        trim_prompt_cache(cache, _PROBE_VERIFY)
+    return 1000 * (min(decode) + min(verify))
 
 
 def stored_in_half(model) -> bool:
@@ -136,10 +151,11 @@ def _fits_float32(model) -> bool:
 
 
 def fastest_exact_dtype(path: Path) -> tuple[str, dict[str, float]]:
-    """The dtype `auto` computes in on a GPU, and every timed candidate's ms (a decode step
-    plus a verify of 8 tokens). Small models are launch-bound on a GPU, so float32 can be as
-    fast as 4 bits there. With one candidate left nothing is timed; a half-stored model too
-    large for float32 stays as stored, the one case where near-ties may flip (logged)."""
+    """The dtype `auto` computes in on a GPU, and every timed candidate's ms (a decode step in
+    a pipelined run plus a verify of 8 tokens). Small models are launch-bound on a GPU, so
+    float32 can be as fast as 4 bits there. With one candidate left nothing is timed; a
+    half-stored model too large for float32 stays as stored, the one case where near-ties may
+    flip (logged)."""
     dtype, timings, _ = _fastest_exact(path)
     return dtype, timings
 
