@@ -3,7 +3,7 @@
 and how many sessions the verifier ran per batch (its specd_decode_batch_sessions metric).
 
     python benchmarks/batched_decode.py [--target DIR] [--clients 1 4 8] [--calls 12]
-        [--burst 4] [--context 60] [--verifier-args "--gemv-rows 0"]
+        [--burst 4] [--context 60] [--verifier-args "--gemv-rows 0 --row-forwards on"]
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument(
         "--verifier-args",
         default="",
-        help='more verifier flags (e.g. "--gemv-rows 0": MLX forwards, as on a GPU)',
+        help='more verifier flags (e.g. "--gemv-rows 0 --row-forwards on": MLX as on a GPU)',
     )
     args = parser.parse_args()
     metrics_port, port = free_ports(2)

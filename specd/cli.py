@@ -630,8 +630,8 @@ def _add_common_train_args(p, what: str) -> None:
     p.add_argument(
         "--time-limit", type=positive_float, metavar="SECONDS",
         help="take no training step after this many seconds from the start (features "
-        "included); the checkpoint, the model and training.json are written as at the end, "
-        "and the same command again goes on from there",
+        "included); the held-out check and the checkpoint, model and training.json follow as "
+        "at the end, and the same command again goes on from there",
     )  # fmt: skip
 
 
@@ -656,8 +656,9 @@ def _add_distill(sub) -> None:
     )
     p.add_argument(
         "--temperature", type=non_negative_float, default=0.0,
-        help="0: the target's greedy replies; above: replies sampled at this temperature "
-        "(--seed fixes the draws), for drafters that serve sampling requests",
+        help="0: the target's greedy replies; above: replies sampled at this temperature, "
+        "for drafters that serve sampling requests (--seed fixes the draws of a run from its "
+        "start; a resumed run draws anew; keep greedy and sampled replies in separate --out)",
     )  # fmt: skip
     p.add_argument("--turns", choices=("all", "first"), default="all",
                    help="answer every user turn, after the conversation before it (all), or "

@@ -49,7 +49,9 @@ def _batches(metrics_port: int) -> tuple[float, float]:
     return count, alone
 
 
-@pytest.mark.parametrize("forwards", [[], ["--gemv-rows", "0"]], ids=["cpu-kernels", "mlx"])
+@pytest.mark.parametrize(
+    "forwards", [[], ["--gemv-rows", "0", "--row-forwards", "on"]], ids=["cpu-kernels", "mlx"]
+)
 def test_concurrent_sessions_decode_together_and_as_each_alone(tiny_model_dir, tmp_path, forwards):
     """On the CPU kernels, and in MLX as on a GPU."""
     metrics_port, port = free_ports(2)

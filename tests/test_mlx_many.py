@@ -3,6 +3,8 @@ path): each session commits what it commits alone, with the same rows and caches
 
 from __future__ import annotations
 
+import asyncio
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -14,14 +16,21 @@ PROMPTS = [[5 + (7 * i + j) % 90 for j in range(4 + 5 * i)] for i in range(5)]
 CAPTURES = [(0, 1), (), (1,), (0, 1), (0,)]
 
 
-@pytest.fixture(scope="module", params=["own", "row-by-row"])
-def target(request, tiny_model_dir):
-    """All-MLX targets (no CPU kernels): the model's own products, and the GPU's row-by-row."""
-    rows = request.param == "row-by-row"
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    """An all-MLX target (no CPU kernels) with the GPU's row-by-row products."""
     made = Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0,
-                  row_forwards=rows)  # fmt: skip
-    assert made.cpu_layers is None and made.shares_forwards and made.row_forwards == rows
+                  row_forwards=True)  # fmt: skip
+    assert made.cpu_layers is None and made.row_forwards and made.shares_forwards
     return made
+
+
+def test_without_row_by_row_products_sessions_run_one_after_the_other(tiny_model_dir):
+    """A product over several sessions' rows could round unlike their decode steps."""
+    own = Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0)
+    assert not own.shares_forwards
+    sessions = [prefill(own, p).session for p in PROMPTS[:2]]
+    assert own.shared_forward([Round(s, [], 2) for s in sessions]) is None
 
 
 def _sessions(target: Target):
@@ -115,3 +124,53 @@ def test_more_rows_than_a_forward_takes_go_in_groups(target, monkeypatch):
     results = rounds_many(target, rounds)
     assert [r.committed for n, r in enumerate(results) if n != 1] == alone[:1] + alone[2:]
     assert rows == [4, 1, 3, 3]  # (a plain round and the verify), its second step, the rest
+
+
+def test_a_failing_group_fails_its_own_sessions_only(target, monkeypatch):
+    from specd.models import rowwise
+
+    monkeypatch.setattr(rowwise, "DEFAULT_MAX_ROWS", 2)
+    sessions = _sessions(target)[:3]
+    before = [(s.position, s.cache[0].offset) for s in sessions]
+    real = type(target._mlx).forward_many
+
+    def failing(self, segments, capture):
+        if any(seg.cache is sessions[2].cache for seg in segments):
+            raise RuntimeError("device out of memory")
+        return real(self, segments, capture)
+
+    monkeypatch.setattr(type(target._mlx), "forward_many", failing)
+    results = rounds_many(target, [Round(s, [], 1) for s in sessions])  # groups of 2 and 1
+    assert [len(r.committed) for r in results[:2]] == [1, 1]
+    assert isinstance(results[2], RuntimeError)
+    assert (sessions[2].position, sessions[2].cache[0].offset) == before[2]
+    assert [s.position for s in sessions[:2]] == [p + 1 for p, _ in before[:2]]
+
+
+def test_a_second_call_for_one_session_in_a_batch_runs_after_the_first(tiny_model_dir):
+    """A retried call waiting beside the original is checked once the original has run: it
+    finds the session moved on, as it would one call at a time."""
+    from specd.service import FailedPrecondition, MlxThread
+    from verifier_svc.config import VerifierConfig
+    from verifier_svc.servicer import VerifierServicer
+
+    async def main():
+        mlx = MlxThread()
+        config = VerifierConfig(model=str(tiny_model_dir), warmup="minimal", gemv_rows=0,
+                                row_forwards="on")  # fmt: skip
+        verifier = VerifierServicer(config, mlx)
+        await verifier.load()
+        mlx.shutdown()
+        return verifier
+
+    verifier = asyncio.run(main())
+    target = verifier._ready()
+    assert target.shares_forwards
+    first, other = (prefill(target, p).session for p in PROMPTS[:2])
+    want = decode(target, prefill(target, PROMPTS[0]).session, 3).committed
+    items = [(first, first.position, [], 3), (other, other.position, [], 3),
+             (first, first.position, [], 3)]  # fmt: skip
+    answers = verifier._rounds_many(items)
+    assert answers[0].committed == want
+    assert isinstance(answers[2], FailedPrecondition) and "position" in str(answers[2])
+    assert first.position == 1 + len(PROMPTS[0]) + len(want)

@@ -134,8 +134,7 @@ class Target:
 
     def shared_forward(self, rounds: list[Round]):
         """(forward_many, rows it takes) for greedy rounds that can share their forwards, or
-        None: the CPU kernels where every round fits them, else MLX for a Llama model (each
-        product of up to the row-by-row limit computed as a decode step computes it)."""
+        None: the CPU kernels where every round fits them, else MLX (`shares_forwards`)."""
         if len(rounds) < 2 or any(r.session.rng is not None for r in rounds):
             return None
         layers = self.cpu_layers
@@ -144,14 +143,17 @@ class Target:
             if fits and all(r.session.ahead is None for r in rounds):
                 return layers.forward_many, layers.max_rows
             return None
-        if self._mlx.takes_many():
+        if self.shares_forwards:
             return self._mlx.forward_many, rowwise.DEFAULT_MAX_ROWS
         return None
 
     @property
     def shares_forwards(self) -> bool:
-        """Whether greedy rounds of several sessions can share forwards at all."""
-        return self.cpu_layers is not None or self._mlx.takes_many()
+        """Whether greedy rounds of several sessions can share forwards at all: on the CPU
+        kernels, or in MLX where the products of a few rows run row by row (`row_forwards`),
+        each as a decode step computes it, so sharing changes no sum (a matrix product over
+        the sessions' rows could round unlike their decode steps and flip a near-tie)."""
+        return self.cpu_layers is not None or (self.row_forwards and self._mlx.takes_many())
 
     def on_mlx(self, tokens: int, cache: list) -> bool:
         return self._backend(tokens, cache) is self._mlx
@@ -453,8 +455,9 @@ def rounds_many(target: Target, rounds: list[Round]) -> list[VerifyResult | Exce
     group of them (`Target.shared_forward`: on the CPU kernels each weight read once for the
     group, in MLX a decode step's launches shared; a group holds at most the rows a forward
     takes). Where no shared forward takes them (sampling, a single round, another
-    architecture) they run one after the other, each answered with its result or its error.
-    A shared forward that fails leaves its sessions as they were and fails them all."""
+    architecture, a target whose products are not computed row by row) they run one after the
+    other, each answered with its result or its error. A shared forward that fails leaves its
+    group's sessions as they were and answers each of them with the error."""
     shared = target.shared_forward(rounds)
     if shared is None:
         return [_alone(target, r) for r in rounds]
@@ -468,7 +471,14 @@ def rounds_many(target: Target, rounds: list[Round]) -> list[VerifyResult | Exce
             rows = 0
         groups[-1].append(r)
         rows += 1 + len(r.drafts)
-    return [result for group in groups for result in _together(target, group, forward_many)]
+    return [result for group in groups for result in _group(target, group, forward_many)]
+
+
+def _group(target: Target, group: list[Round], forward_many) -> list:
+    try:
+        return _together(target, group, forward_many)
+    except Exception as exc:  # noqa: BLE001 - this group's error; the groups before it committed
+        return [exc] * len(group)
 
 
 def _alone(target: Target, r: Round) -> VerifyResult | Exception:

@@ -284,13 +284,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         """Greedy rounds of the sessions waiting together (an MlxThread batch): a result, or
         the error to answer with, for each (session, position, drafts, plain_steps)."""
         answers: list = [None] * len(items)
-        ready = []
+        ready, later, sessions = [], [], set()
         for n, (session, position, drafts, asked) in enumerate(items):
+            if id(session) in sessions:  # a second call for one session (a retry): after it
+                later.append(n)
+                continue
             try:
                 self._check_round(session, position, len(drafts))
             except ServiceError as exc:
                 answers[n] = exc
                 continue
+            sessions.add(id(session))
             steps = 1 if drafts else self._plain_steps(session, asked)
             ahead = not drafts and self._looks_ahead(session, steps)
             ready.append((n, Round(session, drafts, steps, ahead)))
@@ -298,6 +302,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         results = rounds_many(self._ready(), [r for _, r in ready])
         for (n, _), result in zip(ready, results, strict=True):
             answers[n] = result
+        if later:  # checked again, now that the first call for their session has run
+            for n, answer in zip(later, self._rounds_many([items[n] for n in later]), strict=True):
+                answers[n] = answer
         return answers
 
     def _verify_in_order(
