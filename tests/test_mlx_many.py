@@ -42,6 +42,19 @@ def _close(got, want) -> None:
     assert np.allclose(got, want, rtol=1e-3, atol=2e-3), np.abs(got - want).max()
 
 
+def _recorded(monkeypatch, target: Target) -> list[list[int]]:
+    """Each shared forward's rows per session, as it runs."""
+    calls: list[list[int]] = []
+    real = type(target._mlx).forward_many
+
+    def recording(self, segments, capture):
+        calls.append([len(seg.token_ids) for seg in segments])
+        return real(self, segments, capture)
+
+    monkeypatch.setattr(type(target._mlx), "forward_many", recording)
+    return calls
+
+
 def test_rounds_sharing_mlx_forwards_equal_each_alone(target, monkeypatch):
     greedy = decode(target, _sessions(target)[3], 3).committed
     wrong = decode(target, _sessions(target)[4], 1).committed[0] + 1
@@ -52,19 +65,12 @@ def test_rounds_sharing_mlx_forwards_equal_each_alone(target, monkeypatch):
         verify(target, s, d) if d else decode(target, s, k)
         for s, (d, k) in zip(_sessions(target), plans, strict=True)
     ]
-    calls = []
-    real = type(target._mlx).forward_many
-
-    def counted(self, segments, capture):
-        calls.append(len(segments))
-        return real(self, segments, capture)
-
-    monkeypatch.setattr(type(target._mlx), "forward_many", counted)
+    calls = _recorded(monkeypatch, target)
     sessions = _sessions(target)
     together = rounds_many(
         target, [Round(s, d, k) for s, (d, k) in zip(sessions, plans, strict=True)]
     )
-    assert calls and calls[0] == len(plans)  # the first step: every session in one forward
+    assert calls and len(calls[0]) == len(plans)  # the first step: every session in one forward
     assert together[3].num_accepted == 3 and together[4].num_accepted == 0
     for a, b in zip(alone, together, strict=True):
         assert (b.committed, b.num_accepted, b.finished) == (a.committed, a.num_accepted,
@@ -92,17 +98,13 @@ def test_a_session_with_a_queued_look_ahead_joins_and_a_lone_round_keeps_it(targ
     first, second = _sessions(target)[:2]
     decode(target, first, 2, look_ahead=True)
     assert first.ahead is not None
-    want = decode(target, _sessions_after_steps(target, 0, 2), 3).committed
+    same = _sessions(target)[0]
+    decode(target, same, 2)
+    want = decode(target, same, 3).committed
     results = rounds_many(target, [Round(first, [], 3), Round(second, [], 3)])
     assert results[0].committed == want and first.ahead is None
     lone = rounds_many(target, [Round(second, [], 2, look_ahead=True)])
     assert len(lone[0].committed) == 2 and second.ahead is not None
-
-
-def _sessions_after_steps(target: Target, index: int, steps: int):
-    session = _sessions(target)[index]
-    decode(target, session, steps)
-    return session
 
 
 def test_more_rows_than_a_forward_takes_go_in_groups(target, monkeypatch):
@@ -111,18 +113,12 @@ def test_more_rows_than_a_forward_takes_go_in_groups(target, monkeypatch):
     monkeypatch.setattr(rowwise, "DEFAULT_MAX_ROWS", 4)
     sessions = _sessions(target)
     alone = [decode(target, s, 2).committed for s in _sessions(target)]
-    rows = []
-    real = type(target._mlx).forward_many
-
-    def counted(self, segments, capture):
-        rows.append(sum(len(s.token_ids) for s in segments))
-        return real(self, segments, capture)
-
-    monkeypatch.setattr(type(target._mlx), "forward_many", counted)
+    calls = _recorded(monkeypatch, target)
     rounds = [Round(s, [], 2) for s in sessions]
     rounds[1].drafts, rounds[1].steps = [7, 8], 1  # three rows of a forward
     results = rounds_many(target, rounds)
     assert [r.committed for n, r in enumerate(results) if n != 1] == alone[:1] + alone[2:]
+    rows = [sum(call) for call in calls]
     assert rows == [4, 1, 3, 3]  # (a plain round and the verify), its second step, the rest
 
 

@@ -510,7 +510,7 @@ def _together(target: Target, rounds: list[Round], forward_many) -> list[VerifyR
             ]  # fmt: skip
             outs = forward_many(segments, capture)
             # every session's greedy choices in one evaluation: one wait for the device a step
-            choices = [_greedy_next(mx.array(logits)) for logits, _ in outs]
+            choices = [_greedy_next(_mx(logits)) for logits, _ in outs]
             mx.eval(choices)
             still = []
             for i, (_, outputs), choice in zip(live, outs, choices, strict=True):
@@ -554,7 +554,7 @@ def _together(target: Target, rounds: list[Round], forward_many) -> list[VerifyR
         session.finished = tokens[-1] in target.eos_ids
         kept = None
         if parts:
-            kept = mx.array(_joined(parts, 0)).astype(session.rows_dtype)
+            kept = _mx(_joined(parts, 0)).astype(session.rows_dtype)
             mx.eval(kept)
         results.append(
             VerifyResult(tokens, num_accepted, session.finished, kept, seconds, own / all_rows)
@@ -562,9 +562,14 @@ def _together(target: Target, rounds: list[Round], forward_many) -> list[VerifyR
     return results
 
 
+def _mx(values) -> mx.array:
+    """An MLX array of numpy output (the CPU kernels'), MLX output as it is (lazy)."""
+    return values if isinstance(values, mx.array) else mx.array(values)
+
+
 def _joined(parts: list, axis: int):
     if any(isinstance(p, mx.array) for p in parts):
-        return mx.concatenate([mx.array(p) for p in parts], axis=axis)
+        return mx.concatenate([_mx(p) for p in parts], axis=axis)
     return np.concatenate(parts, axis=axis)
 
 

@@ -123,8 +123,8 @@ class MlxForward:
         """Several sessions' new tokens in one MLX graph, each at the end of its own cache:
         the norms, products and MLP over every row at once (a decode step's launches shared
         by the sessions), RoPE, the cache update and attention per session, and the logits
-        per session with the shapes it has alone. Evaluated before it returns. Causal masks
-        only (no trees); `takes_many` models only."""
+        per session with the shapes it has alone. Lazy: the caller's one evaluation of the
+        greedy choices runs it. Causal masks only (no trees); `takes_many` models only."""
         self.bypass.set(False)  # products of a few rows through the row-by-row wrappers
         inner = self.model.model
         spans = np.cumsum([0] + [len(s.token_ids) for s in segments]).tolist()
@@ -148,7 +148,6 @@ class MlxForward:
             else:
                 logits = self.model.lm_head(part)
             out.append((logits[0], {i: rows[a:b] for i, rows in kept.items()}))
-        mx.eval(out, [[c.state for c in s.cache] for s in segments])
         return out
 
 
