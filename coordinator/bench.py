@@ -4,6 +4,7 @@ same model, same dtype, same prompts, in one run."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import statistics
 import sys
@@ -17,8 +18,9 @@ from specd.argtypes import int_between, non_negative_int, positive_float, positi
 
 # --drafter names -> drafter kind; "-tree" variants draft trees, the others chains; "-mlx"
 # variants run the head in MLX (--mlx-forwards); dflash-bN drafts blocks of N; a "-serial"
-# suffix turns drafting beside decode bursts off; any name but none ending in -kN drafts k = N
-# every round
+# suffix turns drafting beside decode bursts off; a "-burstN" suffix (before -serial) decodes up to
+# N tokens a call when no drafts are wanted; any name but none ending in -kN drafts k = N every
+# round
 BENCH_DRAFTERS = {"ngram": "ngram", "eagle3": "eagle3", "eagle3-tree": "eagle3",
                   "eagle3-mlx": "eagle3", "eagle3-tree-mlx": "eagle3",
                   "dflash": "dflash", "none": None}  # fmt: skip
@@ -27,7 +29,8 @@ BENCH_DRAFTERS = {"ngram": "ngram", "eagle3": "eagle3", "eagle3-tree": "eagle3",
 def pinned_k(name: str) -> tuple[str, int | None]:
     """("eagle3", 2) for "eagle3-k2": the variant with adaptive k off and k pinned at 2."""
     base, sep, k = name.rpartition("-k")
-    if sep and k.isdigit() and int(k) > 0 and base.removesuffix("-serial") != "none":
+    stem = re.sub(r"-burst[0-9]+$", "", base.removesuffix("-serial"))
+    if sep and k.isdigit() and int(k) > 0 and stem != "none":
         return base, int(k)
     return name, None
 
@@ -37,10 +40,21 @@ def serial_drafting(name: str) -> bool:
     return pinned_k(name)[0].endswith("-serial")
 
 
+def _split_burst(name: str) -> tuple[str, int | None]:
+    """("none", 16) for "none-burst16": the stack's decode burst, None for the bench's own."""
+    base = pinned_k(name)[0].removesuffix("-serial")
+    match = re.fullmatch(r"(.+)-burst([1-9][0-9]*)", base)
+    return (match[1], int(match[2])) if match else (base, None)
+
+
+def decode_burst_for(args, name: str) -> int:
+    return _split_burst(name)[1] or args.decode_burst
+
+
 def _drafter_name(name: str) -> str:
     """The name without its coordinator and request suffixes: "eagle3-mlx" of
-    "eagle3-mlx-serial-k2"."""
-    return pinned_k(name)[0].removesuffix("-serial")
+    "eagle3-mlx-burst8-serial-k2"."""
+    return _split_burst(name)[0]
 
 
 def bench_kind(name: str) -> str | None:
@@ -68,6 +82,7 @@ def add_bench_args(p) -> None:
         "eagle3-tree-mlx (the head in MLX: --mlx-forwards), dflash, dflash-bN (blocks of N), "
         "none (the services without drafting: what the split costs); a -serial suffix "
         "(ngram-serial) makes every draft call before its verify (--no-draft-beside-decode); "
+        "a -burstN suffix before it (none-burst16) sets that stack's --decode-burst; "
         "a -kN suffix (eagle3-k2) drafts k = N every round, adaptive k off; all run side by "
         "side",
     )
@@ -417,7 +432,7 @@ def in_process_runner(args, name: str):
             k,
             common_pb2.SamplingParams(temperature=args.temperature),
             adaptive,
-            decode_burst=args.decode_burst,
+            decode_burst=decode_burst_for(args, name),
             draft_beside_decode=not serial_drafting(name),
         )
         stats = RoundStats()
@@ -661,7 +676,7 @@ def bench_stack(args, drafter: str, log_dir: Path):
         drafter_args=_drafter_args(args, drafter),
         coordinator_args=([] if args.adaptive else ["--no-adaptive"])
         + (["--overlap-drafting"] if args.overlap else [])
-        + ["--decode-burst", str(args.decode_burst)]
+        + ["--decode-burst", str(decode_burst_for(args, drafter))]
         + (["--no-draft-beside-decode"] if serial_drafting(drafter) else []),
         log_dir=log_dir,
     )
@@ -699,7 +714,7 @@ def _result(args, target, drafter: str, rows: list[dict], memory: dict, asked: i
         "verifier_args": args.verifier_args,
         "max_tokens": args.max_tokens,
         "adaptive": adaptive_for(args, drafter),
-        "decode_burst": args.decode_burst,
+        "decode_burst": decode_burst_for(args, drafter),
         "overlap": args.overlap,
         "temperature": args.temperature,
         "repeat": args.repeat,  # times each mode ran each question; rows keep the fastest

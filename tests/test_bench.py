@@ -170,6 +170,20 @@ def test_pinned_k_variant_names():
     assert serial_drafting("ngram-serial-k8") and not serial_drafting("ngram-k8")
 
 
+def test_burst_variant_names_set_their_stacks_decode_burst():
+    from argparse import Namespace
+
+    from coordinator.bench import _known, bench_kind, decode_burst_for, pinned_k, serial_drafting
+
+    args = Namespace(decode_burst=4)
+    assert bench_kind("none-burst16") is None and decode_burst_for(args, "none-burst16") == 16
+    assert decode_burst_for(args, "none") == 4
+    assert bench_kind("ngram-burst8-serial-k3") == "ngram"
+    assert decode_burst_for(args, "ngram-burst8-serial-k3") == 8
+    assert serial_drafting("ngram-burst8-serial-k3") and pinned_k("ngram-burst8-serial-k3")[1] == 3
+    assert not _known("none-burst16-k2") and not _known("none-burst0") and not _known("ngram-burst")
+
+
 def test_mlx_variants_pass_the_switch_to_their_drafter():
     from argparse import ArgumentParser
 
