@@ -76,3 +76,39 @@ def test_the_long_context_stays_inside_the_models_limit(target, monkeypatch):
     monkeypatch.setattr(target.loaded, "max_context", 120)
     full_warmup(target, max_draft_tokens=5, long_context=2112)
     assert max(prompts) == 120 - 4 * 6 - 8
+
+
+def _config(model, **kw):
+    from verifier_svc.config import VerifierConfig
+
+    return VerifierConfig(model=model, dtype="float32", max_draft_tokens=3, **kw)
+
+
+def test_separate_runs_the_full_warmup_in_a_child_and_one_round_here(tiny_model_dir, target):
+    from verifier_svc.servicer import target_for
+    from verifier_svc.warmup import resolve_mode, warm_up_served
+
+    assert resolve_mode("auto") == "minimal" and resolve_mode("separate") == "separate"
+    config = _config(str(tiny_model_dir), warmup="separate")
+    loads = []
+
+    def load():
+        loads.append(1)
+        return target_for(config)
+
+    served, report = warm_up_served(config, load)
+    assert report.mode == "separate" and loads == [1]  # loaded here once, after the child
+    assert report.calls == full_warmup(target, 3) + 2  # the child's whole warm-up, then a round
+    assert greedy(served) == greedy(target)
+
+
+def test_a_failed_separate_warmup_still_serves(tiny_model_dir, caplog):
+    from verifier_svc.servicer import target_for
+    from verifier_svc.warmup import warm_up_served
+
+    # the child cannot load this model; the service loads the real one and goes on
+    config = _config(str(tiny_model_dir / "missing"), warmup="separate")
+    served, report = warm_up_served(config, lambda: target_for(_config(str(tiny_model_dir))))
+    assert report.mode == "separate" and report.calls == 2
+    assert "separate process failed" in caplog.text
+    assert len(greedy(served)) == 13

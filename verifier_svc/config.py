@@ -9,7 +9,7 @@ from specd.security import ServerSecurity
 
 GPU_MODES = ("auto", "on", "off")  # auto: on where MLX runs the target on a GPU
 DTYPE_CHOICES = ("auto", "native", "float32", "float16", "bfloat16")  # specd.models.load.DTYPES
-WARMUP_CHOICES = ("auto", "full", "minimal")  # specd.models.load.WARMUP_MODES
+WARMUP_CHOICES = ("auto", "full", "separate", "minimal")  # verifier_svc.warmup.resolve_mode
 GEMV_HELP = (
     "forwards of at most N tokens (decode steps, verifies) run on numpy, float32 on the CPU "
     "only: whole layers for Llama-family targets, the weight products alone for others; "
@@ -70,8 +70,10 @@ class VerifierConfig:
     warmup: str = option(
         "auto",
         "forwards run before health reports SERVING: full = every verify, tree and decode "
-        "shape a round can use (a GPU compiles kernels per shape class), minimal = one round; "
-        "auto = full on a GPU, minimal on a CPU",
+        "shape a round can use (a GPU compiles kernels per shape class); separate = the same "
+        "in a short-lived child process, whose kernels reach the disk cache, then one round "
+        "here (a verifier that ran the full warm-up itself decoded slower on an H200); "
+        "minimal = one round; auto = separate on a GPU, minimal on a CPU",
         choices=WARMUP_CHOICES,
     )
     look_ahead: str = option(

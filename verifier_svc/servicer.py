@@ -39,7 +39,7 @@ from verifier_svc.engine import (
 )
 from verifier_svc.sampling import SamplingConfig
 from verifier_svc.tree import check_parents
-from verifier_svc.warmup import WarmupReport, warm_up
+from verifier_svc.warmup import WarmupReport, warm_up_served
 
 ROWS_DTYPES = {
     "": mx.float16,
@@ -114,8 +114,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.target = await self.mlx.run(self._load_and_warm)
 
     def _load_and_warm(self) -> Target:
-        target = target_for(self.config)
-        self.warmup = warm_up(target, self.config.max_draft_tokens, self.config.warmup)
+        target, self.warmup = warm_up_served(self.config, lambda: target_for(self.config))
         # a queued forward pays where the device runs it while Python goes on
         self.look_ahead = on_gpu(self.config.look_ahead, "look-ahead") and target.forwards_queue
         return target

@@ -8,10 +8,18 @@ up to max_draft_tokens + 1, draft trees of every size, a decode burst, a sampled
 without hidden-row capture. The compiled kernels are kept on disk (specd.mlx_settings), so a
 restart on the same machine spends seconds here, not minutes. On a CPU nothing is compiled per
 shape and a token's round trip is all a warm-up needs.
+
+On an H200 a verifier that had run the full warm-up itself decoded ~40 % slower for as long as it
+served than one whose kernels another process had compiled (drafting off 0.63x of plain mlx-lm
+against 0.91x, same host, same bench run; docs/gpu.md). Why is not known; the `separate` mode,
+auto's choice on a GPU, therefore runs the full warm-up in a short-lived child process, whose
+kernels land in the disk cache, and only one round in the serving process.
 """
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
 import time
 from dataclasses import dataclass
 
@@ -20,6 +28,8 @@ import numpy as np
 from specd.models.load import warmup_mode
 from verifier_svc.engine import PREFILL_CHUNK, Target, decode, prefill, verify, verify_tree
 from verifier_svc.sampling import SamplingConfig
+
+log = logging.getLogger("specd.verifier")
 
 
 @dataclass
@@ -68,13 +78,59 @@ def full_warmup(target: Target, max_draft_tokens: int, long_context: int = PREFI
     return calls + 4
 
 
+def resolve_mode(requested: str) -> str:
+    """auto: `separate` on a GPU, minimal on a CPU; other modes as asked."""
+    if requested == "separate":
+        return requested
+    mode = warmup_mode(requested)
+    return "separate" if requested == "auto" and mode == "full" else mode
+
+
+def _full_warmup_here(config) -> int:
+    """The child's work: load the target as the verifier serves it, run the full warm-up."""
+    from specd import mlx_settings
+    from verifier_svc.servicer import target_for
+
+    mlx_settings.apply()
+    return full_warmup(target_for(config), config.max_draft_tokens)
+
+
+def full_warmup_in_child(config) -> int | None:
+    """The full warm-up in a spawned process (kernels compiled there reach the disk cache); its
+    engine calls, or None where the child failed (then the first requests compile instead)."""
+    context = multiprocessing.get_context("spawn")  # no MLX state inherited
+    try:
+        with context.Pool(1) as pool:
+            return pool.apply(_full_warmup_here, (config,))
+    except Exception as exc:  # the service still serves; it only loses the compiled kernels
+        log.warning("the warm-up in a separate process failed (%s: %s); first requests may "
+                    "wait while kernels compile", type(exc).__name__, exc)  # fmt: skip
+        return None
+
+
+def minimal_warmup(target: Target) -> int:
+    verify(target, prefill(target, _prompt(target, 3, 0)).session, _prompt(target, 2, 1))
+    return 2
+
+
 def warm_up(target: Target, max_draft_tokens: int, mode: str = "auto") -> WarmupReport:
-    """mode auto: full on a GPU, minimal on a CPU."""
+    """mode auto: full on a GPU, minimal on a CPU. `separate` is the servicer's (it needs the
+    configuration to load the target again in a child): see `warm_up_served`."""
     mode = warmup_mode(mode)
     start = time.perf_counter()
-    if mode == "full":
-        calls = full_warmup(target, max_draft_tokens)
-    else:
-        verify(target, prefill(target, _prompt(target, 3, 0)).session, _prompt(target, 2, 1))
-        calls = 2
+    calls = full_warmup(target, max_draft_tokens) if mode == "full" else minimal_warmup(target)
     return WarmupReport(mode, calls, time.perf_counter() - start)
+
+
+def warm_up_served(config, load) -> tuple[Target, WarmupReport]:
+    """Load the target with `load()` and warm it up as `config.warmup` asks; for `separate`,
+    the child runs before the target is loaded here, so the two copies never coexist."""
+    mode = resolve_mode(config.warmup)
+    if mode != "separate":
+        target = load()
+        return target, warm_up(target, config.max_draft_tokens, mode)
+    start = time.perf_counter()
+    child_calls = full_warmup_in_child(config) or 0
+    target = load()
+    calls = child_calls + minimal_warmup(target)
+    return target, WarmupReport(mode, calls, time.perf_counter() - start)
