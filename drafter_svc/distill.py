@@ -11,7 +11,10 @@ the record is that conversation ended with the target's reply.
 Replies are generated in waves of --batch-size prompts of similar length, left-padded into one
 batch: one prefill, then one forward per step for the whole wave until every reply has ended.
 No prompt joins a wave under way and no finished row is cut out of it, so the device runs
-large, steady forwards with nothing copied between them.
+large, steady forwards with nothing copied between them. Prompts are taken in their shuffled
+order a group of WAVES_PER_GROUP waves at a time and sorted by length only within the group:
+generation starts once one group is tokenized, and a run stopped early has answered prompts of
+every length, not only the shortest.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import numpy as np
 
 from drafter_svc.data import ROLES, head_logits, to_messages
 from specd.progress import Progress
+
+WAVES_PER_GROUP = 16  # waves sorted by length together; more: less padding, a later first reply
 
 
 @dataclass
@@ -145,8 +150,36 @@ def greedy_waves(
         yield from zip(wave, replies, strict=True)
 
 
-def distill(opts: DistillOptions) -> dict:
+def _new_prompts(opts: DistillOptions, tokenizer, done: set[str], wanted: int):
+    """(chat, prompt ids) of up to `wanted` prompts not yet answered, in their shuffled order,
+    tokenized as they are reached."""
     from drafter_svc.data import read_conversations
+
+    chosen = 0
+    for chat in user_turns(read_conversations(opts.data), opts.seed, opts.turns):
+        if chosen >= wanted:
+            return
+        if prompt_key(chat) in done:
+            continue
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        if len(ids) <= opts.max_prompt_tokens:
+            chosen += 1
+            yield chat, list(ids)
+
+
+def prompt_groups(prompts, size: int):
+    """Lists of `size` items of `prompts` in their order (the last one shorter)."""
+    group = []
+    for item in prompts:
+        group.append(item)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def distill(opts: DistillOptions) -> dict:
     from specd.models.load import load_target
 
     if opts.conversations < 1 or opts.max_new_tokens < 1 or opts.batch_size < 1:
@@ -157,41 +190,35 @@ def distill(opts: DistillOptions) -> dict:
     done = _done_prompts(opts.out)  # before the model loads: a wrong --out fails at once
     loaded = load_target(opts.target, "float32")
     tokenizer = loaded.tokenizer
-    chosen = []  # (chat, prompt ids)
-    for chat in user_turns(read_conversations(opts.data), opts.seed, opts.turns):
-        if len(done) + len(chosen) >= opts.conversations:
-            break
-        if prompt_key(chat) in done:
-            continue
-        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-        if len(ids) <= opts.max_prompt_tokens:
-            chosen.append((chat, list(ids)))
+    wanted = max(0, opts.conversations - len(done))
     if done:
-        print(f"{opts.out}: {len(done)} replies already there; {len(chosen)} to go",
+        print(f"{opts.out}: {len(done)} replies already there; up to {wanted} to go",
               file=sys.stderr)  # fmt: skip
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     started, finished, tokens = time.perf_counter(), 0, 0
     progress = Progress()
-    waves = greedy_waves(
-        loaded.model, [ids for _, ids in chosen], opts.max_new_tokens,
-        loaded.identity.eos_token_ids, opts.batch_size, opts.temperature,
-    )  # fmt: skip
+    prompts = _new_prompts(opts, tokenizer, done, wanted)
     with opts.out.open("a", encoding="utf-8") as sink:
-        for index, ids in waves:
-            tokens += len(ids)
-            finished += 1
-            reply = tokenizer.decode(ids).strip()
-            if reply:
-                chat = [*chosen[index][0], {"role": "assistant", "content": reply}]
-                turns = [{"from": _SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in chat]
-                record = {"conversations": turns}
-                sink.write(json.dumps(record, ensure_ascii=False) + "\n")
-                sink.flush()
-            rate = tokens / max(1e-9, time.perf_counter() - started)
-            progress.update(
-                f"replies {finished}/{len(chosen)}  {tokens} tokens  {rate:.0f} tok/s",
-                final=finished == len(chosen),
-            )
+        for group in prompt_groups(prompts, opts.batch_size * WAVES_PER_GROUP):
+            waves = greedy_waves(
+                loaded.model, [ids for _, ids in group], opts.max_new_tokens,
+                loaded.identity.eos_token_ids, opts.batch_size, opts.temperature,
+            )  # fmt: skip
+            for index, ids in waves:
+                tokens += len(ids)
+                finished += 1
+                reply = tokenizer.decode(ids).strip()
+                if reply:
+                    chat = [*group[index][0], {"role": "assistant", "content": reply}]
+                    turns = [{"from": _SHAREGPT_ROLE[m["role"]], "value": m["content"]}
+                             for m in chat]  # fmt: skip
+                    sink.write(json.dumps({"conversations": turns}, ensure_ascii=False) + "\n")
+                    sink.flush()
+                rate = tokens / max(1e-9, time.perf_counter() - started)
+                progress.update(
+                    f"replies {finished}/{wanted}  {tokens} tokens  {rate:.0f} tok/s",
+                    final=finished == wanted,
+                )
     progress.close()
     return {
         "target": loaded.path.name,

@@ -221,6 +221,28 @@ def test_distill_writes_the_targets_own_replies_and_resumes(tiny_model_dir, data
     assert len(prompts) == len(set(prompts)) == 6
 
 
+def test_distill_groups_prompts_in_their_shuffled_order(tiny_model_dir, data, tmp_path,
+                                                        monkeypatch):  # fmt: skip
+    """Waves are sorted by length only within a group, so a run stopped early has answered
+    prompts of every length, in the shuffled order, group after group."""
+    import drafter_svc.distill as distill_module
+    from drafter_svc.data import read_conversations
+    from drafter_svc.distill import DistillOptions, distill, prompt_groups, prompt_key, user_turns
+
+    assert [len(g) for g in prompt_groups(range(7), 3)] == [3, 3, 1]
+    assert list(prompt_groups([], 3)) == []
+    monkeypatch.setattr(distill_module, "WAVES_PER_GROUP", 1)
+    out = tmp_path / "grouped.jsonl"
+    opts = DistillOptions(target=str(tiny_model_dir), out=out, conversations=5,
+                          max_new_tokens=3, batch_size=1, data=data, seed=3)  # fmt: skip
+    distill(opts)
+    written = [prompt_key([{"role": "user" if t["from"] == "human" else "assistant",
+                            "content": t["value"]} for t in json.loads(line)["conversations"][:-1]])
+               for line in out.read_text().splitlines()]  # fmt: skip
+    streamed = [prompt_key(chat) for chat in user_turns(read_conversations(data), 3)][:5]
+    assert written == streamed
+
+
 def test_distill_of_first_turns_answers_each_opening_message(tiny_model_dir, data, tmp_path):
     from drafter_svc.distill import DistillOptions, distill
 
