@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coordinator.config import CoordinatorConfig
 from coordinator.rounds import leading_matches
 from specd.argtypes import int_between, non_negative_int, positive_float, positive_int
 
@@ -138,7 +139,7 @@ def add_bench_args(p) -> None:
     p.add_argument(
         "--decode-burst",
         type=positive_int,
-        default=4,
+        default=CoordinatorConfig.decode_burst,
         help="tokens per verifier call when no drafts are wanted (coordinator --decode-burst)",
     )
     p.add_argument(

@@ -39,9 +39,10 @@ class CoordinatorConfig:
         flag="--no-adaptive",
     )
     decode_burst: int = option(
-        4,
+        16,
         "tokens one verifier call may decode when no drafts are wanted (no drafter, or adaptive "
-        "k at 0): fewer round trips; streamed output arrives in chunks of this size. 1: a call "
+        "k at 0): fewer round trips; streamed output arrives in chunks of up to this size (a "
+        "request's first bursts are 4 tokens, then as long as its output so far). 1: a call "
         "per token",
         type=positive_int,
     )

@@ -486,10 +486,20 @@ def _plain_steps(plan: Plan, link: DrafterLink | None, k: int, remaining: int) -
     if k > 0 or plan.decode_burst <= 1:
         return 1
     if link is None:
-        return min(plan.decode_burst, remaining)
+        return _burst(plan, remaining)
     if plan.adaptive is None or plan.adaptive.probing:
         return 1
-    return min(plan.decode_burst, remaining, plan.adaptive.plain_rounds_ahead())
+    return min(_burst(plan, remaining), plan.adaptive.plain_rounds_ahead())
+
+
+FIRST_BURST = 4  # a request's first bursts stay short so its stream starts at once
+
+
+def _burst(plan: Plan, remaining: int) -> int:
+    """Up to --decode-burst tokens, and no more than the request has produced so far (at least
+    FIRST_BURST): long bursts save calls, short first ones keep the first chunks prompt."""
+    produced = plan.max_tokens - remaining
+    return min(plan.decode_burst, max(FIRST_BURST, produced), remaining)
 
 
 async def _verify_and_predraft(

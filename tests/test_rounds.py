@@ -204,15 +204,20 @@ class CountingVerifier(LocalVerifier):
         )
 
 
-@pytest.mark.parametrize("burst", [1, 3, 8])
+@pytest.mark.parametrize("burst", [1, 3, 8, 16])
 def test_decode_bursts_without_a_drafter_equal_plain_rounds(target, burst):
     plain, _ = collect(LocalVerifier(target), None, PROMPTS[0], Plan(41, 0))
     verifier = CountingVerifier(target)
     out, stats = collect(verifier, None, PROMPTS[0], Plan(41, 0, decode_burst=burst))
     assert out == plain
     assert stats.rounds == len(out) - 1  # a round per target forward, bursts included
-    assert len(verifier.calls) == -(-(len(out) - 1) // burst)  # ceil: the last may be short
-    assert all(steps <= burst for _, steps in verifier.calls)
+    # each burst: up to --decode-burst, and no longer than the output before it (at least 4)
+    expected, produced = [], 1  # the prefill's token
+    while produced < len(out):
+        steps = min(burst, max(4, produced), 41 - produced)
+        expected.append(steps if steps > 1 else 0)  # one token: a plain verify
+        produced += steps
+    assert [steps for _, steps in verifier.calls] == expected
 
 
 def test_adaptive_bursts_stop_at_each_probe(target, monkeypatch):
