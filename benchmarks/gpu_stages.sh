@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The stages of a sitting on a lent GPU (docs/gpu.md, "Measuring on a lent GPU within its
+# time"), one per device call, after the offline bundle is unpacked in ~/b. Results go to $OUT.
+#
+#   bash benchmarks/gpu_stages.sh STAGE
+#
+# parity   drafting off and n-gram against plain mlx-lm, all 80 MT-bench questions (issue 25)
+# grounded the same on the whole input-grounded set
+# load     aggregate throughput at 1, 4, 16, 64 clients, and the verifier alone (issue 28)
+# distill  the target's replies to ShareGPT prompts, appended to ~/dd.jsonl (resumes)
+# dflash   the DFlash drafter, from the shipped one, on ~/dd.jsonl
+# eagle3   the EAGLE-3 head, from the shipped one, on ~/dd.jsonl
+# A carried .gpu/kernels.tgz (an earlier stage's $OUT/kernels.tgz) spares compiling kernels.
+set -uo pipefail
+. ~/b/env.sh .
+: "${OUT:?run on the device, where OUT is set}"
+mkdir -p ~/.cache/specd ~/res
+[ -f .gpu/kernels.tgz ] && tar -xzf .gpu/kernels.tgz -C ~/.cache/specd
+nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv,noheader
+model=$SPECD_GPU_MODEL
+bench() { python3 -m specd bench --target "$model" --max-tokens 128 "$@"; }
+case "${1:-}" in
+parity)
+  bench --questions mt-bench --drafter none,ngram --time-limit 520 --json ~/res/parity.json \
+    > "$OUT/parity.log" 2>&1 ;;
+grounded)
+  bench --questions input-grounded --drafter none,ngram --repeat 2 --time-limit 520 \
+    --json ~/res/grounded.json > "$OUT/grounded.log" 2>&1 ;;
+load)
+  timeout 400 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
+    --max-tokens 128 --drafter none,ngram --concurrency 1,4,16,64 --concurrency-requests 1 \
+    --json ~/res/load.json > "$OUT/load.log" 2>&1
+  timeout 150 python3 benchmarks/batched_decode.py --target "$model" --clients 1 4 16 64 \
+    --verifier-args "--dtype float32" > "$OUT/batched.log" 2>&1 ;;
+distill)
+  timeout 540 python3 -m specd distill --target "$model" --out ~/dd.jsonl --conversations 60000 \
+    --batch-size 512 --max-prompt-tokens 1024 --max-new-tokens 256 > "$OUT/distill.log" 2>&1
+  gzip -c ~/dd.jsonl > ~/dd.jsonl.gz && (cd ~ && split -b 15M dd.jsonl.gz dd.gz.)
+  cp ~/dd.gz.* "$OUT/" ;;
+dflash)
+  python3 -m specd train dflash --target "$model" --out ~/df --data ~/dd.jsonl \
+    --conversations 60000 --max-len 1024 --epochs 2 --batch-size 32 --held-out 200 \
+    --save-every 50 --time-limit 480 --block-size 16 --anchors 16 \
+    --init-from drafter_svc/dflash/drafters/smollm2-135m-instruct > "$OUT/dflash.log" 2>&1
+  cp ~/df/model.safetensors "$OUT/dflash.safetensors"
+  tar -czf "$OUT/dflash-meta.tgz" -C ~/df config.json draft_vocab.npy training.json ;;
+eagle3)
+  python3 -m specd train eagle3 --target "$model" --out ~/e3 --data ~/dd.jsonl \
+    --conversations 60000 --max-len 1024 --epochs 1 --batch-size 32 --held-out 200 \
+    --save-every 40 --ttt-steps 6 --lr 5e-4 --time-limit 480 \
+    --init-from drafter_svc/eagle3/heads/smollm2-135m-instruct > "$OUT/eagle3.log" 2>&1
+  cp ~/e3/model.safetensors "$OUT/eagle3.safetensors"
+  tar -czf "$OUT/eagle3-meta.tgz" -C ~/e3 config.json training.json ;;
+*)
+  echo "usage: bash benchmarks/gpu_stages.sh parity|grounded|load|distill|dflash|eagle3" >&2
+  exit 2 ;;
+esac
+tar -czf "$OUT/results.tgz" -C ~ res /tmp/specd-bench-* 2>/dev/null
+tar -czf "$OUT/kernels.tgz" -C ~/.cache/specd mlx-kernels 2>/dev/null
+echo "stage $1 done"
