@@ -8,8 +8,8 @@
 # grounded the same on the whole input-grounded set
 # load     aggregate throughput at 1, 4, 16, 64 clients, and the verifier alone (issue 28)
 # distill  the target's replies to ShareGPT prompts, appended to ~/dd.jsonl (resumes)
-# dflash   the DFlash drafter, from the shipped one, on ~/dd.jsonl
-# eagle3   the EAGLE-3 head, from the shipped one, on ~/dd.jsonl
+# dflash   the DFlash drafter, from the shipped one, on ~/dd.jsonl (or carried .gpu/dd.gz.*)
+# eagle3   the EAGLE-3 head, from the shipped one, on the same replies
 # A carried .gpu/kernels.tgz (an earlier stage's $OUT/kernels.tgz) spares compiling kernels.
 set -uo pipefail
 . ~/b/env.sh .
@@ -18,6 +18,10 @@ mkdir -p ~/.cache/specd ~/res
 [ -f .gpu/kernels.tgz ] && tar -xzf .gpu/kernels.tgz -C ~/.cache/specd
 nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv,noheader
 model=$SPECD_GPU_MODEL
+# distilled replies from an earlier machine: carry its $OUT/dd.gz.* parts as .gpu/dd.gz.*
+if [ ! -s ~/dd.jsonl ] && ls .gpu/dd.gz.* > /dev/null 2>&1; then
+  cat .gpu/dd.gz.* | gunzip > ~/dd.jsonl
+fi
 bench() { python3 -m specd bench --target "$model" --max-tokens 128 "$@"; }
 case "${1:-}" in
 parity)
