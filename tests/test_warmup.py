@@ -112,3 +112,20 @@ def test_a_failed_separate_warmup_still_serves(tiny_model_dir, caplog):
     assert report.mode == "separate" and report.calls == 2
     assert "separate process failed" in caplog.text
     assert len(greedy(served)) == 13
+
+
+class _ExitsWhereUnpickled:
+    """Stands in for a configuration; the child that unpickles it dies at once, as one killed
+    for memory would."""
+
+    def __reduce__(self):
+        import os
+
+        return os._exit, (9,)
+
+
+def test_a_separate_warmup_child_killed_outright_does_not_hang_the_service(caplog):
+    from verifier_svc.warmup import full_warmup_in_child
+
+    assert full_warmup_in_child(_ExitsWhereUnpickled()) is None
+    assert "separate process failed" in caplog.text

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,8 +101,9 @@ def full_warmup_in_child(config) -> int | None:
     engine calls, or None where the child failed (then the first requests compile instead)."""
     context = multiprocessing.get_context("spawn")  # no MLX state inherited
     try:
-        with context.Pool(1) as pool:
-            return pool.apply(_full_warmup_here, (config,))
+        # an executor, not a Pool: a child killed outright (out of memory) raises here
+        with ProcessPoolExecutor(1, mp_context=context) as child:
+            return child.submit(_full_warmup_here, config).result()
     except Exception as exc:  # the service still serves; it only loses the compiled kernels
         log.warning("the warm-up in a separate process failed (%s: %s); first requests may "
                     "wait while kernels compile", type(exc).__name__, exc)  # fmt: skip
