@@ -27,10 +27,18 @@ BENCH_DRAFTERS = {"ngram": "ngram", "eagle3": "eagle3", "eagle3-tree": "eagle3",
                   "dflash": "dflash", "none": None}  # fmt: skip
 
 
+_BURST_SUFFIX = re.compile(r"(.+)-burst([1-9][0-9]*)")
+
+
+def _without_burst(name: str) -> tuple[str, int | None]:
+    match = _BURST_SUFFIX.fullmatch(name)
+    return (match[1], int(match[2])) if match else (name, None)
+
+
 def pinned_k(name: str) -> tuple[str, int | None]:
     """("eagle3", 2) for "eagle3-k2": the variant with adaptive k off and k pinned at 2."""
     base, sep, k = name.rpartition("-k")
-    stem = re.sub(r"-burst[0-9]+$", "", base.removesuffix("-serial"))
+    stem = _without_burst(base.removesuffix("-serial"))[0]
     if sep and k.isdigit() and int(k) > 0 and stem != "none":
         return base, int(k)
     return name, None
@@ -43,9 +51,7 @@ def serial_drafting(name: str) -> bool:
 
 def _split_burst(name: str) -> tuple[str, int | None]:
     """("none", 16) for "none-burst16": the stack's decode burst, None for the bench's own."""
-    base = pinned_k(name)[0].removesuffix("-serial")
-    match = re.fullmatch(r"(.+)-burst([1-9][0-9]*)", base)
-    return (match[1], int(match[2])) if match else (base, None)
+    return _without_burst(pinned_k(name)[0].removesuffix("-serial"))
 
 
 def decode_burst_for(args, name: str) -> int:
