@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
-import mlx.core as mx
-import numpy as np
 import pytest
 
 from specd.models.load import load_target
+from tests.sessions import CAPTURES, PROMPTS, close, recorded
 from verifier_svc.engine import Round, Target, decode, prefill, rounds_many, verify
-
-PROMPTS = [[5 + (7 * i + j) % 90 for j in range(4 + 5 * i)] for i in range(5)]
-CAPTURES = [(0, 1), (), (1,), (0, 1), (0,)]
 
 
 @pytest.fixture(scope="module")
@@ -37,24 +33,6 @@ def _sessions(target: Target):
     return [prefill(target, p, c).session for p, c in zip(PROMPTS, CAPTURES, strict=True)]
 
 
-def _close(got, want) -> None:
-    got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
-    assert np.allclose(got, want, rtol=1e-3, atol=2e-3), np.abs(got - want).max()
-
-
-def _recorded(monkeypatch, target: Target) -> list[list[int]]:
-    """Each shared forward's rows per session, as it runs."""
-    calls: list[list[int]] = []
-    real = type(target._mlx).forward_many
-
-    def recording(self, segments, capture):
-        calls.append([len(seg.token_ids) for seg in segments])
-        return real(self, segments, capture)
-
-    monkeypatch.setattr(type(target._mlx), "forward_many", recording)
-    return calls
-
-
 def test_rounds_sharing_mlx_forwards_equal_each_alone(target, monkeypatch):
     greedy = decode(target, _sessions(target)[3], 3).committed
     wrong = decode(target, _sessions(target)[4], 1).committed[0] + 1
@@ -65,7 +43,7 @@ def test_rounds_sharing_mlx_forwards_equal_each_alone(target, monkeypatch):
         verify(target, s, d) if d else decode(target, s, k)
         for s, (d, k) in zip(_sessions(target), plans, strict=True)
     ]
-    calls = _recorded(monkeypatch, target)
+    calls = recorded(monkeypatch, target, "forward_many")
     sessions = _sessions(target)
     together = rounds_many(
         target, [Round(s, d, k) for s, (d, k) in zip(sessions, plans, strict=True)]
@@ -77,7 +55,7 @@ def test_rounds_sharing_mlx_forwards_equal_each_alone(target, monkeypatch):
                                                              a.finished)  # fmt: skip
         assert (a.rows is None) == (b.rows is None)
         if a.rows is not None:
-            _close(b.rows, a.rows)
+            close(b.rows, a.rows)
         assert b.share < 1.0
     for session in sessions:
         assert session.cache[0].offset == session.position - 1
@@ -113,7 +91,7 @@ def test_more_rows_than_a_forward_takes_go_in_groups(target, monkeypatch):
     monkeypatch.setattr(rowwise, "DEFAULT_MAX_ROWS", 4)
     sessions = _sessions(target)
     alone = [decode(target, s, 2).committed for s in _sessions(target)]
-    calls = _recorded(monkeypatch, target)
+    calls = recorded(monkeypatch, target, "forward_many")
     rounds = [Round(s, [], 2) for s in sessions]
     rounds[1].drafts, rounds[1].steps = [7, 8], 1  # three rows of a forward
     results = rounds_many(target, rounds)

@@ -91,6 +91,16 @@ class VerifierConfig:
         "on on a GPU",
         choices=GPU_MODES,
     )
+    kv_pool: str = option(
+        "off",
+        "keep every session's KV cache in one pool, so the greedy rounds of sessions ready at "
+        "once run as one batched forward with a constant number of operations per layer "
+        "(the per-session path costs several per session, each a kernel launch on a GPU); "
+        "sums over the batch may round unlike a session alone, so a greedy choice can differ "
+        "at a near-tie (Llama-family models in MLX; the CPU kernels take no pooled session); "
+        "auto = on on a GPU",
+        choices=GPU_MODES,
+    )
     cache_dir: Path | None = None  # where the embedded model is materialized
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, token
     metrics_port: int | None = None  # Prometheus /metrics on this port; 0: the OS picks

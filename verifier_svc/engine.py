@@ -29,6 +29,7 @@ from specd.models.load import LoadedTarget, device_kind, resolve_dtype
 from specd.platform import limit_numpy_blas_threads
 from verifier_svc.accept import accept_greedy
 from verifier_svc.forwards import CpuKernelForward, Forward, MlxForward, TreeLayout
+from verifier_svc.kv_pool import KVPool, PooledCache
 from verifier_svc.sampling import SamplingConfig, accept_sampled, sample, target_distribution
 from verifier_svc.tree import (
     accept_tree_greedy,
@@ -37,6 +38,7 @@ from verifier_svc.tree import (
 )
 
 GREEDY = SamplingConfig()
+POOLED_MAX_ROWS = 1024  # rows of one batched forward over pooled sessions
 PREFILL_CHUNK = 2048  # mlx-lm's prefill step: same chunks, same numerics as plain decoding
 
 
@@ -56,14 +58,20 @@ class Target:
     """An mlx-lm model whose forward can also return chosen decoder-layer outputs."""
 
     def __init__(
-        self, loaded: LoadedTarget, gemv_rows: int | None = None, row_forwards: bool = False
+        self,
+        loaded: LoadedTarget,
+        gemv_rows: int | None = None,
+        row_forwards: bool = False,
+        kv_pool: bool = False,
     ):
         """gemv_rows: forwards of at most this many tokens run on numpy: whole layers for
         Llama-family models (specd.cpu.llama), else the weight products alone
         (specd.cpu.gemv); None: the default for the device, dtype and architecture.
         Weights the target was loaded keeping as float16 (`half_weights_pay`) are read so.
         row_forwards: forwards of a few tokens computed row by row as decode steps compute
-        them (specd.models.rowwise), where the architecture allows."""
+        them (specd.models.rowwise), where the architecture allows.
+        kv_pool: sessions' caches in one pool and their greedy rounds batched
+        (verifier_svc.kv_pool), where MLX's forward takes many sessions."""
         self.loaded = loaded
         self.model = loaded.model
         device = device_kind()
@@ -96,6 +104,8 @@ class Target:
         if cpu_layers is not None:
             self.forwards.insert(0, CpuKernelForward(cpu_layers))
         self._tree_ready: bool | None = None
+        pooled = kv_pool and self._mlx.takes_many()
+        self.kv_pool = KVPool(len(self.model.layers)) if pooled else None
 
     @property
     def cpu_layers(self) -> CpuLlama | None:
@@ -116,7 +126,7 @@ class Target:
         if self._tree_ready is None:
             self._mlx.bypass.wrapped()
             self._tree_ready = install_tree_positions(self.model, self._sink)
-        return self._tree_ready and all(type(c) is KVCache for c in cache)
+        return self._tree_ready and all(type(c) in (KVCache, PooledCache) for c in cache)
 
     def forward_tree(
         self, token_ids: mx.array, parents: list[int], cache: list, capture: tuple[int, ...]
@@ -137,6 +147,10 @@ class Target:
         None: the CPU kernels where every round fits them, else MLX (`shares_forwards`)."""
         if len(rounds) < 2 or any(r.session.rng is not None for r in rounds):
             return None
+        if self.kv_pool is not None and all(
+            isinstance(r.session.cache[0], PooledCache) for r in rounds
+        ):
+            return self._mlx.forward_pooled, POOLED_MAX_ROWS
         layers = self.cpu_layers
         if layers is not None:
             fits = all(layers.can_run(1 + len(r.drafts), r.session.cache) for r in rounds)
@@ -163,6 +177,8 @@ class Target:
         return self._mlx.layer_by_layer(token_ids, cache, capture)
 
     def new_cache(self) -> list:
+        if self.kv_pool is not None:
+            return self.kv_pool.open()
         return make_prompt_cache(self.model)
 
     def forward(
@@ -604,6 +620,9 @@ def _compact(cache: list, base: int, keep: list[int]) -> None:
         index = mx.array([base + i for i in keep])
         n = len(keep)
         for c in cache:
+            if isinstance(c, PooledCache):
+                c.move_rows([base + i for i in keep], base)
+                continue
             c.keys[..., base : base + n, :] = c.keys[..., index, :]
             c.values[..., base : base + n, :] = c.values[..., index, :]
     _rollback(cache, base + len(keep))

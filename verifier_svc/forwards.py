@@ -21,6 +21,7 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from specd.cpu.llama import CpuLlama, Segment
 from specd.models.capture import Bypass, CaptureSink, CapturingLayer
 from specd.models.rowwise import ChunkedAttention
+from verifier_svc.kv_pool import batch_mask, batched_attention
 from verifier_svc.tree import ancestor_mask, depths, rope_groups
 
 
@@ -149,6 +150,47 @@ class MlxForward:
                 logits = self.model.lm_head(part)
             out.append((logits[0], {i: rows[a:b] for i, rows in kept.items()}))
         return out
+
+    def forward_pooled(
+        self, segments: list[Segment], capture: frozenset[int]
+    ) -> list[tuple[mx.array, dict[int, mx.array]]]:
+        """Several pooled sessions' new tokens (verifier_svc.kv_pool) as one batch [B, T]:
+        each session's rows padded to the longest, attention through the pool with a mask
+        per session, so the operations per layer do not grow with the sessions. Advances
+        each cache's offset by its real rows. Lazy, as `forward_many`; causal masks only."""
+        self.bypass.set(False)
+        inner = self.model.model
+        lengths = np.array([len(s.token_ids) for s in segments])
+        tokens = int(lengths.max())
+        ids = np.zeros((len(segments), tokens), dtype=np.int32)
+        for b, s in enumerate(segments):
+            ids[b, : lengths[b]] = s.token_ids
+        offsets = np.array([s.cache[0].offset for s in segments])
+        mask = batch_mask(offsets, tokens)
+        hidden = inner.embed_tokens(mx.array(ids))
+        kept: dict[int, mx.array] = {}
+        for index, layer in enumerate(inner.layers):
+            layer = layer.inner if isinstance(layer, CapturingLayer) else layer
+            attn = layer.self_attn
+            own = attn.inner if isinstance(attn, ChunkedAttention) else attn
+            caches = [s.cache[index] for s in segments]
+            x = layer.input_layernorm(hidden)
+            hidden = hidden + batched_attention(own, x, caches, offsets, mask)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            if index in capture:
+                kept[index] = hidden
+        for s, n in zip(segments, lengths, strict=True):
+            for c in s.cache:
+                c.offset += int(n)
+        final = inner.norm(hidden)
+        if self.model.args.tie_word_embeddings:
+            logits = inner.embed_tokens.as_linear(final)
+        else:
+            logits = self.model.lm_head(final)
+        return [
+            (logits[b, :n], {i: rows[b, :n] for i, rows in kept.items()})
+            for b, n in enumerate(lengths.tolist())
+        ]
 
 
 def _attention_many(attn: nn.Module, x: mx.array, spans: list[int], caches: list) -> mx.array:

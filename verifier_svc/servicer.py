@@ -96,7 +96,10 @@ def target_for(config: VerifierConfig) -> Target:
     half = config.half_weights and half_weights_pay(config.dtype, config.gemv_rows)
     loaded = load_target(config.model, config.dtype, config.cache_dir, half)
     return Target(
-        loaded, config.gemv_rows, row_forwards=on_gpu(config.row_forwards, "row-forwards")
+        loaded,
+        config.gemv_rows,
+        row_forwards=on_gpu(config.row_forwards, "row-forwards"),
+        kv_pool=on_gpu(config.kv_pool, "kv-pool"),
     )
 
 
@@ -121,6 +124,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def kv_bytes(self) -> int:
         """Bytes the open sessions' KV caches hold (allocated, not just filled)."""
+        target = self.target
+        if target is not None and target.kv_pool is not None:
+            return target.kv_pool.nbytes  # pooled: every slot's share, open or free
         return sum(layer.nbytes for session in self.sessions.values() for layer in session.cache)
 
     def _ensure_kv_room(self) -> None:

@@ -1,0 +1,181 @@
+"""Sessions whose KV caches live in one pool (`verifier_svc.kv_pool`): alone they compute what
+per-session caches compute, and the greedy rounds of many run as one batched forward that
+commits what each commits alone."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from specd.models.load import load_target
+from tests.sessions import CAPTURES, PROMPTS, close, recorded
+from verifier_svc.engine import Round, Target, decode, prefill, rounds_many, verify, verify_tree
+from verifier_svc.kv_pool import CAPACITY_STEP, KVPool, PooledCache
+
+
+def _target(model_dir, pooled: bool) -> Target:
+    return Target(load_target(str(model_dir), dtype="float32"), gemv_rows=0, row_forwards=True,
+                  kv_pool=pooled)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pooled(tiny_model_dir):
+    made = _target(tiny_model_dir, True)
+    assert made.kv_pool is not None and made.cpu_layers is None
+    return made
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    made = _target(tiny_model_dir, False)
+    assert made.kv_pool is None
+    return made
+
+
+def _sessions(target: Target):
+    return [prefill(target, p, c).session for p, c in zip(PROMPTS, CAPTURES, strict=True)]
+
+
+def test_a_pooled_session_alone_computes_what_its_own_cache_does(pooled, plain):
+    for p, c in zip(PROMPTS, CAPTURES, strict=True):
+        a, b = prefill(plain, p, c), prefill(pooled, p, c)
+        assert isinstance(b.session.cache[0], PooledCache)
+        assert a.session.last_token == b.session.last_token
+        if a.rows is not None:
+            close(b.rows, a.rows)
+        steps_a, steps_b = decode(plain, a.session, 5), decode(pooled, b.session, 5)
+        assert steps_a.committed == steps_b.committed
+        drafts = [3, 1, 4, 1, 5]
+        va, vb = verify(plain, a.session, drafts), verify(pooled, b.session, drafts)
+        assert (va.committed, va.num_accepted) == (vb.committed, vb.num_accepted)
+        assert b.session.cache[0].offset == a.session.cache[0].offset == a.session.position - 1
+        assert decode(plain, a.session, 3).committed == decode(pooled, b.session, 3).committed
+
+
+def test_a_draft_tree_on_a_pooled_session_keeps_the_same_path(pooled, plain):
+    parents = [-1, 0, 0, 1, 2, 3]
+    out = []
+    for target in (plain, pooled):
+        session = prefill(target, PROMPTS[2], (1,)).session
+        greedy = decode(target, prefill(target, PROMPTS[2]).session, 3).committed
+        drafts = [greedy[0], greedy[0] + 1, greedy[1], 9, greedy[2], 11]
+        result = verify_tree(target, session, drafts, parents)
+        out.append((result.committed, result.num_accepted, decode(target, session, 3).committed))
+    assert out[0] == out[1] and out[0][1] >= 2
+
+
+def test_pooled_rounds_run_as_one_forward_and_commit_what_each_does_alone(
+    pooled, plain, monkeypatch
+):
+    greedy = decode(plain, _sessions(plain)[3], 3).committed
+    wrong = decode(plain, _sessions(plain)[4], 1).committed[0] + 1
+    plans = [([], 4), ([], 1), ([3, 1, 4, 1, 5, 9], 1), (greedy, 1), ([wrong, 5], 1)]
+    alone = [
+        verify(plain, s, d) if d else decode(plain, s, k)
+        for s, (d, k) in zip(_sessions(plain), plans, strict=True)
+    ]
+    calls = recorded(monkeypatch, pooled, "forward_pooled")
+    sessions = _sessions(pooled)
+    together = rounds_many(
+        pooled, [Round(s, d, k) for s, (d, k) in zip(sessions, plans, strict=True)]
+    )
+    assert calls[0] == [1, 1, 7, 4, 3]  # every session's first step in one forward
+    assert calls[1:] == [[1]] * 3  # then the one plain round still going
+    assert together[3].num_accepted == 3 and together[4].num_accepted == 0
+    for a, b in zip(alone, together, strict=True):
+        assert (b.committed, b.num_accepted, b.finished) == (a.committed, a.num_accepted,
+                                                             a.finished)  # fmt: skip
+        assert (a.rows is None) == (b.rows is None)
+        if a.rows is not None:
+            close(b.rows, a.rows)
+    for session in sessions:
+        assert session.cache[0].offset == session.position - 1
+    again = rounds_many(pooled, [Round(s, [], 3) for s in sessions])
+    reference = _sessions(plain)
+    for s, (d, k) in zip(reference, plans, strict=True):
+        verify(plain, s, d) if d else decode(plain, s, k)
+    assert [r.committed for r in again] == [decode(plain, s, 3).committed for s in reference]
+
+
+def test_the_pool_grows_past_its_capacity_and_its_slots(pooled, plain):
+    long_prompt = [5 + j % 80 for j in range(CAPACITY_STEP - 3)]
+    prompts = [long_prompt, *PROMPTS]  # six sessions: more than the first four slots
+    mine = [prefill(pooled, p).session for p in prompts]
+    theirs = [prefill(plain, p).session for p in prompts]
+    assert pooled.kv_pool.slots >= 6
+    got = rounds_many(pooled, [Round(s, [], 6) for s in mine])  # the long one crosses 256
+    assert pooled.kv_pool.capacity == 2 * CAPACITY_STEP
+    assert [r.committed for r in got] == [decode(plain, s, 6).committed for s in theirs]
+
+
+def test_closed_sessions_free_their_slots_and_the_last_frees_the_memory(tiny_model_dir):
+    target = _target(tiny_model_dir, True)
+    pool = target.kv_pool
+    sessions = _sessions(target)
+    assert pool.open_slots == 5 and pool.nbytes > 0
+    slots = sorted(s.cache[0].slot for s in sessions)
+    assert slots == list(range(5))
+    held = sessions[1].cache[0].slot
+    del sessions[1]
+    gc.collect()
+    assert pool.open_slots == 4
+    again = prefill(target, PROMPTS[0]).session
+    assert again.cache[0].slot == held  # the lowest free slot: the used ones stay packed
+    del sessions, again
+    gc.collect()
+    assert pool.open_slots == 0 and pool.nbytes == 0
+
+
+def test_a_failed_pooled_forward_leaves_every_session_as_it_was(pooled, monkeypatch):
+    sessions = _sessions(pooled)[:3]
+    before = [(s.position, s.cache[0].offset) for s in sessions]
+    want = [decode(pooled, s, 2).committed for s in _sessions(pooled)[:3]]
+
+    def failing(self, segments, capture):
+        raise RuntimeError("device out of memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(type(pooled._mlx), "forward_pooled", failing)
+        results = rounds_many(pooled, [Round(s, [], 2) for s in sessions])
+    assert all(isinstance(r, RuntimeError) for r in results)
+    assert [(s.position, s.cache[0].offset) for s in sessions] == before
+    assert [r.committed for r in rounds_many(pooled, [Round(s, [], 2) for s in sessions])] == want
+
+
+def test_the_verifier_option_pools_and_reports_the_pool_as_its_kv(tiny_model_dir):
+    import asyncio
+
+    from specd.service import MlxThread
+    from verifier_svc.config import VerifierConfig
+    from verifier_svc.servicer import VerifierServicer
+
+    async def main():
+        mlx = MlxThread()
+        config = VerifierConfig(model=str(tiny_model_dir), warmup="minimal", gemv_rows=0,
+                                row_forwards="on", kv_pool="on")  # fmt: skip
+        verifier = VerifierServicer(config, mlx)
+        await verifier.load()
+        mlx.shutdown()
+        return verifier
+
+    verifier = asyncio.run(main())
+    target = verifier._ready()
+    assert isinstance(target.kv_pool, KVPool)
+    session = prefill(target, PROMPTS[1]).session
+    assert isinstance(session.cache[0], PooledCache)
+    assert verifier.kv_bytes() == target.kv_pool.nbytes > 0
+
+
+def test_a_prompt_prefilled_a_layer_at_a_time_into_the_pool_is_the_same(pooled, plain):
+    from verifier_svc.engine import advance, prefill_steps
+
+    prompt = [5 + j % 70 for j in range(40)]
+    whole = prefill(plain, prompt, (0, 1))
+    steps, sliced, layers = prefill_steps(pooled, prompt, (0, 1), sliced=True), None, 0
+    while sliced is None:
+        sliced, layers = advance(steps), layers + 1
+    assert layers > 2  # a layer per step
+    assert sliced.session.last_token == whole.session.last_token
+    close(sliced.rows, whole.rows)
+    assert decode(pooled, sliced.session, 4).committed == decode(plain, whole.session, 4).committed

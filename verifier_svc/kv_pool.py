@@ -1,0 +1,258 @@
+"""Every session's KV in one array per layer and kind, so one forward can serve many sessions.
+
+A session owns a slot; its keys for layer i are rows of `KVPool`'s array [slots, kv_heads,
+capacity, head_dim] (stored flat, [slots * kv_heads * capacity, head_dim], so a write of any
+sessions' new rows is one scatter). `PooledCache` is a session's view of one layer, with the
+interface mlx-lm's `KVCache` offers the model (update_and_fetch, offset, trim, state), so a
+session alone runs the model's own forward as before. `batched_attention` is the point of it:
+the new rows of many sessions, ragged offsets and all, written, gathered and attended with a
+constant number of operations per layer, where per-session caches need several per session
+(on a GPU each is a kernel launch; at 16 or 64 sessions the launches are the step).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+CAPACITY_STEP = 256  # tokens a slot grows by, as mlx-lm's KVCache
+
+
+class KVPool:
+    """Slots of KV for `layers` decoder layers; arrays made at the first write (their heads,
+    width and dtype are the keys') and grown, for every slot at once, as slots or lengths
+    need."""
+
+    def __init__(self, layers: int):
+        self.layers = layers
+        self.slots = 0
+        self.capacity = 0
+        self._free: list[int] = []
+        self._used: set[int] = set()
+        self._keys: list[mx.array | None] = [None] * layers
+        self._values: list[mx.array | None] = [None] * layers
+        self._shape: list[tuple[int, int] | None] = [None] * layers  # (slots, capacity) made
+
+    # slots
+    def open(self) -> list[PooledCache]:
+        """A new session's caches, one per layer, sharing a slot freed when they are."""
+        if not self._free:
+            grown = max(4, 2 * self.slots)
+            self._free = list(range(grown - 1, self.slots - 1, -1))
+            self.slots = grown
+        slot = _Slot(self._free.pop())
+        self._used.add(slot.index)
+        weakref.finalize(slot, self._release, slot.index)
+        return [PooledCache(self, layer, slot) for layer in range(self.layers)]
+
+    def _release(self, index: int) -> None:
+        self._used.discard(index)
+        self._free.append(index)
+        self._free.sort(reverse=True)  # the lowest slot next: the used ones stay packed
+        if not self._used:  # nothing open: give the memory back
+            self._keys = [None] * self.layers
+            self._values = [None] * self.layers
+            self._shape = [None] * self.layers
+            self.capacity = 0
+
+    @property
+    def open_slots(self) -> int:
+        return len(self._used)
+
+    def reserve(self, length: int) -> None:
+        """Room for `length` tokens in every slot."""
+        if length > self.capacity:
+            self.capacity = -(-length // CAPACITY_STEP) * CAPACITY_STEP
+
+    # arrays
+    def arrays(self, layer: int, like: mx.array | None = None) -> tuple[mx.array, mx.array]:
+        """The layer's flat keys and values at the pool's current slots and capacity; `like`
+        ([.., kv_heads, T, head_dim] keys) makes them the first time."""
+        keys, values = self._keys[layer], self._values[layer]
+        if keys is None:
+            if like is None:
+                raise RuntimeError("no KV written to this pool layer yet")
+            heads, width = like.shape[-3], like.shape[-1]
+            size = (self.slots * heads * self.capacity, width)
+            keys, values = mx.zeros(size, like.dtype), mx.zeros(size, like.dtype)
+        elif self._shape[layer] != (self.slots, self.capacity):
+            keys, values = (self._grown(layer, a) for a in (keys, values))
+        self._keys[layer], self._values[layer] = keys, values
+        self._shape[layer] = (self.slots, self.capacity)
+        return keys, values
+
+    def _grown(self, layer: int, flat: mx.array) -> mx.array:
+        slots, capacity = self._shape[layer]
+        width = flat.shape[-1]
+        heads = flat.shape[0] // (slots * capacity)
+        grid = flat.reshape(slots, heads, capacity, width)
+        grid = mx.pad(grid, [(0, self.slots - slots), (0, 0), (0, self.capacity - capacity),
+                             (0, 0)])  # fmt: skip
+        return grid.reshape(-1, width)
+
+    def heads(self, layer: int) -> int:
+        keys = self._keys[layer]
+        return keys.shape[0] // (self.slots * self.capacity)
+
+    def grid(self, flat: mx.array) -> mx.array:
+        """[slots, kv_heads, capacity, head_dim] of a layer's flat array (no copy)."""
+        return flat.reshape(self.slots, -1, self.capacity, flat.shape[-1])
+
+    def write(self, layer: int, index: np.ndarray, keys: mx.array, values: mx.array) -> None:
+        """Scatter rows [N, head_dim] of keys and values to flat rows `index` [N]."""
+        flat_keys, flat_values = self.arrays(layer, keys)
+        at = mx.array(index.astype(np.int32))
+        flat_keys[at] = keys.reshape(-1, keys.shape[-1]).astype(flat_keys.dtype)
+        flat_values[at] = values.reshape(-1, values.shape[-1]).astype(flat_values.dtype)
+
+    def rows_index(self, slots: np.ndarray, offsets: np.ndarray, heads: int, tokens: int):
+        """Flat rows of `tokens` new positions per head after each slot's offset: [B, H, T]."""
+        head = np.arange(heads)[None, :, None]
+        step = np.arange(tokens)[None, None, :]
+        base = (slots[:, None, None] * heads + head) * self.capacity
+        return base + offsets[:, None, None] + step
+
+    def slot_bytes(self) -> int:
+        """Bytes one slot holds across layers (keys and values)."""
+        total = 0
+        for keys, values in zip(self._keys, self._values, strict=True):
+            if keys is not None:
+                total += (keys.nbytes + values.nbytes) // max(1, self.slots)
+        return total
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            k.nbytes + v.nbytes
+            for k, v in zip(self._keys, self._values, strict=True)
+            if k is not None
+        )
+
+
+class _Slot:
+    """A session's slot; released when the session's caches are all gone."""
+
+    __slots__ = ("index", "__weakref__")
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+class PooledCache(KVCache):
+    """One session's KV for one layer, in a `KVPool` slot: what mlx-lm's KVCache gives a model,
+    trimming included, and `move_rows` for a draft tree's accepted path."""
+
+    def __init__(self, pool: KVPool, layer: int, slot: _Slot):
+        super().__init__()
+        self.pool, self.layer, self._slot = pool, layer, slot
+
+    @property
+    def slot(self) -> int:
+        return self._slot.index
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        tokens = keys.shape[2]
+        self.pool.reserve(self.offset + tokens)
+        self.pool.arrays(self.layer, keys)  # grown first: the index uses the capacity
+        heads = keys.shape[1]
+        index = self.pool.rows_index(np.array([self.slot]), np.array([self.offset]), heads,
+                                     tokens)  # fmt: skip
+        self.pool.write(self.layer, index.reshape(-1), keys[0], values[0])
+        self.offset += tokens
+        return self.fetch()
+
+    def fetch(self) -> tuple[mx.array, mx.array]:
+        """[1, kv_heads, offset, head_dim] keys and values."""
+        flat_keys, flat_values = self.pool.arrays(self.layer)
+        s = self.slot
+        return (
+            self.pool.grid(flat_keys)[s : s + 1, :, : self.offset],
+            self.pool.grid(flat_values)[s : s + 1, :, : self.offset],
+        )
+
+    def move_rows(self, source: list[int], base: int) -> None:
+        """Rows at positions `source` (ascending, each >= its destination) to base, base+1..."""
+        flat_keys, flat_values = self.pool.arrays(self.layer)
+        heads = self.pool.heads(self.layer)
+        slot = np.array([self.slot])
+        start = self.pool.rows_index(slot, np.array([0]), heads, 1)[0, :, 0]  # [H]
+        taken = mx.array((start[:, None] + np.array(source)[None, :]).reshape(-1))
+        moved_keys, moved_values = flat_keys[taken], flat_values[taken]
+        put = (start[:, None] + base + np.arange(len(source))[None, :]).reshape(-1)
+        self.pool.write(self.layer, put, moved_keys, moved_values)
+
+    @property
+    def keys(self):  # read-only views; writes go through update_and_fetch or move_rows
+        return None if self.offset == 0 else self.fetch()[0]
+
+    @keys.setter
+    def keys(self, value) -> None:  # KVCache.__init__ sets None; the pool holds the data
+        pass
+
+    @property
+    def values(self):
+        return None if self.offset == 0 else self.fetch()[1]
+
+    @values.setter
+    def values(self, value) -> None:
+        pass
+
+    @property
+    def state(self):
+        """The pool's arrays for this layer (an evaluation of them runs every pending write)."""
+        if self.pool._keys[self.layer] is None:
+            return ()
+        return self.pool.arrays(self.layer)
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    @property
+    def nbytes(self) -> int:
+        """This slot's share of the layer's arrays."""
+        keys = self.pool._keys[self.layer]
+        if keys is None:
+            return 0
+        return 2 * keys.nbytes // max(1, self.pool.slots)
+
+
+def batched_attention(
+    attn, x: mx.array, caches: list[PooledCache], offsets: np.ndarray, mask: mx.array
+) -> mx.array:
+    """mlx-lm Llama attention for B sessions at once: x [B, T, hidden] holds each session's
+    new rows (the first few real, the rest padding), at its cache offset. Writes every row's
+    keys and values to the pool (padding rows past the session's real ones, where its next
+    write overwrites them) and attends each query to its own session's keys through
+    `mask` [B, 1, T, L]. The caches' offsets are not advanced: the caller does, once."""
+    pool, layer = caches[0].pool, caches[0].layer
+    batch, tokens, _ = x.shape
+    queries = attn.q_proj(x).reshape(batch, tokens, attn.n_heads, -1).transpose(0, 2, 1, 3)
+    keys = attn.k_proj(x).reshape(batch, tokens, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    values = attn.v_proj(x).reshape(batch, tokens, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    at = mx.array(offsets.astype(np.int32))
+    queries, keys = attn.rope(queries, offset=at), attn.rope(keys, offset=at)
+    pool.reserve(int(offsets.max()) + tokens)
+    pool.arrays(layer, keys)
+    slots = np.array([c.slot for c in caches])
+    index = pool.rows_index(slots, offsets, attn.n_kv_heads, tokens)
+    pool.write(layer, index.reshape(-1), keys, values)
+    flat_keys, flat_values = pool.arrays(layer)
+    seen = mask.shape[-1]
+    taken = mx.array(slots.astype(np.int32))
+    all_keys = mx.take(pool.grid(flat_keys)[:, :, :seen], taken, axis=0)
+    all_values = mx.take(pool.grid(flat_values)[:, :, :seen], taken, axis=0)
+    out = mx.fast.scaled_dot_product_attention(
+        queries, all_keys, all_values, scale=attn.scale, mask=mask
+    )
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, tokens, -1))
+
+
+def batch_mask(offsets: np.ndarray, tokens: int) -> mx.array:
+    """[B, 1, T, L] bool: query t of session b sees keys 0..offsets[b]+t (L = the furthest)."""
+    seen = int(offsets.max()) + tokens
+    limit = offsets[:, None] + np.arange(tokens)[None, :]  # [B, T]
+    sees = np.arange(seen)[None, None, :] <= limit[:, :, None]
+    return mx.array(sees[:, None])
