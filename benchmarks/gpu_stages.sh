@@ -7,6 +7,7 @@
 # parity   drafting off against plain mlx-lm, all 80 MT-bench questions (issue 25)
 # grounded drafting off and n-gram on the whole input-grounded set
 # load     aggregate throughput at 1, 4, 16, 64 clients, and the verifier alone (issue 28)
+# pool     the verifier alone with its KV pool on and off, then the services pooled (issue 28)
 # distill  the target's replies to ShareGPT prompts, appended to ~/dd.jsonl (resumes)
 # dflash   the DFlash drafter, from the shipped one, on ~/dd.jsonl (or carried .gpu/dd.gz.*)
 # eagle3   the EAGLE-3 head, from the shipped one, on the same replies
@@ -37,6 +38,14 @@ load)
     --json ~/res/load.json > "$OUT/load.log" 2>&1
   timeout 120 python3 benchmarks/batched_decode.py --target "$model" --clients 1 4 16 64 \
     --verifier-args "--dtype float32" > "$OUT/batched.log" 2>&1 ;;
+pool)
+  for mode in on off; do
+    timeout 140 python3 benchmarks/batched_decode.py --target "$model" --clients 1 16 64 \
+      --verifier-args "--dtype float32 --warmup minimal --kv-pool $mode" > "$OUT/pool-$mode.log" 2>&1
+  done
+  timeout 240 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
+    --max-tokens 128 --drafter none --concurrency 1,16,64 --concurrency-requests 1 \
+    --verifier-args "--kv-pool on" --json ~/res/pool.json > "$OUT/pool-bench.log" 2>&1 ;;
 distill)
   timeout 540 python3 -m specd distill --target "$model" --out ~/dd.jsonl --conversations 60000 \
     --batch-size 512 --max-prompt-tokens 1024 --max-new-tokens 256 > "$OUT/distill.log" 2>&1
@@ -57,7 +66,7 @@ eagle3)
   cp ~/e3/model.safetensors "$OUT/eagle3.safetensors"
   tar -czf "$OUT/eagle3-meta.tgz" -C ~/e3 config.json training.json ;;
 *)
-  echo "usage: bash benchmarks/gpu_stages.sh parity|grounded|load|distill|dflash|eagle3" >&2
+  echo "usage: bash benchmarks/gpu_stages.sh parity|grounded|load|pool|distill|dflash|eagle3" >&2
   exit 2 ;;
 esac
 tar -czf "$OUT/results.tgz" -C ~ res /tmp/specd-bench-* 2>/dev/null
