@@ -179,3 +179,13 @@ def test_a_prompt_prefilled_a_layer_at_a_time_into_the_pool_is_the_same(pooled, 
     assert sliced.session.last_token == whole.session.last_token
     close(sliced.rows, whole.rows)
     assert decode(pooled, sliced.session, 4).committed == decode(plain, whole.session, 4).committed
+
+
+def test_the_full_warm_up_runs_a_batched_forward_of_pooled_sessions(pooled, monkeypatch):
+    from verifier_svc.warmup import full_warmup
+
+    calls = recorded(monkeypatch, pooled, "forward_pooled")
+    full_warmup(pooled, 3, long_context=80)
+    assert calls and len(calls[0]) == 2
+    gc.collect()
+    assert pooled.kv_pool.open_slots == 0  # the warm-up's sessions gave their slots back

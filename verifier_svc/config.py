@@ -92,7 +92,7 @@ class VerifierConfig:
         choices=GPU_MODES,
     )
     kv_pool: str = option(
-        "off",
+        "auto",
         "keep every session's KV cache in one pool, so the greedy rounds of sessions ready at "
         "once run as one batched forward with a constant number of operations per layer "
         "(the per-session path costs several per session, each a kernel launch on a GPU); "

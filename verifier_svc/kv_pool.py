@@ -35,6 +35,7 @@ class KVPool:
         self._keys: list[mx.array | None] = [None] * layers
         self._values: list[mx.array | None] = [None] * layers
         self._shape: list[tuple[int, int] | None] = [None] * layers  # (slots, capacity) made
+        self._indices: dict[tuple, mx.array] = {}  # a step's index, made once for all layers
 
     # slots
     def open(self) -> list[PooledCache]:
@@ -101,10 +102,10 @@ class KVPool:
         """[slots, kv_heads, capacity, head_dim] of a layer's flat array (no copy)."""
         return flat.reshape(self.slots, -1, self.capacity, flat.shape[-1])
 
-    def write(self, layer: int, index: np.ndarray, keys: mx.array, values: mx.array) -> None:
+    def write(self, layer: int, index: mx.array, keys: mx.array, values: mx.array) -> None:
         """Scatter rows [N, head_dim] of keys and values to flat rows `index` [N]."""
         flat_keys, flat_values = self.arrays(layer, keys)
-        at = mx.array(index.astype(np.int32))
+        at = index
         flat_keys[at] = keys.reshape(-1, keys.shape[-1]).astype(flat_keys.dtype)
         flat_values[at] = values.reshape(-1, values.shape[-1]).astype(flat_values.dtype)
 
@@ -115,13 +116,24 @@ class KVPool:
         base = (slots[:, None, None] * heads + head) * self.capacity
         return base + offsets[:, None, None] + step
 
-    def slot_bytes(self) -> int:
-        """Bytes one slot holds across layers (keys and values)."""
-        total = 0
-        for keys, values in zip(self._keys, self._values, strict=True):
-            if keys is not None:
-                total += (keys.nbytes + values.nbytes) // max(1, self.slots)
-        return total
+    def new_rows(self, slots: np.ndarray, offsets: np.ndarray, heads: int, tokens: int):
+        """`rows_index` flat, as a device array made once per step (every layer's is the same)."""
+        key = (slots.tobytes(), offsets.tobytes(), heads, tokens, self.capacity)
+        index = self._indices.get(key)
+        if index is None:
+            if len(self._indices) > 8:
+                self._indices.clear()
+            rows = self.rows_index(slots, offsets, heads, tokens).reshape(-1)
+            index = self._indices[key] = mx.array(rows.astype(np.int32))
+        return index
+
+    def slot_index(self, slots: np.ndarray) -> mx.array:
+        """`slots` as a device array, made once per step."""
+        key = ("slots", slots.tobytes())
+        index = self._indices.get(key)
+        if index is None:
+            index = self._indices[key] = mx.array(slots.astype(np.int32))
+        return index
 
     @property
     def nbytes(self) -> int:
@@ -157,10 +169,9 @@ class PooledCache(KVCache):
         tokens = keys.shape[2]
         self.pool.reserve(self.offset + tokens)
         self.pool.arrays(self.layer, keys)  # grown first: the index uses the capacity
-        heads = keys.shape[1]
-        index = self.pool.rows_index(np.array([self.slot]), np.array([self.offset]), heads,
-                                     tokens)  # fmt: skip
-        self.pool.write(self.layer, index.reshape(-1), keys[0], values[0])
+        index = self.pool.new_rows(np.array([self.slot]), np.array([self.offset]), keys.shape[1],
+                                   tokens)  # fmt: skip
+        self.pool.write(self.layer, index, keys[0], values[0])
         self.offset += tokens
         return self.fetch()
 
@@ -182,7 +193,7 @@ class PooledCache(KVCache):
         taken = mx.array((start[:, None] + np.array(source)[None, :]).reshape(-1))
         moved_keys, moved_values = flat_keys[taken], flat_values[taken]
         put = (start[:, None] + base + np.arange(len(source))[None, :]).reshape(-1)
-        self.pool.write(self.layer, put, moved_keys, moved_values)
+        self.pool.write(self.layer, mx.array(put.astype(np.int32)), moved_keys, moved_values)
 
     @property
     def keys(self):  # read-only views; writes go through update_and_fetch or move_rows
@@ -237,11 +248,10 @@ def batched_attention(
     pool.reserve(int(offsets.max()) + tokens)
     pool.arrays(layer, keys)
     slots = np.array([c.slot for c in caches])
-    index = pool.rows_index(slots, offsets, attn.n_kv_heads, tokens)
-    pool.write(layer, index.reshape(-1), keys, values)
+    pool.write(layer, pool.new_rows(slots, offsets, attn.n_kv_heads, tokens), keys, values)
     flat_keys, flat_values = pool.arrays(layer)
     seen = mask.shape[-1]
-    taken = mx.array(slots.astype(np.int32))
+    taken = pool.slot_index(slots)
     all_keys = mx.take(pool.grid(flat_keys)[:, :, :seen], taken, axis=0)
     all_values = mx.take(pool.grid(flat_values)[:, :, :seen], taken, axis=0)
     out = mx.fast.scaled_dot_product_attention(

@@ -27,7 +27,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from specd.models.load import warmup_mode
-from verifier_svc.engine import PREFILL_CHUNK, Target, decode, prefill, verify, verify_tree
+from verifier_svc.engine import (
+    PREFILL_CHUNK,
+    Round,
+    Target,
+    decode,
+    prefill,
+    rounds_many,
+    verify,
+    verify_tree,
+)
 from verifier_svc.sampling import SamplingConfig
 
 log = logging.getLogger("specd.verifier")
@@ -71,6 +80,10 @@ def full_warmup(target: Target, max_draft_tokens: int, long_context: int = PREFI
             verify_tree(target, session, drafts[: n - 1], list(range(-1, n - 2)))
         decode(target, session, 4)
         calls += 2 + len(sizes) + len(trees)
+    if target.kv_pool is not None:  # pooled sessions' batched forwards have kernels of their own
+        pair = [prefill(target, _prompt(target, 64, seed)).session for seed in (5, 6)]
+        rounds_many(target, [Round(pair[0], [], 2), Round(pair[1], _prompt(target, 3, 7), 1)])
+        calls += 3
     sampled = SamplingConfig(temperature=1.0)
     session = prefill(target, _prompt(target, 64, 3), (), sampling=sampled, seed=0).session
     vocab = target.identity.vocab_size
