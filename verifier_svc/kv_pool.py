@@ -12,6 +12,7 @@ constant number of operations per layer, where per-session caches need several p
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import mlx.core as mx
@@ -36,28 +37,32 @@ class KVPool:
         self._values: list[mx.array | None] = [None] * layers
         self._shape: list[tuple[int, int] | None] = [None] * layers  # (slots, capacity) made
         self._indices: dict[tuple, mx.array] = {}  # a step's index, made once for all layers
+        # a session's slot is released on whichever thread drops its last reference
+        self._slots_lock = threading.Lock()
 
     # slots
     def open(self) -> list[PooledCache]:
         """A new session's caches, one per layer, sharing a slot freed when they are."""
-        if not self._free:
-            grown = max(4, 2 * self.slots)
-            self._free = list(range(grown - 1, self.slots - 1, -1))
-            self.slots = grown
-        slot = _Slot(self._free.pop())
-        self._used.add(slot.index)
+        with self._slots_lock:
+            if not self._free:
+                grown = max(4, 2 * self.slots)
+                self._free = list(range(grown - 1, self.slots - 1, -1))
+                self.slots = grown
+            slot = _Slot(self._free.pop())
+            self._used.add(slot.index)
         weakref.finalize(slot, self._release, slot.index)
         return [PooledCache(self, layer, slot) for layer in range(self.layers)]
 
     def _release(self, index: int) -> None:
-        self._used.discard(index)
-        self._free.append(index)
-        self._free.sort(reverse=True)  # the lowest slot next: the used ones stay packed
-        if not self._used:  # nothing open: give the memory back
-            self._keys = [None] * self.layers
-            self._values = [None] * self.layers
-            self._shape = [None] * self.layers
-            self.capacity = 0
+        with self._slots_lock:
+            self._used.discard(index)
+            self._free.append(index)
+            self._free.sort(reverse=True)  # the lowest slot next: the used ones stay packed
+            if not self._used:  # nothing open, so no forward uses the arrays: free them
+                self._keys = [None] * self.layers
+                self._values = [None] * self.layers
+                self._shape = [None] * self.layers
+                self.capacity = 0
 
     @property
     def open_slots(self) -> int:
