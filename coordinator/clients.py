@@ -66,6 +66,9 @@ class SessionStreams:
             stream = self._streams[session_id] = self.open_stream(metadata=self.metadata)
         try:
             return await asyncio.wait_for(self._exchange(stream, request), timeout)
+        except asyncio.InvalidStateError:  # the call had finished (the service went away)
+            self._drop(session_id)
+            raise _ended(self.service) from None
         except asyncio.TimeoutError:  # not the builtin before Python 3.11
             self._drop(session_id)
             raise UpstreamError(

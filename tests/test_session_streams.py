@@ -72,3 +72,21 @@ def test_an_open_stream_failing_is_an_error_not_a_retry():
         asyncio.run(go())
     assert err.value.code == grpc.StatusCode.INTERNAL
     assert unary_calls == [] and client.streaming and stream.cancelled
+
+
+def test_a_write_to_a_stream_whose_call_already_finished_is_the_service_gone():
+    """gRPC raises asyncio.InvalidStateError, not an RPC error, for a write after the call
+    ended (a verifier killed between two requests): the session is lost, UNAVAILABLE, so the
+    coordinator re-opens it instead of failing the request."""
+    stream = FakeStream()
+    client, unary_calls = _streams([stream])
+
+    async def go():
+        assert await client.call("s", "first", 5) == "streamed"
+        stream.error = asyncio.InvalidStateError("RPC already finished.")
+        await client.call("s", "second", 5)
+
+    with pytest.raises(UpstreamError) as err:
+        asyncio.run(go())
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert unary_calls == [] and stream.cancelled
