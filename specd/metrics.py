@@ -36,8 +36,8 @@ DRAFTER_FALLBACKS = Counter(
 )
 DECODE_BATCH = Histogram(
     "specd_decode_batch_sessions",
-    "sessions whose greedy rounds (plain steps, draft chains) the verifier ran together",
-    buckets=(1, 2, 4, 8, 16, 32),
+    "sessions in each forward the verifier shared among greedy rounds (plain steps, draft chains)",
+    buckets=(1, 2, 4, 8, 16, 32, 64),
 )
 VERIFIER_REOPENS = Counter(
     "specd_verifier_reopens_total", "sessions re-opened after a verifier was lost"

@@ -365,6 +365,10 @@ class Batch:
 
     run_many: Callable[[list], list]
     key: Callable[[Any], Hashable] = id
+    # run_stream(items, more, answer), where given, runs instead of run_many: it answers each
+    # item (`answer(item, result)`) when it is done and takes the jobs of this batch queued
+    # since (`more()`, empty while other jobs wait) until it returns
+    run_stream: Callable[[list, Callable[[], list], Callable[[Any, Any], None]], None] | None = None
     gather_s: float = 0.005
     recent_s: float = 0.5
     seen: dict = field(default_factory=dict)  # key -> when its last job ran
@@ -440,8 +444,11 @@ class MlxThread:
                 jobs.append((job[0], job[2]))
             else:
                 held.append(job)
-        taken = len(jobs)
         batch.ran([item for _, item in jobs], time.perf_counter())
+        if batch.run_stream is not None:
+            self._stream_batch(batch, jobs, held)
+            return
+        taken = len(jobs)
         jobs = [(future, item) for future, item in jobs if future.set_running_or_notify_cancel()]
         try:
             results = batch.run_many([item for _, item in jobs]) if jobs else []
@@ -453,6 +460,52 @@ class MlxThread:
                 future.set_exception(result)
             else:
                 future.set_result(result)
+
+    def _stream_batch(self, batch: Batch, jobs: list, held: collections.deque) -> None:
+        """`batch.run_stream` over `jobs`: each caller answered as its item is done, and jobs
+        of the batch queued meanwhile joining while no other job waits."""
+        futures: dict[int, Future] = {}
+
+        def started(new: list) -> list:
+            items = []
+            for future, item in new:
+                if future.set_running_or_notify_cancel():
+                    futures[id(item)] = future
+                    items.append(item)
+                else:
+                    self._finished += 1
+            return items
+
+        def more() -> list:
+            new = []
+            while not held:  # other work waits: take no more, let the running items finish
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job[1] is batch:
+                    new.append((job[0], job[2]))
+                else:
+                    held.append(job)
+            batch.ran([item for _, item in new], time.perf_counter())
+            return started(new)
+
+        def answer(item, result) -> None:
+            future = futures.pop(id(item))
+            self._finished += 1  # counted before the caller can wake, as in _work
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+        error: BaseException = RuntimeError("the batch returned without answering")
+        try:
+            batch.run_stream(started(jobs), more, answer)
+        except BaseException as exc:  # the callers not answered yet get it
+            error = exc
+        for future in futures.values():
+            self._finished += 1
+            future.set_exception(error)
 
     def submit_batched(self, batch: Batch, item) -> Future:
         """A job that runs together with the other jobs of `batch` waiting when it starts:

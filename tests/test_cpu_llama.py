@@ -243,11 +243,17 @@ def test_rounds_of_several_sessions_at_once_equal_each_alone(pair):
     for got, want in zip(together_sessions, alone_sessions, strict=True):
         assert (got.position, got.last_token) == (want.position, want.last_token)
         assert got.cache[0].offset == want.cache[0].offset == got.position - 1
-    # each round's part of the shared forwards: its rows (a verify 1 + drafts, a plain round a
-    # row per token) over all rows, so drafts in a batch are priced as the rows they add
-    rows = [len(together[0].committed), len(together[1].committed), len(together[2].committed),
-            1 + len(greedy), 4]  # fmt: skip
-    assert [r.share for r in together] == pytest.approx([n / sum(rows) for n in rows])
+    # each round's part of the shared forwards it took part in: its rows (a verify 1 + drafts,
+    # a plain round a row per token) over theirs, so drafts are priced as the rows they add
+    first_rows = [1, 1, 1, 1 + len(greedy), 4]
+    steps = [len(together[i].committed) for i in range(3)] + [1, 1]
+    step_rows = [
+        sum(first if k == 0 else 1 for first, n in zip(first_rows, steps, strict=True) if n > k)
+        for k in range(max(steps))
+    ]
+    own = [first + n - 1 for first, n in zip(first_rows, steps, strict=True)]
+    want = [mine / sum(step_rows[:n]) for mine, n in zip(own, steps, strict=True)]
+    assert [r.share for r in together] == pytest.approx(want)
     assert all(a.share == 1.0 for a in alone)
 
 

@@ -281,6 +281,41 @@ def test_batched_jobs_queued_together_run_in_one_call_and_others_keep_their_orde
     mlx.shutdown()
 
 
+def test_a_stream_batch_answers_each_item_when_done_and_takes_later_ones_until_others_wait():
+    from specd.service import Batch
+
+    mlx = MlxThread(inline_rounds=False)
+    seen: list[list] = []
+    arrived = threading.Event()
+
+    def run_stream(items, more, answer):
+        seen.append(list(items))
+        answer(items[0], items[0] * 10)  # the caller wakes while the stream still runs
+        assert arrived.wait(5)  # it queues another item of the batch, and a plain job
+        taken = []
+        while not taken:
+            taken = more()
+        seen.append(list(taken))
+        assert more() == []  # a plain job waits: no more items join
+        for item in [*items[1:], *taken]:
+            answer(item, ValueError("bad") if item < 0 else item * 10)
+
+    batch = Batch(lambda items: [], run_stream=run_stream)
+    first, second = mlx.submit_batched(batch, 1), mlx.submit_batched(batch, -1)
+    assert first.result(5) == 10
+    third = mlx.submit_batched(batch, 3)
+    plain = mlx.submit(lambda: "plain")
+    fourth = mlx.submit_batched(batch, 4)  # behind the plain job: the next call's
+    arrived.set()
+    assert third.result(5) == 30 and plain.result(5) == "plain" and fourth.result(5) == 40
+    with pytest.raises(ValueError, match="bad"):
+        second.result(5)
+    assert seen[:2] in ([[1, -1], [3]], [[1], [-1, 3]])
+    assert seen[-1] == [4]
+    assert mlx._finished == mlx._submitted
+    mlx.shutdown()
+
+
 def test_a_batch_waits_briefly_for_its_recent_callers_and_never_for_strangers():
     from specd.service import Batch
 

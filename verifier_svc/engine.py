@@ -5,7 +5,9 @@ Pure MLX; the servicer adapts it to gRPC. One call at a time (the MLX thread).
 
 from __future__ import annotations
 
+import collections
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -144,22 +146,34 @@ class Target:
 
     def shared_forward(self, rounds: list[Round]):
         """(forward_many, rows it takes) for greedy rounds that can share their forwards, or
-        None: the CPU kernels where every round fits them, else MLX (`shares_forwards`)."""
-        if len(rounds) < 2 or any(r.session.rng is not None for r in rounds):
+        None (fewer than two rounds, or one that cannot join: `joins`)."""
+        shared = self.many_forward()
+        if len(rounds) < 2 or shared is None or not all(self.joins(r) for r in rounds):
             return None
-        if self.kv_pool is not None and all(
-            isinstance(r.session.cache[0], PooledCache) for r in rounds
-        ):
+        return shared
+
+    def many_forward(self):
+        """(forward over several sessions, rows it takes), or None where rounds never share:
+        the pooled sessions' batch, the CPU kernels, or MLX's row-by-row (`shares_forwards`)."""
+        if self.kv_pool is not None:
             return self._mlx.forward_pooled, POOLED_MAX_ROWS
         layers = self.cpu_layers
         if layers is not None:
-            fits = all(layers.can_run(1 + len(r.drafts), r.session.cache) for r in rounds)
-            if fits and all(r.session.ahead is None for r in rounds):
-                return layers.forward_many, layers.max_rows
-            return None
+            return layers.forward_many, layers.max_rows
         if self.shares_forwards:
             return self._mlx.forward_many, rowwise.DEFAULT_MAX_ROWS
         return None
+
+    def joins(self, r: Round) -> bool:
+        """Whether a greedy round can take part in `many_forward` (sampled ones never do)."""
+        if r.session.rng is not None:
+            return False
+        if self.kv_pool is not None:
+            return isinstance(r.session.cache[0], PooledCache)
+        layers = self.cpu_layers
+        if layers is not None:
+            return r.session.ahead is None and layers.can_run(1 + len(r.drafts), r.session.cache)
+        return self.shares_forwards
 
     @property
     def shares_forwards(self) -> bool:
@@ -465,36 +479,153 @@ class Round:
     look_ahead: bool = False  # a plain round run alone leaves its next forward queued
 
 
-def rounds_many(target: Target, rounds: list[Round]) -> list[VerifyResult | Exception]:
+def rounds_many(
+    target: Target, rounds: list[Round], stepped: Callable[[int], None] | None = None
+) -> list[VerifyResult | Exception]:
     """Greedy rounds of several sessions at once, each committing what `verify` (drafts) or
-    `decode` (steps, stopping after an EOS) would commit alone. Each step is one forward for a
-    group of them (`Target.shared_forward`: on the CPU kernels each weight read once for the
-    group, in MLX a decode step's launches shared; a group holds at most the rows a forward
-    takes). Where no shared forward takes them (sampling, a single round, another
-    architecture, a target whose products are not computed row by row) they run one after the
-    other, each answered with its result or its error. A shared forward that fails leaves its
-    group's sessions as they were and answers each of them with the error."""
-    shared = target.shared_forward(rounds)
-    if shared is None:
-        return [_alone(target, r) for r in rounds]
-    forward_many, max_rows = shared
-    for r in rounds:
-        _drop_ahead(r.session)  # its queued forward is recomputed in the shared one
-    groups, rows = [[]], 0
-    for r in rounds:
-        if groups[-1] and rows + 1 + len(r.drafts) > max_rows:
-            groups.append([])
-            rows = 0
-        groups[-1].append(r)
-        rows += 1 + len(r.drafts)
-    return [result for group in groups for result in _group(target, group, forward_many)]
+    `decode` (steps, stopping after an EOS) would commit alone; `rounds_stream` with no
+    rounds arriving later. Each answer is a result or that round's error."""
+    answers: dict[int, VerifyResult | Exception] = {}
+    rounds_stream(target, rounds, list, lambda r, result: answers.__setitem__(id(r), result),
+                  stepped)  # fmt: skip
+    return [answers[id(r)] for r in rounds]
 
 
-def _group(target: Target, group: list[Round], forward_many) -> list:
+def rounds_stream(
+    target: Target,
+    rounds: list[Round],
+    more: Callable[[], list[Round]],
+    answer: Callable[[Round, VerifyResult | Exception], None],
+    stepped: Callable[[int], None] | None = None,
+) -> None:
+    """Greedy rounds run together, continuously: each step is one forward for the rounds
+    running (`Target.many_forward`: on the CPU kernels each weight read once for all, in MLX
+    a decode step's launches shared, pooled sessions as one batch), each round answered
+    (`answer(round, result)`) the step it finishes, and rounds that arrived since (`more()`,
+    asked between steps) joining the next step while the forward has rows to spare. Rounds
+    that cannot share (`Target.joins`: sampling, another architecture, ...) and a round with
+    no other to share with run alone, as `verify` or `decode`. A shared forward that fails
+    leaves the sessions in it as they were and answers each with the error. `stepped(n)`:
+    the sessions of each shared forward (1 for a round run alone). Returns once every round
+    is answered and `more()` has no more."""
+    shared = target.many_forward()
+    forward_many, max_rows = shared if shared is not None else (None, 0)
+    pending = collections.deque(rounds)
+    running: list[_Running] = []
+    while True:
+        pending.extend(more())
+        if not pending and not running:
+            return
+        alone = 0  # the rounds at the front that run alone
+        while alone < len(pending) and (shared is None or not target.joins(pending[alone])):
+            alone += 1
+        if not alone and not running and len(pending) == 1:
+            alone = 1  # nothing to share with
+        for _ in range(alone):
+            r = pending.popleft()
+            if stepped is not None:
+                stepped(1)
+            answer(r, _alone(target, r))
+        if alone:
+            continue
+        rows = sum(len(state.tokens()) for state in running)
+        while pending and target.joins(pending[0]):
+            state = _Running(pending[0])
+            if running and rows + len(state.tokens()) > max_rows:
+                break
+            pending.popleft()
+            _drop_ahead(state.round.session)  # its queued forward is recomputed in the shared one
+            running.append(state)
+            rows += len(state.tokens())
+        if not running:
+            continue
+        if stepped is not None:
+            stepped(len(running))
+        running = _step(target, running, forward_many, answer)
+
+
+@dataclass(eq=False)
+class _Running:
+    """A round taking part in shared forwards: what it has committed so far."""
+
+    round: Round
+    committed: list[int] = field(default_factory=list)
+    accepted: int = 0
+    rows: list = field(default_factory=list)  # captured rows of each step
+    seconds: float = 0.0  # wall time of the forwards it took part in
+    own_rows: int = 0
+    all_rows: int = 0  # rows of those forwards, every session's
+
+    def tokens(self) -> np.ndarray:
+        """This step's new tokens: the last token and drafts first, then the latest token."""
+        if self.committed:
+            return np.array([self.committed[-1]])
+        return np.array([self.round.session.last_token, *self.round.drafts])
+
+    def result(self, target: Target, seconds: float) -> VerifyResult:
+        session, tokens = self.round.session, self.committed
+        session.position += len(tokens)
+        session.last_token = tokens[-1]
+        session.finished = tokens[-1] in target.eos_ids
+        kept = None
+        if self.rows:
+            kept = _mx(_joined(self.rows, 0)).astype(session.rows_dtype)
+            mx.eval(kept)
+        share = self.own_rows / self.all_rows
+        return VerifyResult(tokens, self.accepted, session.finished, kept, seconds, share)
+
+
+def _step(target: Target, running: list[_Running], forward_many, answer) -> list[_Running]:
+    """One shared forward: every running round's tokens, then each one's verdict; answers the
+    rounds that finish and returns those still running. forward_many's logits and rows are
+    numpy (the CPU kernels) or MLX arrays."""
+    start = time.perf_counter()
+    capture = frozenset().union(*(s.round.session.capture for s in running))
+    segments = [Segment(s.tokens(), s.round.session.cache) for s in running]
+    done: list[_Running] = []
     try:
-        return _together(target, group, forward_many)
-    except Exception as exc:  # noqa: BLE001 - this group's error; the groups before it committed
-        return [exc] * len(group)
+        outs = forward_many(segments, capture)
+        # every session's greedy choices in one evaluation: one wait for the device a step
+        choices = [_greedy_next(_mx(logits)) for logits, _ in outs]
+        mx.eval(choices)
+        seconds = time.perf_counter() - start
+        step_rows = sum(len(segment.token_ids) for segment in segments)
+        for state, segment, (_, outputs), choice in zip(running, segments, outs, choices,
+                                                        strict=True):  # fmt: skip
+            r = state.round
+            state.seconds += seconds
+            state.own_rows += len(segment.token_ids)
+            state.all_rows += step_rows
+            captured = None
+            if r.session.capture:
+                captured = _joined([outputs[j] for j in r.session.capture], -1)
+            if r.drafts and not state.committed:  # a verify: one step, its accepted prefix kept
+                acceptance = accept_greedy(r.drafts, choice.tolist(), target.eos_ids)
+                state.committed, state.accepted = acceptance.committed, acceptance.num_accepted
+                kept = 1 + acceptance.num_accepted
+                _rollback(r.session.cache, r.session.position - 1 + kept)
+                if captured is not None:
+                    state.rows.append(captured[:kept])
+                done.append(state)
+                continue
+            token = choice.item()  # as decode takes it
+            state.committed.append(token)
+            if captured is not None:
+                state.rows.append(captured)
+            if token in target.eos_ids or len(state.committed) >= max(r.steps, 1):
+                done.append(state)
+    except Exception as exc:  # noqa: BLE001 - the error of the sessions in this forward
+        for state in running:
+            _rollback(state.round.session.cache, state.round.session.position - 1)
+            answer(state.round, exc)
+        return []
+    except BaseException:
+        for state in running:
+            _rollback(state.round.session.cache, state.round.session.position - 1)
+        raise
+    for state in done:
+        answer(state.round, state.result(target, state.seconds))
+    return [s for s in running if all(s is not d for d in done)]
 
 
 def _alone(target: Target, r: Round) -> VerifyResult | Exception:
@@ -504,78 +635,6 @@ def _alone(target: Target, r: Round) -> VerifyResult | Exception:
         return decode(target, r.session, r.steps, look_ahead=r.look_ahead)
     except Exception as exc:  # noqa: BLE001 - this session's error, not the others'
         return exc
-
-
-def _together(target: Target, rounds: list[Round], forward_many) -> list[VerifyResult]:
-    """rounds_many's group in one forward per step: the first step takes each session's last
-    token and drafts, the next ones each plain round's latest token. forward_many's logits
-    and rows are numpy (the CPU kernels) or MLX arrays."""
-    start = time.perf_counter()
-    capture = frozenset().union(*(r.session.capture for r in rounds))
-    committed: list[list[int]] = [[] for _ in rounds]
-    accepted = [0] * len(rounds)
-    rows: list[list[np.ndarray]] = [[] for _ in rounds]
-    live = list(range(len(rounds)))
-    try:
-        while live:
-            segments = [
-                Segment(np.array([committed[i][-1]]) if committed[i] else
-                        np.array([rounds[i].session.last_token, *rounds[i].drafts]),
-                        rounds[i].session.cache)
-                for i in live
-            ]  # fmt: skip
-            outs = forward_many(segments, capture)
-            # every session's greedy choices in one evaluation: one wait for the device a step
-            choices = [_greedy_next(_mx(logits)) for logits, _ in outs]
-            mx.eval(choices)
-            still = []
-            for i, (_, outputs), choice in zip(live, outs, choices, strict=True):
-                r = rounds[i]
-                captured = None
-                if r.session.capture:
-                    captured = _joined([outputs[j] for j in r.session.capture], -1)
-                if r.drafts:  # a verify: one step, its accepted prefix kept (as `_accept`)
-                    acceptance = accept_greedy(r.drafts, choice.tolist(), target.eos_ids)
-                    committed[i], accepted[i] = acceptance.committed, acceptance.num_accepted
-                    kept = 1 + acceptance.num_accepted
-                    _rollback(r.session.cache, r.session.position - 1 + kept)
-                    if captured is not None:
-                        rows[i].append(captured[:kept])
-                    continue
-                token = choice.item()  # as decode takes it
-                committed[i].append(token)
-                if captured is not None:
-                    rows[i].append(captured)
-                if token not in target.eos_ids and len(committed[i]) < max(r.steps, 1):
-                    still.append(i)
-            live = still
-    except BaseException:
-        for r in rounds:
-            _rollback(r.session.cache, r.session.position - 1)
-        raise
-    seconds = time.perf_counter() - start
-    # a verify forwards its last token and drafts once; a plain round one row per token
-    own_rows = [
-        1 + len(r.drafts) if r.drafts else len(tokens)
-        for r, tokens in zip(rounds, committed, strict=True)
-    ]
-    all_rows = sum(own_rows)
-    results = []
-    for r, tokens, num_accepted, parts, own in zip(
-        rounds, committed, accepted, rows, own_rows, strict=True
-    ):
-        session = r.session
-        session.position += len(tokens)
-        session.last_token = tokens[-1]
-        session.finished = tokens[-1] in target.eos_ids
-        kept = None
-        if parts:
-            kept = _mx(_joined(parts, 0)).astype(session.rows_dtype)
-            mx.eval(kept)
-        results.append(
-            VerifyResult(tokens, num_accepted, session.finished, kept, seconds, own / all_rows)
-        )
-    return results
 
 
 def _mx(values) -> mx.array:

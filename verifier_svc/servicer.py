@@ -34,6 +34,7 @@ from verifier_svc.engine import (
     half_weights_pay,
     prefill_steps,
     rounds_many,
+    rounds_stream,
     verify,
     verify_tree,
 )
@@ -111,7 +112,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.warmup: WarmupReport | None = None
         self.look_ahead = False  # decided at load
         self.sessions = SessionTable(config.max_sessions, config.session_idle_timeout_s)
-        self._rounds = Batch(self._rounds_many, key=lambda item: id(item[0]))  # by session
+        self._rounds = Batch(
+            self._rounds_many, key=lambda item: id(item[0]), run_stream=self._rounds_stream
+        )  # by session
 
     async def load(self) -> None:
         self.target = await self.mlx.run(self._load_and_warm)
@@ -303,14 +306,52 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             steps = 1 if drafts else self._plain_steps(session, asked)
             ahead = not drafts and self._looks_ahead(session, steps)
             ready.append((n, Round(session, drafts, steps, ahead)))
-        metrics.DECODE_BATCH.observe(len(ready))
-        results = rounds_many(self._ready(), [r for _, r in ready])
+        results = rounds_many(self._ready(), [r for _, r in ready], metrics.DECODE_BATCH.observe)
         for (n, _), result in zip(ready, results, strict=True):
             answers[n] = result
         if later:  # checked again, now that the first call for their session has run
             for n, answer in zip(later, self._rounds_many([items[n] for n in later]), strict=True):
                 answers[n] = answer
         return answers
+
+    def _rounds_stream(self, items: list, more, answer) -> None:
+        """`_rounds_many` continuously (an MlxThread stream batch): each (session, position,
+        drafts, plain_steps) answered the step its round finishes, the rounds queued meanwhile
+        joining the forwards (`engine.rounds_stream`). A second call for a session whose round
+        is running waits until the stream is done, then is checked as `_rounds_many` checks it."""
+        later: list = []
+        running: set[int] = set()  # sessions with a round in this stream
+        items_of: dict[int, tuple] = {}  # id(Round) -> its item
+
+        def rounds_of(new: list) -> list[Round]:
+            rounds = []
+            for item in new:
+                session, position, drafts, asked = item
+                if id(session) in running:
+                    later.append(item)
+                    continue
+                try:
+                    self._check_round(session, position, len(drafts))
+                except ServiceError as exc:
+                    answer(item, exc)
+                    continue
+                running.add(id(session))
+                steps = 1 if drafts else self._plain_steps(session, asked)
+                ahead = not drafts and self._looks_ahead(session, steps)
+                r = Round(session, drafts, steps, ahead)
+                items_of[id(r)] = item
+                rounds.append(r)
+            return rounds
+
+        def answered(r: Round, result) -> None:
+            running.discard(id(r.session))
+            answer(items_of.pop(id(r)), result)
+
+        rounds_stream(self._ready(), rounds_of(items), lambda: rounds_of(more()), answered,
+                      metrics.DECODE_BATCH.observe)  # fmt: skip
+        if later:
+            for item, result in zip(later, self._rounds_many(later), strict=True):
+                answer(item, result)
 
     def _verify_in_order(
         self, target: Target, session: Session, position: int, drafts, probs, parents=None,
