@@ -7,7 +7,7 @@
 # parity   drafting off against plain mlx-lm, all 80 MT-bench questions (issue 25)
 # grounded drafting off and n-gram on the whole input-grounded set
 # load     aggregate throughput at 1, 4, 16, 64 clients, and the verifier alone (issue 28)
-# pool     the verifier alone with its KV pool on and off, then the services pooled (issue 28)
+# pool     many clients on the KV pool: the verifier alone, the services, the fault drill (issue 28)
 # distill  the target's replies to ShareGPT prompts, appended to ~/dd.jsonl (resumes)
 # dflash   the DFlash drafter, from the shipped one, on ~/dd.jsonl (or carried .gpu/dd.gz.*)
 # eagle3   the EAGLE-3 head, from the shipped one, on the same replies
@@ -39,13 +39,16 @@ load)
   timeout 120 python3 benchmarks/batched_decode.py --target "$model" --clients 1 4 16 64 \
     --verifier-args "--dtype float32" > "$OUT/batched.log" 2>&1 ;;
 pool)
-  for mode in on off; do
-    timeout 140 python3 benchmarks/batched_decode.py --target "$model" --clients 1 16 64 \
-      --verifier-args "--dtype float32 --warmup minimal --kv-pool $mode" > "$OUT/pool-$mode.log" 2>&1
-  done
-  timeout 240 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
-    --max-tokens 128 --drafter none --concurrency 1,16,64 --concurrency-requests 1 \
-    --verifier-args "--kv-pool on" --json ~/res/pool.json > "$OUT/pool-bench.log" 2>&1 ;;
+  # the KV pool is the verifier's default on a GPU: the verifier alone with it, then the
+  # services (drafting off and n-gram), then the fault drill at 16 sessions
+  timeout 100 python3 benchmarks/batched_decode.py --target "$model" --clients 1 16 64 \
+    --verifier-args "--dtype float32 --warmup minimal" > "$OUT/pool-verifier.log" 2>&1
+  timeout 300 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
+    --max-tokens 128 --drafter none,ngram --concurrency 1,4,16,64 --concurrency-requests 1 \
+    --json ~/res/pool.json > "$OUT/pool-bench.log" 2>&1
+  timeout 150 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
+    --max-tokens 64 --drafter ngram --concurrency 1,16 --concurrency-requests 1 \
+    --concurrency-faults --json ~/res/faults.json > "$OUT/pool-faults.log" 2>&1 ;;
 distill)
   timeout 540 python3 -m specd distill --target "$model" --out ~/dd.jsonl --conversations 60000 \
     --batch-size 512 --max-prompt-tokens 1024 --max-new-tokens 256 > "$OUT/distill.log" 2>&1
