@@ -49,11 +49,14 @@ def _batches(metrics_port: int) -> tuple[float, float]:
     return count, alone
 
 
+MLX = ["--gemv-rows", "0", "--row-forwards", "on"]
+
+
 @pytest.mark.parametrize(
-    "forwards", [[], ["--gemv-rows", "0", "--row-forwards", "on"]], ids=["cpu-kernels", "mlx"]
+    "forwards", [[], MLX, [*MLX, "--kv-pool", "on"]], ids=["cpu-kernels", "mlx", "mlx-pooled"]
 )
 def test_concurrent_sessions_decode_together_and_as_each_alone(tiny_model_dir, tmp_path, forwards):
-    """On the CPU kernels, and in MLX as on a GPU."""
+    """On the CPU kernels, and in MLX as on a GPU: per-session caches, and the KV pool."""
     metrics_port, port = free_ports(2)
     verifier = spawn(
         "verifier",
