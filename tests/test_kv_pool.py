@@ -189,3 +189,75 @@ def test_the_full_warm_up_runs_a_batched_forward_of_pooled_sessions(pooled, monk
     assert calls and len(calls[0]) == 2
     gc.collect()
     assert pooled.kv_pool.open_slots == 0  # the warm-up's sessions gave their slots back
+
+
+def test_prompts_prefilled_together_open_the_sessions_each_prefill_opens(
+    pooled, plain, monkeypatch
+):
+    from verifier_svc.engine import PromptToPrefill, prefill_many
+    from verifier_svc.sampling import SamplingConfig
+
+    sampled = SamplingConfig(temperature=0.8)
+    asks = [PromptToPrefill(p, c) for p, c in zip(PROMPTS, CAPTURES, strict=True)]
+    asks += [PromptToPrefill([42], (0,)), PromptToPrefill(PROMPTS[2], (), sampling=sampled, seed=3)]
+    calls = recorded(monkeypatch, pooled, "forward_pooled")
+    together = prefill_many(pooled, asks)
+    assert len(calls) == 2 and len(calls[1]) == len(asks)  # the prompts' heads, then their lasts
+    for ask, got in zip(asks, together, strict=True):
+        alone = prefill(plain, ask.prompt_ids, ask.capture, ask.rows_dtype, ask.sampling, ask.seed)
+        assert got.first_token == alone.first_token
+        assert got.session.position == alone.session.position
+        assert got.session.cache[0].offset == len(ask.prompt_ids)
+        assert (got.rows is None) == (alone.rows is None)
+        if alone.rows is not None:
+            close(got.rows, alone.rows)
+        if ask.sampling.greedy:
+            assert (
+                decode(pooled, got.session, 4).committed
+                == decode(plain, alone.session, 4).committed
+            )
+
+
+def test_sessions_opened_at_once_are_prefilled_in_shared_forwards(
+    tiny_model_dir, plain, monkeypatch
+):
+    import asyncio
+    import threading
+
+    from specd.service import MlxThread
+    from specd.v1 import verifier_pb2
+    from tests.test_prefill_slices import Context
+    from verifier_svc import engine
+    from verifier_svc.config import VerifierConfig
+    from verifier_svc.servicer import VerifierServicer
+
+    groups: list[int] = []
+    real = engine._prefill_group
+
+    def recording(target, prompts, group, answers):
+        groups.append(len(group))
+        return real(target, prompts, group, answers)
+
+    async def main():
+        mlx = MlxThread(inline_rounds=False)
+        config = VerifierConfig(model=str(tiny_model_dir), warmup="minimal", gemv_rows=0,
+                                row_forwards="on", kv_pool="on")  # fmt: skip
+        verifier = VerifierServicer(config, mlx)
+        await verifier.load()
+        gate = threading.Event()
+        mlx.submit(gate.wait)  # the worker busy while the calls queue up
+        calls = [
+            verifier.OpenSession(verifier_pb2.OpenSessionRequest(prompt_ids=p), Context())
+            for p in PROMPTS
+        ]
+        tasks = [asyncio.ensure_future(c) for c in calls]
+        await asyncio.sleep(0.3)
+        gate.set()
+        opened = await asyncio.gather(*tasks)
+        mlx.shutdown()
+        return opened
+
+    monkeypatch.setattr(engine, "_prefill_group", recording)
+    opened = asyncio.run(main())
+    assert groups == [len(PROMPTS)]
+    assert [o.first_token for o in opened] == [prefill(plain, p).first_token for p in PROMPTS]

@@ -343,6 +343,105 @@ def prefill_steps(
     return PrefillResult(session, first, all_rows, time.perf_counter() - start)
 
 
+@dataclass
+class PromptToPrefill:
+    """One session's prompt and how it is opened (as `prefill` takes them)."""
+
+    prompt_ids: list[int]
+    capture: tuple[int, ...] = ()
+    rows_dtype: mx.Dtype = mx.float16
+    sampling: SamplingConfig = GREEDY
+    seed: int | None = None
+
+
+def prefill_many(target: Target, prompts: list[PromptToPrefill]) -> list[PrefillResult | Exception]:
+    """Several prompts' prefills as shared forwards of pooled sessions (`Target.kv_pool`):
+    all but each prompt's last token in one batch, then every last token in another, as
+    `prefill` runs one prompt. Prompts past one chunk, or past what a forward takes, and
+    every prompt on a target without the pool are prefilled alone; a shared forward that
+    fails answers its prompts with the error."""
+    if target.kv_pool is None:
+        return [_prefill_alone(target, p) for p in prompts]
+    answers: list[PrefillResult | Exception | None] = [None] * len(prompts)
+    group: list[int] = []
+    rows = 0
+    for n, p in enumerate(prompts):
+        size = len(p.prompt_ids)
+        if size > PREFILL_CHUNK or size > POOLED_MAX_ROWS:
+            answers[n] = _prefill_alone(target, p)
+            continue
+        if group and (len(group) + 1) * max(size, rows) > POOLED_MAX_ROWS:
+            _prefill_group(target, prompts, group, answers)
+            group, rows = [], 0
+        group.append(n)
+        rows = max(rows, size)
+    if group:
+        _prefill_group(target, prompts, group, answers)
+    return answers
+
+
+def _prefill_alone(target: Target, p: PromptToPrefill) -> PrefillResult | Exception:
+    try:
+        return prefill(target, p.prompt_ids, p.capture, p.rows_dtype, p.sampling, p.seed)
+    except Exception as exc:  # noqa: BLE001 - this prompt's error, not the others'
+        return exc
+
+
+def _prefill_group(target: Target, prompts, group: list[int], answers: list) -> None:
+    if len(group) == 1:
+        answers[group[0]] = _prefill_alone(target, prompts[group[0]])
+        return
+    start = time.perf_counter()
+    chosen = [prompts[n] for n in group]
+    caches = [target.new_cache() for _ in chosen]
+    capture = frozenset().union(*(p.capture for p in chosen))
+    try:
+        parts: list[list] = [[] for _ in chosen]
+        heads = [i for i, p in enumerate(chosen) if len(p.prompt_ids) > 1]
+        if heads:
+            outs = target._mlx.forward_pooled(
+                [Segment(np.array(chosen[i].prompt_ids[:-1]), caches[i]) for i in heads], capture
+            )
+            for i, (_, outputs) in zip(heads, outs, strict=True):
+                if chosen[i].capture:
+                    parts[i].append(_joined([outputs[j] for j in chosen[i].capture], -1))
+        lasts = target._mlx.forward_pooled(
+            [Segment(np.array(p.prompt_ids[-1:]), c) for p, c in zip(chosen, caches, strict=True)],
+            capture,
+        )
+        firsts = [_greedy_next(logits[-1:]) for logits, _ in lasts]
+        kept = []
+        for i, (p, (_, outputs)) in enumerate(zip(chosen, lasts, strict=True)):
+            if p.capture:
+                parts[i].append(_joined([outputs[j] for j in p.capture], -1))
+            kept.append(_joined(parts[i], 0).astype(p.rows_dtype) if parts[i] else None)
+        mx.eval(firsts, [r for r in kept if r is not None], [c.state for c in caches[0]])
+    except Exception as exc:  # noqa: BLE001 - the error of this group's prompts
+        for n in group:
+            answers[n] = exc
+        return
+    seconds = time.perf_counter() - start
+    for n, p, cache, (logits, _), first, rows in zip(group, chosen, caches, lasts, firsts, kept,
+                                                     strict=True):  # fmt: skip
+        rng = None if p.sampling.greedy else np.random.default_rng(p.seed)
+        if rng is None:
+            token = first.item()
+        else:
+            distribution = target_distribution(np.array(logits[-1], np.float32), p.sampling)
+            token = sample(distribution, rng)
+        session = Session(
+            cache=cache,
+            capture=p.capture,
+            rows_dtype=p.rows_dtype,
+            position=len(p.prompt_ids) + 1,
+            last_token=token,
+            finished=token in target.eos_ids,
+            sampling=p.sampling,
+            rng=rng,
+        )
+        answers[n] = PrefillResult(session, token, rows, seconds)
+
+
 def _accept(
     target: Target, session: Session, draft_ids, draft_probs, logits, rows=None, first=None
 ):

@@ -25,6 +25,7 @@ from specd.service import (
 from specd.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_svc.config import GPU_MODES, VerifierConfig
 from verifier_svc.engine import (
+    PromptToPrefill,
     Round,
     Session,
     Target,
@@ -32,6 +33,7 @@ from verifier_svc.engine import (
     advance,
     decode,
     half_weights_pay,
+    prefill_many,
     prefill_steps,
     rounds_many,
     rounds_stream,
@@ -112,6 +114,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.warmup: WarmupReport | None = None
         self.look_ahead = False  # decided at load
         self.sessions = SessionTable(config.max_sessions, config.session_idle_timeout_s)
+        # prompts opened at once are prefilled together where sessions are pooled
+        self._prefills = Batch(lambda asks: prefill_many(self._ready(), asks))
         self._rounds = Batch(
             self._rounds_many, key=lambda item: id(item[0]), run_stream=self._rounds_stream
         )  # by session
@@ -204,9 +208,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         # in between; otherwise the whole prefill is one job
         sliced = 0 < self.config.prefill_slice_tokens < len(prompt) and len(self.sessions) > 0
         rows_dtype = ROWS_DTYPES[request.rows_dtype]
-        steps = prefill_steps(target, prompt, layers, rows_dtype, sampling, seed, sliced=sliced)
-        while (result := await self.mlx.run(advance, steps)) is None:
-            pass
+        if target.kv_pool is not None and not sliced:  # with the prompts opening beside it
+            ask = PromptToPrefill(prompt, layers, rows_dtype, sampling, seed)
+            result = await self.mlx.run_batched(self._prefills, ask)
+        else:
+            steps = prefill_steps(target, prompt, layers, rows_dtype, sampling, seed, sliced)
+            while (result := await self.mlx.run(advance, steps)) is None:
+                pass
         session_id = self.sessions.add(result.session)
         return verifier_pb2.OpenSessionResponse(
             session_id=session_id,
