@@ -456,10 +456,7 @@ class MlxThread:
             results = [exc] * len(jobs)
         self._finished += taken
         for (future, _), result in zip(jobs, results, strict=True):
-            if isinstance(result, BaseException):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
+            _settle(future, result)
 
     def _stream_batch(self, batch: Batch, jobs: list, held: collections.deque) -> None:
         """`batch.run_stream` over `jobs`: each caller answered as its item is done, and jobs
@@ -493,10 +490,7 @@ class MlxThread:
         def answer(item, result) -> None:
             future = futures.pop(id(item))
             self._finished += 1  # counted before the caller can wake, as in _work
-            if isinstance(result, BaseException):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
+            _settle(future, result)
 
         error: BaseException = RuntimeError("the batch returned without answering")
         try:
@@ -555,6 +549,14 @@ class MlxThread:
         idle: Future = Future()
         self._jobs.put((idle, lambda: None, ()))
         idle.result()
+
+
+def _settle(future: Future, result) -> None:
+    """A batch's answer to its caller: an exception raised there, anything else returned."""
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
 
 
 def _status_kib(field: str) -> int | None:

@@ -26,3 +26,37 @@ def recorded(monkeypatch, target, method: str) -> list[list[int]]:
 
     monkeypatch.setattr(type(target._mlx), method, recording)
     return calls
+
+
+def sessions_of(target) -> list:
+    from verifier_svc.engine import prefill
+
+    return [prefill(target, p, c).session for p, c in zip(PROMPTS, CAPTURES, strict=True)]
+
+
+def round_plans(target) -> list[tuple[list[int], int]]:
+    """(drafts, steps) per session of `sessions_of`: plain bursts, a verify long enough for
+    chunked attention, one of the greedy continuation (all accepted), one rejected at once."""
+    from verifier_svc.engine import decode
+
+    greedy = decode(target, sessions_of(target)[3], 3).committed
+    wrong = decode(target, sessions_of(target)[4], 1).committed[0] + 1
+    return [([], 4), ([], 1), ([3, 1, 4, 1, 5, 9], 1), (greedy, 1), ([wrong, 5], 1)]
+
+
+def run_alone(target, sessions, plans) -> list:
+    from verifier_svc.engine import decode, verify
+
+    return [
+        verify(target, s, d) if d else decode(target, s, k)
+        for s, (d, k) in zip(sessions, plans, strict=True)
+    ]
+
+
+def assert_same_rounds(alone, together) -> None:
+    for a, b in zip(alone, together, strict=True):
+        assert (b.committed, b.num_accepted, b.finished) == (a.committed, a.num_accepted,
+                                                             a.finished)  # fmt: skip
+        assert (a.rows is None) == (b.rows is None)
+        if a.rows is not None:
+            close(b.rows, a.rows)

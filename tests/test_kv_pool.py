@@ -9,7 +9,16 @@ import gc
 import pytest
 
 from specd.models.load import load_target
-from tests.sessions import CAPTURES, PROMPTS, close, recorded
+from tests.sessions import (
+    CAPTURES,
+    PROMPTS,
+    assert_same_rounds,
+    close,
+    recorded,
+    round_plans,
+    run_alone,
+    sessions_of,
+)
 from verifier_svc.engine import Round, Target, decode, prefill, rounds_many, verify, verify_tree
 from verifier_svc.kv_pool import CAPACITY_STEP, KVPool, PooledCache
 
@@ -33,8 +42,7 @@ def plain(tiny_model_dir):
     return made
 
 
-def _sessions(target: Target):
-    return [prefill(target, p, c).session for p, c in zip(PROMPTS, CAPTURES, strict=True)]
+_sessions = sessions_of
 
 
 def test_a_pooled_session_alone_computes_what_its_own_cache_does(pooled, plain):
@@ -68,13 +76,8 @@ def test_a_draft_tree_on_a_pooled_session_keeps_the_same_path(pooled, plain):
 def test_pooled_rounds_run_as_one_forward_and_commit_what_each_does_alone(
     pooled, plain, monkeypatch
 ):
-    greedy = decode(plain, _sessions(plain)[3], 3).committed
-    wrong = decode(plain, _sessions(plain)[4], 1).committed[0] + 1
-    plans = [([], 4), ([], 1), ([3, 1, 4, 1, 5, 9], 1), (greedy, 1), ([wrong, 5], 1)]
-    alone = [
-        verify(plain, s, d) if d else decode(plain, s, k)
-        for s, (d, k) in zip(_sessions(plain), plans, strict=True)
-    ]
+    plans = round_plans(plain)
+    alone = run_alone(plain, _sessions(plain), plans)
     calls = recorded(monkeypatch, pooled, "forward_pooled")
     sessions = _sessions(pooled)
     together = rounds_many(
@@ -83,18 +86,12 @@ def test_pooled_rounds_run_as_one_forward_and_commit_what_each_does_alone(
     assert calls[0] == [1, 1, 7, 4, 3]  # every session's first step in one forward
     assert calls[1:] == [[1]] * 3  # then the one plain round still going
     assert together[3].num_accepted == 3 and together[4].num_accepted == 0
-    for a, b in zip(alone, together, strict=True):
-        assert (b.committed, b.num_accepted, b.finished) == (a.committed, a.num_accepted,
-                                                             a.finished)  # fmt: skip
-        assert (a.rows is None) == (b.rows is None)
-        if a.rows is not None:
-            close(b.rows, a.rows)
+    assert_same_rounds(alone, together)
     for session in sessions:
         assert session.cache[0].offset == session.position - 1
     again = rounds_many(pooled, [Round(s, [], 3) for s in sessions])
     reference = _sessions(plain)
-    for s, (d, k) in zip(reference, plans, strict=True):
-        verify(plain, s, d) if d else decode(plain, s, k)
+    run_alone(plain, reference, plans)
     assert [r.committed for r in again] == [decode(plain, s, 3).committed for s in reference]
 
 

@@ -8,7 +8,14 @@ import asyncio
 import pytest
 
 from specd.models.load import load_target
-from tests.sessions import CAPTURES, PROMPTS, close, recorded
+from tests.sessions import (
+    PROMPTS,
+    assert_same_rounds,
+    recorded,
+    round_plans,
+    run_alone,
+    sessions_of,
+)
 from verifier_svc.engine import Round, Target, decode, prefill, rounds_many, verify
 
 
@@ -29,20 +36,12 @@ def test_without_row_by_row_products_sessions_run_one_after_the_other(tiny_model
     assert own.shared_forward([Round(s, [], 2) for s in sessions]) is None
 
 
-def _sessions(target: Target):
-    return [prefill(target, p, c).session for p, c in zip(PROMPTS, CAPTURES, strict=True)]
+_sessions = sessions_of
 
 
 def test_rounds_sharing_mlx_forwards_equal_each_alone(target, monkeypatch):
-    greedy = decode(target, _sessions(target)[3], 3).committed
-    wrong = decode(target, _sessions(target)[4], 1).committed[0] + 1
-    # plain bursts, a verify long enough for chunked attention, one of the greedy
-    # continuation (all accepted), one rejected at once: 16 rows, one forward
-    plans = [([], 4), ([], 1), ([3, 1, 4, 1, 5, 9], 1), (greedy, 1), ([wrong, 5], 1)]
-    alone = [
-        verify(target, s, d) if d else decode(target, s, k)
-        for s, (d, k) in zip(_sessions(target), plans, strict=True)
-    ]
+    plans = round_plans(target)  # 16 rows, one forward
+    alone = run_alone(target, _sessions(target), plans)
     calls = recorded(monkeypatch, target, "forward_many")
     sessions = _sessions(target)
     together = rounds_many(
@@ -50,13 +49,8 @@ def test_rounds_sharing_mlx_forwards_equal_each_alone(target, monkeypatch):
     )
     assert calls and len(calls[0]) == len(plans)  # the first step: every session in one forward
     assert together[3].num_accepted == 3 and together[4].num_accepted == 0
-    for a, b in zip(alone, together, strict=True):
-        assert (b.committed, b.num_accepted, b.finished) == (a.committed, a.num_accepted,
-                                                             a.finished)  # fmt: skip
-        assert (a.rows is None) == (b.rows is None)
-        if a.rows is not None:
-            close(b.rows, a.rows)
-        assert b.share < 1.0
+    assert_same_rounds(alone, together)
+    assert all(b.share < 1.0 for b in together)
     for session in sessions:
         assert session.cache[0].offset == session.position - 1
     # the caches hold what decoding alone leaves: the next steps agree too

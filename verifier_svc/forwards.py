@@ -21,7 +21,7 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from specd.cpu.llama import CpuLlama, Segment
 from specd.models.capture import Bypass, CaptureSink, CapturingLayer
 from specd.models.rowwise import ChunkedAttention
-from verifier_svc.kv_pool import batch_mask, batched_attention
+from verifier_svc.kv_pool import PooledStep, batched_attention
 from verifier_svc.tree import ancestor_mask, depths, rope_groups
 
 
@@ -165,17 +165,17 @@ class MlxForward:
         ids = np.zeros((len(segments), tokens), dtype=np.int32)
         for b, s in enumerate(segments):
             ids[b, : lengths[b]] = s.token_ids
-        offsets = np.array([s.cache[0].offset for s in segments])
-        mask = batch_mask(offsets, tokens)
+        step = PooledStep.of([s.cache[0] for s in segments], tokens)
+        pool = segments[0].cache[0].pool
+        pool.reserve(int(step.offsets.max()) + tokens)
         hidden = inner.embed_tokens(mx.array(ids))
         kept: dict[int, mx.array] = {}
         for index, layer in enumerate(inner.layers):
             layer = layer.inner if isinstance(layer, CapturingLayer) else layer
             attn = layer.self_attn
             own = attn.inner if isinstance(attn, ChunkedAttention) else attn
-            caches = [s.cache[index] for s in segments]
             x = layer.input_layernorm(hidden)
-            hidden = hidden + batched_attention(own, x, caches, offsets, mask)
+            hidden = hidden + batched_attention(own, x, pool, index, step)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
             if index in capture:
                 kept[index] = hidden

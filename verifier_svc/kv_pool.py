@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -110,9 +111,8 @@ class KVPool:
     def write(self, layer: int, index: mx.array, keys: mx.array, values: mx.array) -> None:
         """Scatter rows [N, head_dim] of keys and values to flat rows `index` [N]."""
         flat_keys, flat_values = self.arrays(layer, keys)
-        at = index
-        flat_keys[at] = keys.reshape(-1, keys.shape[-1]).astype(flat_keys.dtype)
-        flat_values[at] = values.reshape(-1, values.shape[-1]).astype(flat_values.dtype)
+        flat_keys[index] = keys.reshape(-1, keys.shape[-1]).astype(flat_keys.dtype)
+        flat_values[index] = values.reshape(-1, values.shape[-1]).astype(flat_values.dtype)
 
     def rows_index(self, slots: np.ndarray, offsets: np.ndarray, heads: int, tokens: int):
         """Flat rows of `tokens` new positions per head after each slot's offset: [B, H, T]."""
@@ -132,21 +132,17 @@ class KVPool:
             index = self._indices[key] = mx.array(rows.astype(np.int32))
         return index
 
-    def slot_index(self, slots: np.ndarray) -> mx.array:
-        """`slots` as a device array, made once per step."""
-        key = ("slots", slots.tobytes())
-        index = self._indices.get(key)
-        if index is None:
-            index = self._indices[key] = mx.array(slots.astype(np.int32))
-        return index
+    def made(self, layer: int) -> bool:
+        """Whether the layer's arrays exist (a write made them since the pool was last empty)."""
+        return self._keys[layer] is not None
+
+    def layer_bytes(self, layer: int) -> int:
+        keys, values = self._keys[layer], self._values[layer]
+        return 0 if keys is None else keys.nbytes + values.nbytes
 
     @property
     def nbytes(self) -> int:
-        return sum(
-            k.nbytes + v.nbytes
-            for k, v in zip(self._keys, self._values, strict=True)
-            if k is not None
-        )
+        return sum(self.layer_bytes(layer) for layer in range(self.layers))
 
 
 class _Slot:
@@ -172,8 +168,7 @@ class PooledCache(KVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         tokens = keys.shape[2]
-        self.pool.reserve(self.offset + tokens)
-        self.pool.arrays(self.layer, keys)  # grown first: the index uses the capacity
+        self.pool.reserve(self.offset + tokens)  # first: the index uses the capacity
         index = self.pool.new_rows(np.array([self.slot]), np.array([self.offset]), keys.shape[1],
                                    tokens)  # fmt: skip
         self.pool.write(self.layer, index, keys[0], values[0])
@@ -219,9 +214,7 @@ class PooledCache(KVCache):
     @property
     def state(self):
         """The pool's arrays for this layer (an evaluation of them runs every pending write)."""
-        if self.pool._keys[self.layer] is None:
-            return ()
-        return self.pool.arrays(self.layer)
+        return self.pool.arrays(self.layer) if self.pool.made(self.layer) else ()
 
     def empty(self) -> bool:
         return self.offset == 0
@@ -229,38 +222,49 @@ class PooledCache(KVCache):
     @property
     def nbytes(self) -> int:
         """This slot's share of the layer's arrays."""
-        keys = self.pool._keys[self.layer]
-        if keys is None:
-            return 0
-        return 2 * keys.nbytes // max(1, self.pool.slots)
+        return self.pool.layer_bytes(self.layer) // max(1, self.pool.slots)
 
 
-def batched_attention(
-    attn, x: mx.array, caches: list[PooledCache], offsets: np.ndarray, mask: mx.array
-) -> mx.array:
+@dataclass(frozen=True)
+class PooledStep:
+    """What every layer of one batched forward shares, made once: the sessions' slots and
+    cache offsets, both as device arrays too (the gather's index, RoPE's offsets), and the
+    attention mask."""
+
+    slots: np.ndarray  # [B]
+    offsets: np.ndarray  # [B]
+    slot_index: mx.array  # [B] int32
+    positions: mx.array  # [B] int32
+    mask: mx.array  # [B, 1, T, L] bool
+
+    @classmethod
+    def of(cls, caches: list[PooledCache], tokens: int) -> PooledStep:
+        slots = np.array([c.slot for c in caches])
+        offsets = np.array([c.offset for c in caches])
+        return cls(slots, offsets, mx.array(slots.astype(np.int32)),
+                   mx.array(offsets.astype(np.int32)), batch_mask(offsets, tokens))  # fmt: skip
+
+
+def batched_attention(attn, x: mx.array, pool: KVPool, layer: int, step: PooledStep) -> mx.array:
     """mlx-lm Llama attention for B sessions at once: x [B, T, hidden] holds each session's
     new rows (the first few real, the rest padding), at its cache offset. Writes every row's
     keys and values to the pool (padding rows past the session's real ones, where its next
-    write overwrites them) and attends each query to its own session's keys through
-    `mask` [B, 1, T, L]. The caches' offsets are not advanced: the caller does, once."""
-    pool, layer = caches[0].pool, caches[0].layer
+    write overwrites them) and attends each query to its own session's keys through the
+    step's mask. The caller reserves the room and advances the caches' offsets, once."""
     batch, tokens, _ = x.shape
     queries = attn.q_proj(x).reshape(batch, tokens, attn.n_heads, -1).transpose(0, 2, 1, 3)
     keys = attn.k_proj(x).reshape(batch, tokens, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     values = attn.v_proj(x).reshape(batch, tokens, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    at = mx.array(offsets.astype(np.int32))
-    queries, keys = attn.rope(queries, offset=at), attn.rope(keys, offset=at)
-    pool.reserve(int(offsets.max()) + tokens)
-    pool.arrays(layer, keys)
-    slots = np.array([c.slot for c in caches])
-    pool.write(layer, pool.new_rows(slots, offsets, attn.n_kv_heads, tokens), keys, values)
+    queries = attn.rope(queries, offset=step.positions)
+    keys = attn.rope(keys, offset=step.positions)
+    rows = pool.new_rows(step.slots, step.offsets, attn.n_kv_heads, tokens)
+    pool.write(layer, rows, keys, values)
     flat_keys, flat_values = pool.arrays(layer)
-    seen = mask.shape[-1]
-    taken = pool.slot_index(slots)
-    all_keys = mx.take(pool.grid(flat_keys)[:, :, :seen], taken, axis=0)
-    all_values = mx.take(pool.grid(flat_values)[:, :, :seen], taken, axis=0)
+    seen = step.mask.shape[-1]
+    all_keys = mx.take(pool.grid(flat_keys)[:, :, :seen], step.slot_index, axis=0)
+    all_values = mx.take(pool.grid(flat_values)[:, :, :seen], step.slot_index, axis=0)
     out = mx.fast.scaled_dot_product_attention(
-        queries, all_keys, all_values, scale=attn.scale, mask=mask
+        queries, all_keys, all_values, scale=attn.scale, mask=step.mask
     )
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, tokens, -1))
 

@@ -35,7 +35,6 @@ from verifier_svc.engine import (
     half_weights_pay,
     prefill_many,
     prefill_steps,
-    rounds_many,
     rounds_stream,
     verify,
     verify_tree,
@@ -297,30 +296,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return self.look_ahead and session.position + steps < self.max_context
 
     def _rounds_many(self, items: list) -> list:
-        """Greedy rounds of the sessions waiting together (an MlxThread batch): a result, or
-        the error to answer with, for each (session, position, drafts, plain_steps)."""
-        answers: list = [None] * len(items)
-        ready, later, sessions = [], [], set()
-        for n, (session, position, drafts, asked) in enumerate(items):
-            if id(session) in sessions:  # a second call for one session (a retry): after it
-                later.append(n)
-                continue
-            try:
-                self._check_round(session, position, len(drafts))
-            except ServiceError as exc:
-                answers[n] = exc
-                continue
-            sessions.add(id(session))
-            steps = 1 if drafts else self._plain_steps(session, asked)
-            ahead = not drafts and self._looks_ahead(session, steps)
-            ready.append((n, Round(session, drafts, steps, ahead)))
-        results = rounds_many(self._ready(), [r for _, r in ready], metrics.DECODE_BATCH.observe)
-        for (n, _), result in zip(ready, results, strict=True):
-            answers[n] = result
-        if later:  # checked again, now that the first call for their session has run
-            for n, answer in zip(later, self._rounds_many([items[n] for n in later]), strict=True):
-                answers[n] = answer
-        return answers
+        """Greedy rounds of the sessions waiting together: a result, or the error to answer
+        with, for each (session, position, drafts, plain_steps); `_rounds_stream` with no
+        more arriving."""
+        answers: dict[int, object] = {}
+        self._rounds_stream(items, list, lambda item, result: answers.setdefault(id(item), result))
+        return [answers[id(item)] for item in items]
 
     def _rounds_stream(self, items: list, more, answer) -> None:
         """`_rounds_many` continuously (an MlxThread stream batch): each (session, position,
