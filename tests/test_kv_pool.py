@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gc
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
 from specd.models.load import load_target
@@ -258,3 +260,23 @@ def test_sessions_opened_at_once_are_prefilled_in_shared_forwards(
     opened = asyncio.run(main())
     assert groups == [len(PROMPTS)]
     assert [o.first_token for o in opened] == [prefill(plain, p).first_token for p in PROMPTS]
+
+
+def test_a_sessions_own_writes_touch_its_slot_alone_and_no_scatter_runs():
+    """A session stepping alone writes its rows as a slice of its slot (no index, no scatter):
+    the other slots' rows stay as they were, its own read back as written."""
+    pool = KVPool(1)
+    first, second = pool.open()[0], pool.open()[0]
+    rows = [mx.random.normal((1, 2, n, 4)) for n in (5, 3, 1)]
+    first.update_and_fetch(rows[0], rows[0] * 2)
+    before = [np.array(a) for a in first.fetch()]
+    calls = []
+    pool.write = lambda *a: calls.append(a)  # the batched path's scatter
+    second.update_and_fetch(rows[1], rows[1] * 2)
+    keys, values = second.update_and_fetch(rows[2], rows[2] * 2)
+    assert calls == [] and second.offset == 4 and first.offset == 5
+    expected = np.concatenate([np.array(rows[1]), np.array(rows[2])], axis=2)
+    np.testing.assert_array_equal(np.array(keys), expected)
+    np.testing.assert_array_equal(np.array(values), expected * 2)
+    for was, now in zip(before, first.fetch(), strict=True):
+        np.testing.assert_array_equal(was, np.array(now))

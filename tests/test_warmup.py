@@ -84,7 +84,7 @@ def _config(model, **kw):
     return VerifierConfig(model=model, dtype="float32", max_draft_tokens=3, **kw)
 
 
-def test_separate_runs_the_full_warmup_in_a_child_and_one_round_here(tiny_model_dir, target):
+def test_separate_runs_the_full_warmup_in_a_child_and_a_few_rounds_here(tiny_model_dir, target):
     from verifier_svc.servicer import target_for
     from verifier_svc.warmup import resolve_mode, warm_up_served
 
@@ -98,7 +98,8 @@ def test_separate_runs_the_full_warmup_in_a_child_and_one_round_here(tiny_model_
 
     served, report = warm_up_served(config, load)
     assert report.mode == "separate" and loads == [1]  # loaded here once, after the child
-    assert report.calls == full_warmup(target, 3) + 2  # the child's whole warm-up, then a round
+    # the child's whole warm-up, then a prefill, a burst and two verifies here
+    assert report.calls == full_warmup(target, 3) + 5
     assert greedy(served) == greedy(target)
 
 
@@ -109,9 +110,28 @@ def test_a_failed_separate_warmup_still_serves(tiny_model_dir, caplog):
     # the child cannot load this model; the service loads the real one and goes on
     config = _config(str(tiny_model_dir / "missing"), warmup="separate")
     served, report = warm_up_served(config, lambda: target_for(_config(str(tiny_model_dir))))
-    assert report.mode == "separate" and report.calls == 2
+    assert report.mode == "separate" and report.calls == 5
     assert "separate process failed" in caplog.text
     assert len(greedy(served)) == 13
+
+
+def test_the_serving_process_meets_a_prompt_and_a_served_burst(target, monkeypatch):
+    """Each process loads a shape class's kernels at its first use: the serving process runs
+    a prompt of a typical length and a look-ahead burst itself, not only a 3-token round."""
+    from verifier_svc import warmup
+
+    prompts, bursts = [], []
+    real_prefill, real_decode = warmup.prefill, warmup.decode
+    monkeypatch.setattr(
+        warmup,
+        "prefill",
+        lambda t, ids, *a, **k: prompts.append(len(ids)) or real_prefill(t, ids, *a, **k),
+    )
+    monkeypatch.setattr(
+        warmup, "decode", lambda t, s, n, **k: bursts.append((n, k)) or real_decode(t, s, n, **k)
+    )
+    assert warmup.serving_warmup(target) == 5
+    assert 64 in prompts and (4, {"look_ahead": True}) in bursts
 
 
 class _ExitsWhereUnpickled:

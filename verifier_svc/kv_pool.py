@@ -114,6 +114,18 @@ class KVPool:
         flat_keys[index] = keys.reshape(-1, keys.shape[-1]).astype(flat_keys.dtype)
         flat_values[index] = values.reshape(-1, values.shape[-1]).astype(flat_values.dtype)
 
+    def write_slot(
+        self, layer: int, slot: int, offset: int, keys: mx.array, values: mx.array
+    ) -> None:
+        """One session's new rows [kv_heads, T, head_dim] at its offset, as a slice update: a
+        session alone makes no index and runs no scatter (cheaper on a GPU, where its decode
+        step is a few launches per layer)."""
+        for arrays, new in ((self._keys, keys), (self._values, values)):
+            flat = self.arrays(layer, keys)[arrays is self._values]
+            grid = self.grid(flat)
+            grid[slot, :, offset : offset + new.shape[1]] = new.astype(flat.dtype)
+            arrays[layer] = grid.reshape(flat.shape)
+
     def rows_index(self, slots: np.ndarray, offsets: np.ndarray, heads: int, tokens: int):
         """Flat rows of `tokens` new positions per head after each slot's offset: [B, H, T]."""
         head = np.arange(heads)[None, :, None]
@@ -168,10 +180,8 @@ class PooledCache(KVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         tokens = keys.shape[2]
-        self.pool.reserve(self.offset + tokens)  # first: the index uses the capacity
-        index = self.pool.new_rows(np.array([self.slot]), np.array([self.offset]), keys.shape[1],
-                                   tokens)  # fmt: skip
-        self.pool.write(self.layer, index, keys[0], values[0])
+        self.pool.reserve(self.offset + tokens)
+        self.pool.write_slot(self.layer, self.slot, self.offset, keys[0], values[0])
         self.offset += tokens
         return self.fetch()
 

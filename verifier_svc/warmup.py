@@ -13,7 +13,8 @@ On an H200 a verifier that had run the full warm-up itself decoded ~40 % slower 
 served than one whose kernels another process had compiled (drafting off 0.63x of plain mlx-lm
 against 0.91x, same host, same bench run; docs/gpu.md). Why is not known; the `separate` mode,
 auto's choice on a GPU, therefore runs the full warm-up in a short-lived child process, whose
-kernels land in the disk cache, and only one round in the serving process.
+kernels land in the disk cache, and in the serving process a prefill and a few
+rounds (`serving_warmup`).
 """
 
 from __future__ import annotations
@@ -128,6 +129,17 @@ def minimal_warmup(target: Target) -> int:
     return 2
 
 
+def serving_warmup(target: Target) -> int:
+    """The serving process's share of `separate`: the kernels are on disk, but each process
+    still loads them at a shape class's first use (on the H200 a first prompt's prefill took
+    236 ms, the same prefill later 25 ms), so a prompt of a typical length, a decode burst as
+    served and a short verify run here; no tree and no long context (see the module's note)."""
+    session = prefill(target, _prompt(target, 64, 8)).session
+    decode(target, session, 4, look_ahead=True)
+    verify(target, session, _prompt(target, 2, 9))
+    return 3 + minimal_warmup(target)
+
+
 def warm_up(target: Target, max_draft_tokens: int, mode: str = "auto") -> WarmupReport:
     """mode auto: full on a GPU, minimal on a CPU. `separate` is the servicer's (it needs the
     configuration to load the target again in a child): see `warm_up_served`."""
@@ -147,5 +159,5 @@ def warm_up_served(config, load) -> tuple[Target, WarmupReport]:
     start = time.perf_counter()
     child_calls = full_warmup_in_child(config) or 0
     target = load()
-    calls = child_calls + minimal_warmup(target)
+    calls = child_calls + serving_warmup(target)
     return target, WarmupReport(mode, calls, time.perf_counter() - start)
