@@ -180,14 +180,20 @@ def test_a_prompt_prefilled_a_layer_at_a_time_into_the_pool_is_the_same(pooled, 
     assert decode(pooled, sliced.session, 4).committed == decode(plain, whole.session, 4).committed
 
 
-def test_the_full_warm_up_runs_a_batched_forward_of_pooled_sessions(pooled, monkeypatch):
+@pytest.mark.parametrize("pool_alone", [True, False])
+def test_the_full_warm_up_prefills_and_steps_pooled_sessions_together(
+    tiny_model_dir, pool_alone, monkeypatch
+):
     from verifier_svc.warmup import full_warmup
 
-    calls = recorded(monkeypatch, pooled, "forward_pooled")
-    full_warmup(pooled, 3, long_context=80)
-    assert calls and len(calls[0]) == 2
+    target = Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0,
+                    row_forwards=True, kv_pool=True, pool_alone=pool_alone)  # fmt: skip
+    calls = recorded(monkeypatch, target, "forward_pooled")
+    full_warmup(target, 3, long_context=80)
+    # the two prompts' heads, their last tokens, then a plain step beside a verify of 4
+    assert calls[:3] == [[63, 39], [1, 1], [1, 4]]
     gc.collect()
-    assert pooled.kv_pool.open_slots == 0  # the warm-up's sessions gave their slots back
+    assert target.kv_pool.open_slots == 0  # the warm-up's sessions gave their slots back
 
 
 def test_prompts_prefilled_together_open_the_sessions_each_prefill_opens(
@@ -280,3 +286,54 @@ def test_a_sessions_own_writes_touch_its_slot_alone_and_no_scatter_runs():
     np.testing.assert_array_equal(np.array(values), expected * 2)
     for was, now in zip(before, first.fetch(), strict=True):
         np.testing.assert_array_equal(was, np.array(now))
+
+
+def test_with_pool_alone_off_a_lone_session_keeps_its_own_cache_and_company_pools(
+    tiny_model_dir, plain, monkeypatch
+):
+    target = Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0,
+                    row_forwards=True, kv_pool=True, pool_alone=False)  # fmt: skip
+    first, *others = sessions_of(target)[:3]
+    assert not isinstance(first.cache[0], PooledCache)  # opened alone
+    assert all(isinstance(s.cache[0], PooledCache) for s in others)  # opened beside it
+    calls = recorded(monkeypatch, target, "forward_pooled")
+    got = rounds_many(target, [Round(s, [], 4) for s in (first, *others)])
+    want = [decode(plain, s, 4).committed for s in sessions_of(plain)[:3]]
+    assert [r.committed for r in got] == want
+    assert calls and all(len(rows) == 2 for rows in calls)  # the pooled pair shared forwards
+    del first, others, got
+    gc.collect()
+    assert target.open_sessions == 0
+    assert not isinstance(prefill(target, PROMPTS[0]).session.cache[0], PooledCache)
+
+
+def test_auto_on_a_gpu_pools_sessions_opened_beside_another_and_counts_both_kinds(
+    tiny_model_dir, monkeypatch
+):
+    import asyncio
+
+    from specd.service import MlxThread
+    from verifier_svc import servicer as servicer_module
+    from verifier_svc.config import VerifierConfig
+
+    monkeypatch.setattr(servicer_module, "device_kind", lambda: "gpu")
+
+    async def main():
+        mlx = MlxThread()
+        config = VerifierConfig(model=str(tiny_model_dir), warmup="minimal", gemv_rows=0,
+                                row_forwards="on", look_ahead="off")  # fmt: skip
+        verifier = servicer_module.VerifierServicer(config, mlx)
+        await verifier.load()
+        mlx.shutdown()
+        return verifier
+
+    verifier = asyncio.run(main())
+    target = verifier._ready()
+    assert target.kv_pool is not None and not target.pool_alone
+    alone = prefill(target, PROMPTS[1]).session
+    beside = prefill(target, PROMPTS[2]).session
+    assert isinstance(beside.cache[0], PooledCache) and not isinstance(alone.cache[0], PooledCache)
+    verifier.sessions.add(alone)
+    verifier.sessions.add(beside)
+    own = sum(layer.nbytes for layer in alone.cache)
+    assert own > 0 and verifier.kv_bytes() == target.kv_pool.nbytes + own

@@ -39,6 +39,7 @@ from verifier_svc.engine import (
     verify,
     verify_tree,
 )
+from verifier_svc.kv_pool import PooledCache
 from verifier_svc.sampling import SamplingConfig
 from verifier_svc.tree import check_parents
 from verifier_svc.warmup import WarmupReport, warm_up_served
@@ -102,6 +103,7 @@ def target_for(config: VerifierConfig) -> Target:
         config.gemv_rows,
         row_forwards=on_gpu(config.row_forwards, "row-forwards"),
         kv_pool=on_gpu(config.kv_pool, "kv-pool"),
+        pool_alone=config.kv_pool == "on",
     )
 
 
@@ -131,9 +133,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def kv_bytes(self) -> int:
         """Bytes the open sessions' KV caches hold (allocated, not just filled)."""
         target = self.target
-        if target is not None and target.kv_pool is not None:
-            return target.kv_pool.nbytes  # pooled: every slot's share, open or free
-        return sum(layer.nbytes for session in self.sessions.values() for layer in session.cache)
+        pooled = 0 if target is None or target.kv_pool is None else target.kv_pool.nbytes
+        own = sum(
+            layer.nbytes
+            for session in self.sessions.values()
+            for layer in session.cache
+            if not isinstance(layer, PooledCache)
+        )
+        return pooled + own  # the pool: every slot's share, open or free
 
     def _ensure_kv_room(self) -> None:
         limit = self.config.max_kv_bytes

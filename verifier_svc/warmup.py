@@ -30,10 +30,12 @@ import numpy as np
 from specd.models.load import warmup_mode
 from verifier_svc.engine import (
     PREFILL_CHUNK,
+    PromptToPrefill,
     Round,
     Target,
     decode,
     prefill,
+    prefill_many,
     rounds_many,
     verify,
     verify_tree,
@@ -82,9 +84,13 @@ def full_warmup(target: Target, max_draft_tokens: int, long_context: int = PREFI
         decode(target, session, 4)
         calls += 2 + len(sizes) + len(trees)
     if target.kv_pool is not None:  # pooled sessions' batched forwards have kernels of their own
-        pair = [prefill(target, _prompt(target, 64, seed)).session for seed in (5, 6)]
+        # the first opened may keep a cache of its own (`Target.pool_alone`); the pair opened
+        # beside it pool, prefilled together as sessions opening at once are
+        first = prefill(target, _prompt(target, 64, 4)).session  # noqa: F841 - held open
+        asks = [PromptToPrefill(_prompt(target, n, seed)) for n, seed in ((64, 5), (40, 6))]
+        pair = [opened.session for opened in prefill_many(target, asks)]
         rounds_many(target, [Round(pair[0], [], 2), Round(pair[1], _prompt(target, 3, 7), 1)])
-        calls += 3
+        calls += 4
     sampled = SamplingConfig(temperature=1.0)
     session = prefill(target, _prompt(target, 64, 3), (), sampling=sampled, seed=0).session
     vocab = target.identity.vocab_size
