@@ -288,7 +288,7 @@ def test_a_sessions_own_writes_touch_its_slot_alone_and_no_scatter_runs():
         np.testing.assert_array_equal(was, np.array(now))
 
 
-def test_with_pool_alone_off_a_lone_session_keeps_its_own_cache_and_company_pools(
+def test_with_pool_alone_off_a_lone_session_keeps_its_own_cache_until_company_comes(
     tiny_model_dir, plain, monkeypatch
 ):
     target = Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0,
@@ -296,14 +296,21 @@ def test_with_pool_alone_off_a_lone_session_keeps_its_own_cache_and_company_pool
     first, *others = sessions_of(target)[:3]
     assert not isinstance(first.cache[0], PooledCache)  # opened alone
     assert all(isinstance(s.cache[0], PooledCache) for s in others)  # opened beside it
+    theirs = sessions_of(plain)[:3]
+    alone = rounds_many(target, [Round(first, [], 2)])  # no company: it stays on its own cache
+    assert not isinstance(first.cache[0], PooledCache)
     calls = recorded(monkeypatch, target, "forward_pooled")
     got = rounds_many(target, [Round(s, [], 4) for s in (first, *others)])
-    want = [decode(plain, s, 4).committed for s in sessions_of(plain)[:3]]
-    assert [r.committed for r in got] == want
-    assert calls and all(len(rows) == 2 for rows in calls)  # the pooled pair shared forwards
+    want = [decode(plain, theirs[0], 2).committed + decode(plain, theirs[0], 4).committed,
+            *(decode(plain, s, 4).committed for s in theirs[1:])]  # fmt: skip
+    assert [alone[0].committed + got[0].committed, *(r.committed for r in got[1:])] == want
+    # with company the first moved into the pool (its rows copied), and all three shared
+    assert isinstance(first.cache[0], PooledCache) and first.cache[0].offset == first.position - 1
+    assert calls and all(len(rows) == 3 for rows in calls)
+    assert target.open_sessions == 3  # moving a session neither opened nor closed one
     del first, others, got
     gc.collect()
-    assert target.open_sessions == 0
+    assert target.open_sessions == 0 and target.kv_pool.open_slots == 0
     assert not isinstance(prefill(target, PROMPTS[0]).session.cache[0], PooledCache)
 
 

@@ -98,8 +98,8 @@ class VerifierConfig:
         "(the per-session path costs several per session, each a kernel launch on a GPU); "
         "sums over the batch may round unlike a session alone, so a greedy choice can differ "
         "at a near-tie (Llama-family models in MLX; the CPU kernels take no pooled session); "
-        "auto = on a GPU, the sessions opened while another is open (a session alone keeps "
-        "a cache of its own, whose decode step costs less); on = every session",
+        "auto = on a GPU, a session alone keeps a cache of its own (its decode step costs "
+        "less) and moves into the pool when other sessions' rounds come; on = every session",
         choices=GPU_MODES,
     )
     cache_dir: Path | None = None  # where the embedded model is materialized

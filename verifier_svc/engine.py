@@ -201,7 +201,8 @@ class Target:
         """A session's caches: in the pool, unless `pool_alone` is off and no other session is
         open. A session alone shares no forward, and its decode step on caches of its own ran
         faster on the H200 (drafting off 0.94-0.96x of plain mlx-lm against 0.78-0.90x pooled,
-        docs/gpu.md); one opened beside it is pooled, and so are the rounds they share."""
+        docs/gpu.md); one opened beside it is pooled, and a lone one moves into the pool when
+        rounds of others come (`pool_session`)."""
         with self._open_lock:
             alone = self._open_sessions == 0
             self._open_sessions += 1
@@ -209,8 +210,31 @@ class Target:
             cache = self.kv_pool.open()
         else:
             cache = make_prompt_cache(self.model)
-        weakref.finalize(cache[0], self._closed)
+        opened = _Opened()  # the session's, whichever caches hold it later (`pool_session`)
+        weakref.finalize(opened, self._closed)
+        for layer in cache:
+            layer.opened = opened
         return cache
+
+    def pool_session(self, session: Session) -> bool:
+        """Move a session's KV from caches of its own into a pool slot (its rows copied), so
+        it can share forwards now that others are open; True when it is pooled (or already
+        was), False where there is no pool or its caches are not plain ones."""
+        if self.kv_pool is None:
+            return False
+        if isinstance(session.cache[0], PooledCache):
+            return True
+        if not all(type(layer) is KVCache for layer in session.cache):
+            return False
+        _drop_ahead(session)
+        pooled = self.kv_pool.open()
+        for own, slot in zip(session.cache, pooled, strict=True):
+            slot.opened = getattr(own, "opened", None)
+            if own.offset:
+                end = own.offset
+                slot.update_and_fetch(own.keys[..., :end, :], own.values[..., :end, :])
+        session.cache = pooled
+        return True
 
     def _closed(self) -> None:
         with self._open_lock:
@@ -226,6 +250,12 @@ class Target:
     ) -> tuple[mx.array, mx.array | None]:
         """token_ids [T] appended at the cache end -> (logits [T, V], rows [T, L*H] or None)."""
         return self._backend(token_ids.size, cache)(token_ids, cache, capture, None)
+
+
+class _Opened:
+    """A live session's mark: the open-session count drops when the last cache holding it goes."""
+
+    __slots__ = ("__weakref__",)
 
 
 @dataclass
@@ -641,6 +671,10 @@ def rounds_stream(
         pending.extend(more())
         if not pending and not running:
             return
+        if target.kv_pool is not None and len(pending) + len(running) > 1:
+            for r in pending:  # one opened alone joins the pool once it has company
+                if r.session.rng is None:
+                    target.pool_session(r.session)
         alone = 0  # the rounds at the front that run alone
         while alone < len(pending) and (shared is None or not target.joins(pending[alone])):
             alone += 1
