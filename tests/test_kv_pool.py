@@ -344,3 +344,35 @@ def test_auto_on_a_gpu_pools_sessions_opened_beside_another_and_counts_both_kind
     verifier.sessions.add(beside)
     own = sum(layer.nbytes for layer in alone.cache)
     assert own > 0 and verifier.kv_bytes() == target.kv_pool.nbytes + own
+
+
+def test_a_round_that_would_grow_the_pool_past_the_kv_limit_is_refused(tiny_model_dir):
+    import asyncio
+    from dataclasses import replace
+
+    from specd.service import MlxThread, ResourceExhausted
+    from verifier_svc.config import VerifierConfig
+    from verifier_svc.servicer import VerifierServicer
+
+    async def main():
+        mlx = MlxThread()
+        config = VerifierConfig(model=str(tiny_model_dir), warmup="minimal", gemv_rows=0,
+                                row_forwards="on", kv_pool="on")  # fmt: skip
+        verifier = VerifierServicer(config, mlx)
+        await verifier.load()
+        mlx.shutdown()
+        return verifier
+
+    verifier = asyncio.run(main())
+    target = verifier._ready()
+    session = prefill(target, [5 + j % 80 for j in range(CAPACITY_STEP - 11)]).session
+    verifier.sessions.add(session)
+    held = target.kv_pool.nbytes
+    verifier.config = replace(verifier.config, max_kv_bytes=int(held * 1.5))
+    verifier._check_round(session, session.position, 0, 8)  # within the slots' capacity
+    with pytest.raises(ResourceExhausted, match="--max-kv-memory") as refused:
+        verifier._check_round(session, session.position, 0, 16)  # past it: every slot doubles
+    assert f"{target.kv_pool.slots} slots" in str(refused.value)
+    assert target.kv_pool.bytes_at(CAPACITY_STEP + 1) == 2 * held
+    verifier.config = replace(verifier.config, max_kv_bytes=2 * held)
+    verifier._check_round(session, session.position, 0, 16)  # room for the doubled pool

@@ -148,6 +148,17 @@ class KVPool:
         """Whether the layer's arrays exist (a write made them since the pool was last empty)."""
         return self._keys[layer] is not None
 
+    def bytes_at(self, length: int) -> int:
+        """What the arrays would hold with room for `length` tokens: the pool grows every slot
+        at once, so one long session costs its length for all of them."""
+        capacity = max(self.capacity, -(-length // CAPACITY_STEP) * CAPACITY_STEP)
+        total = 0
+        for layer in range(self.layers):
+            if self._keys[layer] is not None:
+                slots, made = self._shape[layer]
+                total += self.layer_bytes(layer) // (slots * made) * self.slots * capacity
+        return total
+
     def layer_bytes(self, layer: int) -> int:
         keys, values = self._keys[layer], self._values[layer]
         return 0 if keys is None else keys.nbytes + values.nbytes

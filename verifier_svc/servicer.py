@@ -283,7 +283,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     VerifyStream = stream_of(Verify)
 
-    def _check_round(self, session: Session, position: int, drafts: int) -> None:
+    def _check_round(self, session: Session, position: int, drafts: int, steps: int = 1) -> None:
         # checked on the MLX thread, so two calls for one session cannot both pass
         if session.finished:
             raise FailedPrecondition("session is finished (EOS committed); close it")
@@ -294,6 +294,23 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
         if session.position + drafts > self.max_context:
             raise ResourceExhausted(f"context would exceed the limit of {self.max_context} tokens")
+        self._check_pool_growth(session, max(drafts, steps) + 1)  # + 1: a queued look-ahead
+
+    def _check_pool_growth(self, session: Session, tokens: int) -> None:
+        """A pooled session's round that would grow the pool (every slot at once) past
+        --max-kv-memory is refused; the session keeps what it has committed."""
+        pool, limit = self._ready().kv_pool, self.config.max_kv_bytes
+        if pool is None or limit is None or not isinstance(session.cache[0], PooledCache):
+            return
+        held = pool.nbytes
+        grown = pool.bytes_at(session.position + tokens)
+        if grown > held and self.kv_bytes() - held + grown > limit:
+            raise ResourceExhausted(
+                f"this round would grow the KV pool from {_mib(held)} to {_mib(grown)} (its "
+                f"{pool.slots} slots all to {session.position + tokens} tokens), past the limit "
+                f"(--max-kv-memory) of {_mib(limit)}; close sessions, send fewer tokens a call "
+                "or raise the limit"
+            )
 
     def _plain_steps(self, session: Session, asked: int) -> int:
         """As many as fit in the context; at least one passed `_check_round`."""
@@ -327,7 +344,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     later.append(item)
                     continue
                 try:
-                    self._check_round(session, position, len(drafts))
+                    self._check_round(session, position, len(drafts), asked)
                 except ServiceError as exc:
                     answer(item, exc)
                     continue
@@ -353,7 +370,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self, target: Target, session: Session, position: int, drafts, probs, parents=None,
         plain_steps: int = 0,
     ):  # fmt: skip
-        self._check_round(session, position, len(drafts))
+        self._check_round(session, position, len(drafts), plain_steps)
         if plain_steps > 1 or (not drafts and parents is None and session.rng is None):
             steps = self._plain_steps(session, plain_steps)
             return decode(target, session, steps, look_ahead=self._looks_ahead(session, steps))
