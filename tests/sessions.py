@@ -60,3 +60,24 @@ def assert_same_rounds(alone, together) -> None:
         assert (a.rows is None) == (b.rows is None)
         if a.rows is not None:
             close(b.rows, a.rows)
+
+
+def loaded_verifier(model_dir, **options):
+    """A verifier servicer on `model_dir`, loaded (minimal warm-up, MLX forwards row by row)
+    and its worker stopped: for calling its methods directly."""
+    import asyncio
+
+    from specd.service import MlxThread
+    from verifier_svc.config import VerifierConfig
+    from verifier_svc.servicer import VerifierServicer
+
+    async def load():
+        mlx = MlxThread()
+        config = VerifierConfig(model=str(model_dir), warmup="minimal", gemv_rows=0,
+                                row_forwards="on", **options)  # fmt: skip
+        verifier = VerifierServicer(config, mlx)
+        await verifier.load()
+        mlx.shutdown()
+        return verifier
+
+    return asyncio.run(load())

@@ -16,6 +16,7 @@ from tests.sessions import (
     PROMPTS,
     assert_same_rounds,
     close,
+    loaded_verifier,
     recorded,
     round_plans,
     run_alone,
@@ -143,22 +144,8 @@ def test_a_failed_pooled_forward_leaves_every_session_as_it_was(pooled, monkeypa
 
 
 def test_the_verifier_option_pools_and_reports_the_pool_as_its_kv(tiny_model_dir):
-    import asyncio
 
-    from specd.service import MlxThread
-    from verifier_svc.config import VerifierConfig
-    from verifier_svc.servicer import VerifierServicer
-
-    async def main():
-        mlx = MlxThread()
-        config = VerifierConfig(model=str(tiny_model_dir), warmup="minimal", gemv_rows=0,
-                                row_forwards="on", kv_pool="on")  # fmt: skip
-        verifier = VerifierServicer(config, mlx)
-        await verifier.load()
-        mlx.shutdown()
-        return verifier
-
-    verifier = asyncio.run(main())
+    verifier = loaded_verifier(tiny_model_dir, kv_pool="on")
     target = verifier._ready()
     assert isinstance(target.kv_pool, KVPool)
     session = prefill(target, PROMPTS[1]).session
@@ -317,24 +304,12 @@ def test_with_pool_alone_off_a_lone_session_keeps_its_own_cache_until_company_co
 def test_auto_on_a_gpu_pools_sessions_opened_beside_another_and_counts_both_kinds(
     tiny_model_dir, monkeypatch
 ):
-    import asyncio
 
-    from specd.service import MlxThread
     from verifier_svc import servicer as servicer_module
-    from verifier_svc.config import VerifierConfig
 
     monkeypatch.setattr(servicer_module, "device_kind", lambda: "gpu")
 
-    async def main():
-        mlx = MlxThread()
-        config = VerifierConfig(model=str(tiny_model_dir), warmup="minimal", gemv_rows=0,
-                                row_forwards="on", look_ahead="off")  # fmt: skip
-        verifier = servicer_module.VerifierServicer(config, mlx)
-        await verifier.load()
-        mlx.shutdown()
-        return verifier
-
-    verifier = asyncio.run(main())
+    verifier = loaded_verifier(tiny_model_dir, look_ahead="off")
     target = verifier._ready()
     assert target.kv_pool is not None and not target.pool_alone
     alone = prefill(target, PROMPTS[1]).session
@@ -347,23 +322,11 @@ def test_auto_on_a_gpu_pools_sessions_opened_beside_another_and_counts_both_kind
 
 
 def test_a_round_that_would_grow_the_pool_past_the_kv_limit_is_refused(tiny_model_dir):
-    import asyncio
     from dataclasses import replace
 
-    from specd.service import MlxThread, ResourceExhausted
-    from verifier_svc.config import VerifierConfig
-    from verifier_svc.servicer import VerifierServicer
+    from specd.service import ResourceExhausted
 
-    async def main():
-        mlx = MlxThread()
-        config = VerifierConfig(model=str(tiny_model_dir), warmup="minimal", gemv_rows=0,
-                                row_forwards="on", kv_pool="on")  # fmt: skip
-        verifier = VerifierServicer(config, mlx)
-        await verifier.load()
-        mlx.shutdown()
-        return verifier
-
-    verifier = asyncio.run(main())
+    verifier = loaded_verifier(tiny_model_dir, kv_pool="on")
     target = verifier._ready()
     session = prefill(target, [5 + j % 80 for j in range(CAPACITY_STEP - 11)]).session
     verifier.sessions.add(session)

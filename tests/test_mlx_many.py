@@ -3,14 +3,13 @@ path): each session commits what it commits alone, with the same rows and caches
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from specd.models.load import load_target
 from tests.sessions import (
     PROMPTS,
     assert_same_rounds,
+    loaded_verifier,
     recorded,
     round_plans,
     run_alone,
@@ -119,20 +118,9 @@ def test_a_failing_forward_fails_its_own_sessions_only(target, monkeypatch):
 def test_a_second_call_for_one_session_in_a_batch_runs_after_the_first(tiny_model_dir):
     """A retried call waiting beside the original is checked once the original has run: it
     finds the session moved on, as it would one call at a time."""
-    from specd.service import FailedPrecondition, MlxThread
-    from verifier_svc.config import VerifierConfig
-    from verifier_svc.servicer import VerifierServicer
+    from specd.service import FailedPrecondition
 
-    async def main():
-        mlx = MlxThread()
-        config = VerifierConfig(model=str(tiny_model_dir), warmup="minimal", gemv_rows=0,
-                                row_forwards="on")  # fmt: skip
-        verifier = VerifierServicer(config, mlx)
-        await verifier.load()
-        mlx.shutdown()
-        return verifier
-
-    verifier = asyncio.run(main())
+    verifier = loaded_verifier(tiny_model_dir)
     target = verifier._ready()
     assert target.shares_forwards
     first, other = (prefill(target, p).session for p in PROMPTS[:2])
