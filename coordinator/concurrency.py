@@ -58,8 +58,9 @@ def level_row(
         "tokens": tokens,
         "wall_s": round(wall_s, 3),
         "aggregate_tok_s": tokens / wall_s if wall_s > 0 else 0.0,
-        "p50_s": statistics.median(latencies),
-        "p99_s": percentile(latencies, 0.99),
+        # None where every request failed: the row still reports the failures
+        "p50_s": statistics.median(latencies) if latencies else None,
+        "p99_s": percentile(latencies, 0.99) if latencies else None,
         "outputs_differing_from_solo": differ,
         "failed": failed,
     }
@@ -235,8 +236,13 @@ def _print_rows(name: str, rows: list[dict]) -> None:
         drafting = (f"  drafted/token {r['drafted_per_token']:.2f}, tau {r['tau']:.2f}"
                     if "tau" in r else "")  # fmt: skip
         print(f"  {r['clients']:>5} {r['requests']:>9} {r['aggregate_tok_s']:16.1f} "
-              f"{r['p50_s']:6.2f} {r['p99_s']:6.2f}  {r['outputs_differing_from_solo']:>19}  "
+              f"{_seconds(r['p50_s']):>6} {_seconds(r['p99_s']):>6}  "
+              f"{r['outputs_differing_from_solo']:>19}  "
               f"{r['failed']:>6}{drafting}{faults}", file=sys.stderr)  # fmt: skip
+
+
+def _seconds(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
 
 
 def write_concurrency(path: Path, results: dict[str, list[dict]]) -> None:
@@ -258,7 +264,8 @@ def write_concurrency(path: Path, results: dict[str, list[dict]]) -> None:
     for name, rows in results.items():
         clients = [r["clients"] for r in rows]
         axes[0].plot(clients, [r["aggregate_tok_s"] for r in rows], marker="o", label=name)
-        axes[1].plot(clients, [r["p99_s"] for r in rows], marker="o", label=name)
+        p99 = [float("nan") if r["p99_s"] is None else r["p99_s"] for r in rows]
+        axes[1].plot(clients, p99, marker="o", label=name)
     for ax, title in zip(axes, ("aggregate tokens/s", "p99 request latency (s)"), strict=True):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
@@ -284,7 +291,8 @@ def concurrency_table(results: dict[str, list[dict]]) -> str:
             faults = f" ({r['faults']})" if r.get("faults") else ""
             lines.append(
                 f"| {name} | {r['clients']}{faults} | {r['aggregate_tok_s']:.1f} | {ratio} | "
-                f"{r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['outputs_differing_from_solo']} | "
+                f"{_seconds(r['p50_s'])} | {_seconds(r['p99_s'])} | "
+                f"{r['outputs_differing_from_solo']} | "
                 f"{r.get('failed', 0)} |"
             )
     return "\n".join(lines)

@@ -293,6 +293,16 @@ def test_concurrency_rows_say_how_much_was_drafted():
     assert "tau" not in level_row(2, 60, 1.0, [0.5, 0.7], 0)  # mlx-lm's rows draft nothing
 
 
+def test_a_level_where_every_request_failed_is_reported_not_a_crash(tmp_path, capsys):
+    from coordinator.concurrency import _print_rows, concurrency_table, level_row
+
+    row = level_row(4, 0, 2.0, [], 0, failed=4)
+    assert row["requests"] == 0 and row["failed"] == 4 and row["p50_s"] is None
+    _print_rows("none", [row])
+    assert "     –      –" in capsys.readouterr().err
+    assert "| none | 4 | 0.0 | – | – | – | 0 | 4 |" in concurrency_table({"none": [row]})
+
+
 def test_concurrency_levels_are_checked():
     from coordinator.concurrency import parse_levels, percentile
 

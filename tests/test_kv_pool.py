@@ -210,6 +210,20 @@ def test_prompts_prefilled_together_open_the_sessions_each_prefill_opens(
             )
 
 
+def test_prompts_prefilled_together_with_no_session_open_are_all_pooled(tiny_model_dir, plain):
+    """With pool_alone off, prompts of one batched prefill are company for each other: none
+    keeps a cache of its own, since their forward is the pool's shared one."""
+    from verifier_svc.engine import PromptToPrefill, prefill_many
+
+    target = Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0,
+                    row_forwards=True, kv_pool=True, pool_alone=False)  # fmt: skip
+    assert target.open_sessions == 0
+    together = prefill_many(target, [PromptToPrefill(p) for p in PROMPTS])
+    assert all(isinstance(r.session.cache[0], PooledCache) for r in together)
+    assert [r.first_token for r in together] == [prefill(plain, p).first_token for p in PROMPTS]
+    assert target.open_sessions == len(PROMPTS)
+
+
 def test_sessions_opened_at_once_are_prefilled_in_shared_forwards(
     tiny_model_dir, plain, monkeypatch
 ):

@@ -197,16 +197,17 @@ class Target:
         """A generator: the forward of token_ids a layer per `next()`; returns the rows."""
         return self._mlx.layer_by_layer(token_ids, cache, capture)
 
-    def new_cache(self) -> list:
+    def new_cache(self, in_company: bool = False) -> list:
         """A session's caches: in the pool, unless `pool_alone` is off and no other session is
-        open. A session alone shares no forward, and its decode step on caches of its own ran
-        faster on the H200 (drafting off 0.94-0.96x of plain mlx-lm against 0.78-0.90x pooled,
+        open (in_company: others open with it, as the prompts of one batched prefill). A
+        session alone shares no forward, and its decode step on caches of its own ran faster
+        on the H200 (drafting off 0.94-0.96x of plain mlx-lm against 0.78-0.90x pooled,
         docs/gpu.md); one opened beside it is pooled, and a lone one moves into the pool when
         rounds of others come (`pool_session`)."""
         with self._open_lock:
             alone = self._open_sessions == 0
             self._open_sessions += 1
-        if self.kv_pool is not None and (self.pool_alone or not alone):
+        if self.kv_pool is not None and (self.pool_alone or in_company or not alone):
             cache = self.kv_pool.open()
         else:
             cache = make_prompt_cache(self.model)
@@ -449,7 +450,7 @@ def _prefill_group(target: Target, prompts, group: list[int], answers: list) -> 
         return
     start = time.perf_counter()
     chosen = [prompts[n] for n in group]
-    caches = [target.new_cache() for _ in chosen]
+    caches = [target.new_cache(in_company=True) for _ in chosen]  # a shared forward: all pooled
     capture = frozenset().union(*(p.capture for p in chosen))
     try:
         parts: list[list] = [[] for _ in chosen]
