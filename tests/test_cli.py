@@ -130,6 +130,7 @@ def test_numeric_flags_are_checked_when_parsed(capsys):
         ["train", "dflash", "--out", "x", "--layers", "0"],
         ["train", "dflash", "--out", "x", "--draft-vocab", "-5"],
         ["distill", "--out", "x", "--max-prompt-tokens", "0"],
+        ["distill", "--out", "x", "--prompts", "self", "--prompt-temperature", "0"],
     ],
 )
 def test_out_of_range_flags_are_refused_when_parsed(argv, capsys):

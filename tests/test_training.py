@@ -255,6 +255,56 @@ def test_distill_of_first_turns_answers_each_opening_message(tiny_model_dir, dat
     assert len({turns[0]["value"] for turns in records}) == 4
 
 
+def test_distill_of_self_written_prompts_answers_messages_the_target_wrote(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """--prompts self: the target continues its template's opening of a user turn into a
+    message, then answers it greedily; no message twice, none cut off at the cap, none a
+    benchmark question, and a second run adds new ones."""
+    from coordinator.bench import plain_decode
+    from drafter_svc.distill import DistillOptions, distill, user_turn_opening
+    from specd import datasets
+    from specd.models.load import load_target
+
+    plain = load_target(str(tiny_model_dir), "float32")
+    tokenizer = plain.tokenizer
+    opening = user_turn_opening(tokenizer)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hello there"}],
+                                         tokenize=True, add_generation_prompt=False)  # fmt: skip
+    assert list(chat[: len(opening)]) == opening  # what the target continues is the template's
+
+    def run(name: str, wanted: int, cap: int = 150) -> list[list[dict]]:
+        out = tmp_path / name
+        opts = DistillOptions(target=str(tiny_model_dir), out=out, conversations=wanted,
+                              max_new_tokens=6, max_prompt_tokens=cap, batch_size=4,
+                              prompts="self")  # fmt: skip
+        summary = distill(opts)
+        assert summary["prompts"] == "self" and summary["replies"] == wanted
+        return [json.loads(line)["conversations"] for line in out.read_text().splitlines()]
+
+    records = run("self.jsonl", 5)
+    messages = [turns[0]["value"] for turns in records]
+    assert len(records) == 5 and len(set(messages)) == 5
+    eos = set(plain.identity.eos_token_ids)
+    for turns in records:
+        assert [t["from"] for t in turns] == ["human", "gpt"] and len(turns[0]["value"]) >= 8
+        message = [{"role": "user", "content": turns[0]["value"]}]
+        prompt = tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=True)
+        greedy = plain_decode(plain.model, list(prompt), 6, eos).token_ids
+        reply = [t for t in greedy if t not in eos]  # the EOS ends the reply, not part of it
+        assert turns[1]["value"] == tokenizer.decode(reply).strip()
+    resumed = run("self.jsonl", 8)  # draws afresh: three new messages, none repeated
+    assert [t[0]["value"] for t in resumed[:5]] == messages
+    assert len({t[0]["value"] for t in resumed}) == 8
+    # the same seed writes the same messages again; one made a benchmark question is dropped
+    monkeypatch.setattr(datasets, "benchmark_keys",
+                        lambda: frozenset({datasets.benchmark_key(messages[0])}))  # fmt: skip
+    again = [turns[0]["value"] for turns in run("again.jsonl", 2)]
+    assert len(again) == 2 and messages[0] not in again and set(again) <= set(messages)
+    with pytest.raises(ValueError, match="no new user message"):  # every message cut at 2
+        run("cut.jsonl", 2, cap=2)
+
+
 def test_distill_waves_of_unequal_prompts_give_each_prompt_its_greedy_reply(tiny_model_dir):
     from coordinator.bench import plain_decode
     from drafter_svc.distill import greedy_waves
