@@ -68,6 +68,9 @@ def level_row(
         rounds = sum(s.rounds for s in stats)
         generated = sum(s.generated_tokens for s in stats)
         row["drafted_per_token"] = sum(s.drafted for s in stats) / max(1, generated)
+        # under load a call's round trip keeps its session out of the forwards meanwhile
+        row["verify_calls_per_token"] = sum(s.verify_calls for s in stats) / max(1, generated)
+        row["draft_calls_per_token"] = sum(s.draft_calls for s in stats) / max(1, generated)
         row["tau"] = 1 + sum(s.accepted for s in stats) / rounds if rounds else 1.0
     return row
 
@@ -233,7 +236,9 @@ def _print_rows(name: str, rows: list[dict]) -> None:
           "failed", file=sys.stderr)  # fmt: skip
     for r in rows:
         faults = f"  ({r['faults']})" if r.get("faults") else ""
-        drafting = (f"  drafted/token {r['drafted_per_token']:.2f}, tau {r['tau']:.2f}"
+        drafting = (f"  drafted/token {r['drafted_per_token']:.2f}, tau {r['tau']:.2f}, "
+                    f"calls/token verifier {r.get('verify_calls_per_token', 0):.2f} "
+                    f"drafter {r.get('draft_calls_per_token', 0):.2f}"
                     if "tau" in r else "")  # fmt: skip
         print(f"  {r['clients']:>5} {r['requests']:>9} {r['aggregate_tok_s']:16.1f} "
               f"{_seconds(r['p50_s']):>6} {_seconds(r['p99_s']):>6}  "

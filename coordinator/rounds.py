@@ -127,6 +127,11 @@ class RoundStats:
         return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
 
     @property
+    def verify_calls(self) -> int:
+        """Verifier calls after the prefill: one timing is kept per call."""
+        return len(self.round_times)
+
+    @property
     def coordinator_s(self) -> float:
         return max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s)
 
@@ -307,6 +312,7 @@ async def run_rounds(
             _record(stats, played, new)
             if plan.adaptive is not None:
                 _learn_round(plan.adaptive, played)
+            request.in_company = played.verified.share < COMPANY_SHARE
             finished = played.verified.finished or stats.generated_tokens >= plan.max_tokens
             stats.total_s = time.perf_counter() - start
             yield new, finished
@@ -326,6 +332,10 @@ class _Request:
     plan: Plan
     stats: RoundStats
     position: int  # tokens in context, the last committed one included
+    # the last call's forwards ran other sessions' rows too (Verified.share): under load a
+    # short call leaves the session out of the batched forwards that run while its answer
+    # travels, so rounds without drafts decode as long a burst as drafting off would
+    in_company: bool = False
 
 
 @dataclass
@@ -390,7 +400,7 @@ def _round_kind(request: _Request, played: Round, remaining: int) -> str:
     if link is None or k == 0:
         if link is not None:
             link.take_carried(0)  # drafts made for this position are stale after it
-        played.steps = _plain_steps(plan, link, k, remaining)
+        played.steps = _plain_steps(plan, link, k, remaining, request.in_company)
         return "plain" if played.steps > 1 else "verify"
     carried = link.take_carried(k)
     played.tree = plan.tree
@@ -402,8 +412,10 @@ def _round_kind(request: _Request, played: Round, remaining: int) -> str:
         return "verify"
     if plan.draft_beside_decode and link.empty_answers and played.tree is None:
         # the last call found nothing; this one will likely find nothing too, so decode
-        # meanwhile instead of waiting for it with one token to verify
-        played.steps = min(plan.decode_burst, link.empty_answers, remaining)
+        # meanwhile instead of waiting for it with one token to verify: alone, a burst that
+        # grows with the empty answers; in company, drafting off's
+        played.steps = (_burst(plan, remaining) if request.in_company
+                        else min(plan.decode_burst, link.empty_answers, remaining))  # fmt: skip
         return "plain" if link.skip_call() else "beside"
     return "draft"
 
@@ -480,19 +492,26 @@ def _learn_round(adaptive: AdaptiveK, played: Round) -> None:
         )  # fmt: skip
 
 
-def _plain_steps(plan: Plan, link: DrafterLink | None, k: int, remaining: int) -> int:
+def _plain_steps(
+    plan: Plan, link: DrafterLink | None, k: int, remaining: int, in_company: bool = False
+) -> int:
     """Tokens to decode in one verifier call: more than one only when no drafts are wanted
-    for that long (no drafter, or adaptive k at 0 until its next probe)."""
+    for that long (no drafter, or adaptive k at 0 until its next probe; in company, a whole
+    burst, the probe after it)."""
     if k > 0 or plan.decode_burst <= 1:
         return 1
     if link is None:
         return _burst(plan, remaining)
     if plan.adaptive is None or plan.adaptive.probing:
         return 1
+    if in_company:
+        return _burst(plan, remaining)
     return min(_burst(plan, remaining), plan.adaptive.plain_rounds_ahead())
 
 
 FIRST_BURST = 4  # a request's first bursts stay short so its stream starts at once
+# a call whose rows were under this part of its forwards' rows ran beside other sessions
+COMPANY_SHARE = 0.75
 
 
 def _burst(plan: Plan, remaining: int) -> int:

@@ -54,6 +54,7 @@ def stats_message(stats: RoundStats) -> coordinator_pb2.GenerateStats:
         round_overhead_median_s=stats.overhead_median_s,
         draft_calls=stats.draft_calls,
         beside_calls=stats.beside_calls,
+        verify_calls=stats.verify_calls,
     )
 
 

@@ -286,10 +286,13 @@ def test_concurrency_rows_say_how_much_was_drafted():
 
     from coordinator.concurrency import level_row
 
-    stats = [SimpleNamespace(rounds=10, generated_tokens=20, drafted=30, accepted=10),
-             SimpleNamespace(rounds=30, generated_tokens=40, drafted=0, accepted=0)]  # fmt: skip
+    stats = [SimpleNamespace(rounds=10, generated_tokens=20, drafted=30, accepted=10,
+                             verify_calls=10, draft_calls=10),
+             SimpleNamespace(rounds=30, generated_tokens=40, drafted=0, accepted=0,
+                             verify_calls=5, draft_calls=3)]  # fmt: skip
     row = level_row(2, 60, 1.0, [0.5, 0.7], 0, 0, stats)
     assert row["drafted_per_token"] == 0.5 and row["tau"] == 1.25
+    assert row["verify_calls_per_token"] == 0.25 and row["draft_calls_per_token"] == 13 / 60
     assert "tau" not in level_row(2, 60, 1.0, [0.5, 0.7], 0)  # mlx-lm's rows draft nothing
 
 

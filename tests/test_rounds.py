@@ -286,6 +286,41 @@ def test_draft_calls_after_empty_ones_run_beside_growing_decode_bursts(target):
     assert out == plain and len(serial.calls) == len(out) - 1  # off: one token a call
 
 
+class CompanyVerifier(CountingVerifier):
+    """Answers as a verifier whose forwards also ran other sessions' rows (half of them)."""
+
+    async def verify(self, *args, **kwargs):
+        verified = await super().verify(*args, **kwargs)
+        verified.share = 0.5
+        return verified
+
+
+def test_in_company_rounds_without_drafts_decode_drafting_offs_bursts(target, monkeypatch):
+    """Under load a short call leaves its session out of the batched forwards that run while
+    its answer travels: after empty answers, and between adaptive probes, a session whose
+    forwards ran beside others decodes whole bursts, as drafting off does."""
+    ticks = iter(range(10**9))  # adaptive k's costs from a fake clock, as above
+    monkeypatch.setattr("coordinator.rounds.time.perf_counter", lambda: next(ticks) * 0.01)
+    plain, _ = collect(LocalVerifier(target), None, PROMPTS[2], Plan(60, 0))
+    produced, bursts = 2, []  # the prefill's token and the first call's (a draft round)
+    while produced < len(plain):
+        bursts.append(min(8, max(4, produced), 60 - produced))  # drafting off's (_burst)
+        produced += bursts[-1]
+    for adaptive in (None, AdaptiveK(SpeculationCosts(), k_max=4)):
+        alone, company = CountingVerifier(target), CompanyVerifier(target)
+        plans = [Plan(60, 4, adaptive=adaptive, decode_burst=8, draft_beside_decode=True)
+                 for _ in range(2)]  # fmt: skip
+        out_alone, _ = collect(alone, LocalDrafter(SilentProposer(10**9)), PROMPTS[2], plans[0])
+        out, stats = collect(company, LocalDrafter(SilentProposer(10**9)), PROMPTS[2], plans[1])
+        assert out == out_alone == plain
+        # alone the bursts grow with the empty answers (1, 2, 3, ...); in company, after the
+        # first call, they are drafting off's: as long as the output so far, up to 8
+        assert [steps for _, steps in alone.calls][:4] == [0, 0, 2, 3]
+        assert [steps for _, steps in company.calls] == [0, *bursts]
+        assert stats.verify_calls == len(company.calls) < len(alone.calls)
+        assert stats.rounds == len(out) - 1 and stats.drafted == 0
+
+
 def test_after_empty_answers_the_drafter_is_asked_every_few_rounds():
     from coordinator.rounds import EMPTY_BACKOFF_AFTER, DrafterLink
 
