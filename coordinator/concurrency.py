@@ -237,8 +237,8 @@ def _print_rows(name: str, rows: list[dict]) -> None:
     for r in rows:
         faults = f"  ({r['faults']})" if r.get("faults") else ""
         drafting = (f"  drafted/token {r['drafted_per_token']:.2f}, tau {r['tau']:.2f}, "
-                    f"calls/token verifier {r.get('verify_calls_per_token', 0):.2f} "
-                    f"drafter {r.get('draft_calls_per_token', 0):.2f}"
+                    f"calls/token verifier {r['verify_calls_per_token']:.2f} "
+                    f"drafter {r['draft_calls_per_token']:.2f}"
                     if "tau" in r else "")  # fmt: skip
         print(f"  {r['clients']:>5} {r['requests']:>9} {r['aggregate_tok_s']:16.1f} "
               f"{_seconds(r['p50_s']):>6} {_seconds(r['p99_s']):>6}  "

@@ -213,17 +213,17 @@ def _self_prompts(opts: DistillOptions, loaded, done: set[str], wanted: int):
                     or benchmark_key(message) in excluded):  # fmt: skip
                 continue
             seen.add(key)
-            ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+            prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
             chosen, new = chosen + 1, new + 1
-            yield chat, list(ids)
+            yield chat, list(prompt)
             if chosen >= wanted:
                 return
         dry_batches = 0 if new else dry_batches + 1
         if dry_batches >= 3:
             raise ValueError(
                 "the target wrote no new user message in 3 batches in a row (each a repeat, "
-                "under 8 characters or cut off at --max-prompt-tokens): raise "
-                "--prompt-temperature or --max-prompt-tokens"
+                f"under {SELF_PROMPT_MIN_CHARS} characters or cut off at --max-prompt-tokens): "
+                "raise --prompt-temperature or --max-prompt-tokens"
             )
 
 
