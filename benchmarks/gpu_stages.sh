@@ -12,9 +12,10 @@
 # distill  the target's replies to ShareGPT prompts, appended to ~/dd.jsonl (resumes)
 # selfprompts  the target's replies to user messages it writes itself (--prompts self),
 #          appended to ~/ds.jsonl (resumes)
-# dflash [DATA]  the DFlash drafter, from the shipped one, on DATA (default ~/dd.jsonl, or
-#          carried .gpu/dd.gz.*)
-# eagle3 [DATA]  the EAGLE-3 head, from the shipped one, on the same replies
+# dflash [DATA [SECONDS]]  the DFlash drafter, from the shipped one, on DATA (default
+#          ~/dd.jsonl, or carried .gpu/dd.gz.*), for SECONDS (default 480, features included);
+#          a second call on the same machine resumes from its checkpoint and cached features
+# eagle3 [DATA [SECONDS]]  the EAGLE-3 head, from the shipped one, on the same replies
 # A carried .gpu/kernels.tgz (an earlier stage's $OUT/kernels.tgz) spares compiling kernels.
 set -uo pipefail
 . ~/b/env.sh .
@@ -73,20 +74,20 @@ selfprompts)
 dflash)
   python3 -m specd train dflash --target "$model" --out ~/df --data "${2:-$HOME/dd.jsonl}" \
     --conversations 60000 --max-len 1024 --epochs 2 --batch-size 32 --held-out 200 \
-    --save-every 50 --time-limit 480 --block-size 16 --anchors 16 \
+    --save-every 50 --time-limit "${3:-480}" --block-size 16 --anchors 16 \
     --init-from drafter_svc/dflash/drafters/smollm2-135m-instruct > "$OUT/dflash.log" 2>&1
   cp ~/df/model.safetensors "$OUT/dflash.safetensors"
   tar -czf "$OUT/dflash-meta.tgz" -C ~/df config.json draft_vocab.npy training.json ;;
 eagle3)
   python3 -m specd train eagle3 --target "$model" --out ~/e3 --data "${2:-$HOME/dd.jsonl}" \
     --conversations 60000 --max-len 1024 --epochs 1 --batch-size 32 --held-out 200 \
-    --save-every 40 --ttt-steps 6 --lr 5e-4 --time-limit 480 \
+    --save-every 40 --ttt-steps 6 --lr 5e-4 --time-limit "${3:-480}" \
     --init-from drafter_svc/eagle3/heads/smollm2-135m-instruct > "$OUT/eagle3.log" 2>&1
   cp ~/e3/model.safetensors "$OUT/eagle3.safetensors"
   tar -czf "$OUT/eagle3-meta.tgz" -C ~/e3 config.json training.json ;;
 *)
   echo "usage: bash benchmarks/gpu_stages.sh" \
-    "parity|grounded|load|pool|distill|selfprompts|dflash [DATA]|eagle3 [DATA]" >&2
+    "parity|grounded|load|pool|distill|selfprompts|dflash [DATA [SECONDS]]|eagle3 [DATA [SECONDS]]" >&2
   exit 2 ;;
 esac
 tar -czf "$OUT/results.tgz" -C ~ res /tmp/specd-bench-* 2>/dev/null
