@@ -71,6 +71,11 @@ def level_row(
         # under load a call's round trip keeps its session out of the forwards meanwhile
         row["verify_calls_per_token"] = sum(s.verify_calls for s in stats) / max(1, generated)
         row["draft_calls_per_token"] = sum(s.draft_calls for s in stats) / max(1, generated)
+        # whether the verifier batched the level: per verifier call, weighted by calls
+        calls = sum(s.verify_calls for s in stats)
+        row["forward_sessions"] = (
+            sum(s.forward_sessions * s.verify_calls for s in stats) / calls if calls else 1.0
+        )
         row["tau"] = 1 + sum(s.accepted for s in stats) / rounds if rounds else 1.0
     return row
 
@@ -238,7 +243,8 @@ def _print_rows(name: str, rows: list[dict]) -> None:
         faults = f"  ({r['faults']})" if r.get("faults") else ""
         drafting = (f"  drafted/token {r['drafted_per_token']:.2f}, tau {r['tau']:.2f}, "
                     f"calls/token verifier {r['verify_calls_per_token']:.2f} "
-                    f"drafter {r['draft_calls_per_token']:.2f}"
+                    f"drafter {r['draft_calls_per_token']:.2f}, "
+                    f"sessions/forward {r['forward_sessions']:.1f}"
                     if "tau" in r else "")  # fmt: skip
         print(f"  {r['clients']:>5} {r['requests']:>9} {r['aggregate_tok_s']:16.1f} "
               f"{_seconds(r['p50_s']):>6} {_seconds(r['p99_s']):>6}  "

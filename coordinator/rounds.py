@@ -120,6 +120,9 @@ class RoundStats:
     predrafted_rounds: int = 0  # rounds whose drafts were ready before the round began
     draft_calls: int = 0  # drafter calls it answered
     beside_calls: int = 0  # drafter calls made beside a decode burst (draft_beside_decode)
+    # per verifier call, its forwards' rows over its own (1 / Verified.share), summed: about
+    # how many sessions' rounds ran in each forward it took part in
+    forward_sessions_sum: float = 0.0
     round_times: list[RoundTime] = field(default_factory=list)
 
     @property
@@ -130,6 +133,12 @@ class RoundStats:
     def verify_calls(self) -> int:
         """Verifier calls after the prefill: one timing is kept per call."""
         return len(self.round_times)
+
+    @property
+    def forward_sessions(self) -> float:
+        """Sessions sharing a forward with this request's verifier calls, on average (1.0
+        when every call ran alone): whether the verifier batched it under load."""
+        return self.forward_sessions_sum / self.verify_calls if self.verify_calls else 1.0
 
     @property
     def coordinator_s(self) -> float:
@@ -470,6 +479,7 @@ def _record(stats: RoundStats, played: Round, new: list[int]) -> None:
     stats.verify_s += played.verify_done - played.draft_done
     stats.draft_compute_s += played.drafted.compute_s
     stats.verify_compute_s += played.verified.compute_s
+    stats.forward_sessions_sum += 1.0 / played.verified.share
 
 
 def _learn_round(adaptive: AdaptiveK, played: Round) -> None:

@@ -55,6 +55,7 @@ def stats_message(stats: RoundStats) -> coordinator_pb2.GenerateStats:
         draft_calls=stats.draft_calls,
         beside_calls=stats.beside_calls,
         verify_calls=stats.verify_calls,
+        forward_sessions=stats.forward_sessions,
     )
 
 

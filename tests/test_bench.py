@@ -287,12 +287,13 @@ def test_concurrency_rows_say_how_much_was_drafted():
     from coordinator.concurrency import level_row
 
     stats = [SimpleNamespace(rounds=10, generated_tokens=20, drafted=30, accepted=10,
-                             verify_calls=10, draft_calls=10),
+                             verify_calls=10, draft_calls=10, forward_sessions=1.0),
              SimpleNamespace(rounds=30, generated_tokens=40, drafted=0, accepted=0,
-                             verify_calls=5, draft_calls=3)]  # fmt: skip
+                             verify_calls=5, draft_calls=3, forward_sessions=4.0)]  # fmt: skip
     row = level_row(2, 60, 1.0, [0.5, 0.7], 0, 0, stats)
     assert row["drafted_per_token"] == 0.5 and row["tau"] == 1.25
     assert row["verify_calls_per_token"] == 0.25 and row["draft_calls_per_token"] == 13 / 60
+    assert row["forward_sessions"] == (10 * 1.0 + 5 * 4.0) / 15  # weighted by calls
     assert "tau" not in level_row(2, 60, 1.0, [0.5, 0.7], 0)  # mlx-lm's rows draft nothing
 
 

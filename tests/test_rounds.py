@@ -310,7 +310,8 @@ def test_in_company_rounds_without_drafts_decode_drafting_offs_bursts(target, mo
         alone, company = CountingVerifier(target), CompanyVerifier(target)
         plans = [Plan(60, 4, adaptive=adaptive, decode_burst=8, draft_beside_decode=True)
                  for _ in range(2)]  # fmt: skip
-        out_alone, _ = collect(alone, LocalDrafter(SilentProposer(10**9)), PROMPTS[2], plans[0])
+        out_alone, stats_alone = collect(alone, LocalDrafter(SilentProposer(10**9)), PROMPTS[2],
+                                         plans[0])  # fmt: skip
         out, stats = collect(company, LocalDrafter(SilentProposer(10**9)), PROMPTS[2], plans[1])
         assert out == out_alone == plain
         # alone the bursts grow with the empty answers (1, 2, 3, ...); in company, after the
@@ -319,6 +320,8 @@ def test_in_company_rounds_without_drafts_decode_drafting_offs_bursts(target, mo
         assert [steps for _, steps in company.calls] == [0, *bursts]
         assert stats.verify_calls == len(company.calls) < len(alone.calls)
         assert stats.rounds == len(out) - 1 and stats.drafted == 0
+        assert stats.forward_sessions == 2.0  # half of every forward's rows were its own
+        assert stats_alone.forward_sessions == 1.0
 
 
 def test_after_empty_answers_the_drafter_is_asked_every_few_rounds():

@@ -72,7 +72,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., num_draft_tokens: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TreeShape, _Mapping]] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "drafted", "accepted", "tau", "prefill_s", "draft_s", "verify_s", "coordinator_s", "total_s", "verify_compute_s", "draft_compute_s", "drafter_failed", "predrafted_rounds", "round_overhead_median_s", "draft_calls", "beside_calls", "verify_calls")
+    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "drafted", "accepted", "tau", "prefill_s", "draft_s", "verify_s", "coordinator_s", "total_s", "verify_compute_s", "draft_compute_s", "drafter_failed", "predrafted_rounds", "round_overhead_median_s", "draft_calls", "beside_calls", "verify_calls", "forward_sessions")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class GenerateStats(_message.Message):
     DRAFT_CALLS_FIELD_NUMBER: _ClassVar[int]
     BESIDE_CALLS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_CALLS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     rounds: int
@@ -111,7 +112,8 @@ class GenerateStats(_message.Message):
     draft_calls: int
     beside_calls: int
     verify_calls: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., tau: _Optional[float] = ..., prefill_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., coordinator_s: _Optional[float] = ..., total_s: _Optional[float] = ..., verify_compute_s: _Optional[float] = ..., draft_compute_s: _Optional[float] = ..., drafter_failed: _Optional[bool] = ..., predrafted_rounds: _Optional[int] = ..., round_overhead_median_s: _Optional[float] = ..., draft_calls: _Optional[int] = ..., beside_calls: _Optional[int] = ..., verify_calls: _Optional[int] = ...) -> None: ...
+    forward_sessions: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., tau: _Optional[float] = ..., prefill_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., coordinator_s: _Optional[float] = ..., total_s: _Optional[float] = ..., verify_compute_s: _Optional[float] = ..., draft_compute_s: _Optional[float] = ..., drafter_failed: _Optional[bool] = ..., predrafted_rounds: _Optional[int] = ..., round_overhead_median_s: _Optional[float] = ..., draft_calls: _Optional[int] = ..., beside_calls: _Optional[int] = ..., verify_calls: _Optional[int] = ..., forward_sessions: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")
