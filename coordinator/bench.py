@@ -4,6 +4,7 @@ same model, same dtype, same prompts, in one run."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 import statistics
@@ -664,9 +665,31 @@ def _bench_against(args, plain, questions, drafters: list[str], started: float) 
     results = {d: _result(args, target, d, rows[d], memory[d], len(questions)) for d in drafters}
     for result in results.values():
         print(format_table(result))
+    if DRAFTING_OFF in results:
+        for d, result in results.items():
+            share = drafts_share(result, results[DRAFTING_OFF])
+            if d != DRAFTING_OFF and share is not None:
+                result["overall"]["drafts_share"] = share
+                print(f"{d}: drafts' share {share:.2f}x (against drafting off in this run, per "
+                      "question, geometric mean)")  # fmt: skip
     if args.json_out:
         write_outputs(args.json_out, results)
     return 0
+
+
+DRAFTING_OFF = "none"
+
+
+def drafts_share(result: dict, off: dict) -> float | None:
+    """What the drafts add: per question both ran, drafting off's time over the drafter's,
+    geometric mean (None without a common question). The engine's part is drafting off's own
+    speed-up over plain mlx-lm."""
+    off_s = {row["question_id"]: row["spec_s"] for row in off["questions"]}
+    ratios = [off_s[row["question_id"]] / row["spec_s"] for row in result["questions"]
+              if row["question_id"] in off_s]  # fmt: skip
+    if not ratios:
+        return None
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
 
 
 def bench_stack(args, drafter: str, log_dir: Path):

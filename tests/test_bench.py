@@ -368,3 +368,16 @@ def test_a_killed_plain_mlx_lm_process_is_reported_not_hung(tiny_model_dir):
         plain._process.join()
         with pytest.raises(PlainProcessDied, match=r"plain mlx-lm process died \(exit code -9\)"):
             plain.decode([5, 6, 7], 4)
+
+
+def test_the_drafts_share_is_drafting_offs_time_over_the_drafters_per_question():
+    from coordinator.bench import drafts_share
+
+    off = {"questions": [{"question_id": 1, "spec_s": 2.0}, {"question_id": 2, "spec_s": 1.0},
+                         {"question_id": 3, "spec_s": 5.0}]}  # fmt: skip
+    drafter = {"questions": [{"question_id": 1, "spec_s": 1.0}, {"question_id": 2, "spec_s": 2.0},
+                             {"question_id": 4, "spec_s": 9.0}]}  # fmt: skip
+    # questions 1 and 2 ran in both: 2x and 0.5x, geometric mean 1x; 3 and 4 are left out
+    assert drafts_share(drafter, off) == pytest.approx(1.0)
+    assert drafts_share({"questions": [{"question_id": 1, "spec_s": 4.0}]}, off) == 0.5
+    assert drafts_share({"questions": []}, off) is None
