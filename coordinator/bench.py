@@ -665,13 +665,13 @@ def _bench_against(args, plain, questions, drafters: list[str], started: float) 
     results = {d: _result(args, target, d, rows[d], memory[d], len(questions)) for d in drafters}
     for result in results.values():
         print(format_table(result))
-    if DRAFTING_OFF in results:
-        for d, result in results.items():
-            share = drafts_share(result, results[DRAFTING_OFF])
-            if d != DRAFTING_OFF and share is not None:
-                result["overall"]["drafts_share"] = share
-                print(f"{d}: drafts' share {share:.2f}x (against drafting off in this run, per "
-                      "question, geometric mean)")  # fmt: skip
+    off = results.get(DRAFTING_OFF)
+    for d, result in results.items():
+        share = None if off is None or d == DRAFTING_OFF else drafts_share(result, off)
+        if share is not None:
+            result["overall"]["drafts_share"] = share
+            print(f"{d}: drafts' share {share:.2f}x (against drafting off in this run, per "
+                  "question, geometric mean)")  # fmt: skip
     if args.json_out:
         write_outputs(args.json_out, results)
     return 0
