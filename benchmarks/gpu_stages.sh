@@ -10,8 +10,9 @@
 # load     aggregate throughput at 1, 4, 16, 64 clients, and the verifier alone (issue 28)
 # pool     many clients on the KV pool: the verifier alone, the services, the fault drill (issue 28)
 # distill  the target's replies to ShareGPT prompts, appended to ~/dd.jsonl (resumes)
-# selfprompts  the target's replies to user messages it writes itself (--prompts self),
-#          appended to ~/ds.jsonl (resumes)
+# selfprompts [SECONDS [DTYPE]]  the target's replies to user messages it writes itself
+#          (--prompts self), appended to ~/ds.jsonl (resumes), for SECONDS (default 500) in
+#          DTYPE (default float32)
 # dflash [DATA [SECONDS]]  the DFlash drafter, from the shipped one, on DATA (default
 #          ~/dd.jsonl, or carried .gpu/dd.gz.*), for SECONDS (default 480, features included);
 #          a second call on the same machine resumes from its checkpoint and cached features
@@ -66,9 +67,11 @@ distill)
   gzip -c ~/dd.jsonl > ~/dd.jsonl.gz && (cd ~ && split -b 15M dd.jsonl.gz dd.gz.)
   cp ~/dd.gz.* "$OUT/" ;;
 selfprompts)
-  timeout 540 python3 -m specd distill --target "$model" --out ~/ds.jsonl --prompts self \
-    --conversations 60000 --batch-size 512 --max-prompt-tokens 256 --max-new-tokens 256 \
-    > "$OUT/selfprompts.log" 2>&1
+  # messages run to at most 23 tokens: a cap of 64 ends a wave whose last rows ramble on
+  timeout 590 python3 -m specd distill --target "$model" --out ~/ds.jsonl --prompts self \
+    --conversations 60000 --batch-size 512 --max-prompt-tokens 64 --max-new-tokens 256 \
+    --dtype "${3:-float32}" --time-limit "${2:-500}" >> "$OUT/selfprompts.log" 2>&1
+  wc -l ~/ds.jsonl >> "$OUT/selfprompts.log"
   gzip -c ~/ds.jsonl > ~/ds.jsonl.gz && (cd ~ && split -b 15M ds.jsonl.gz ds.gz.)
   cp ~/ds.gz.* "$OUT/" ;;
 dflash)
@@ -87,7 +90,7 @@ eagle3)
   tar -czf "$OUT/eagle3-meta.tgz" -C ~/e3 config.json training.json ;;
 *)
   echo "usage: bash benchmarks/gpu_stages.sh" \
-    "parity|grounded|load|pool|distill|selfprompts|dflash [DATA [SECONDS]]|eagle3 [DATA [SECONDS]]" >&2
+    "parity|grounded|load|pool|distill|selfprompts [SECONDS [DTYPE]]|dflash [DATA [SECONDS]]|eagle3 [DATA [SECONDS]]" >&2
   exit 2 ;;
 esac
 tar -czf "$OUT/results.tgz" -C ~ res /tmp/specd-bench-* 2>/dev/null

@@ -53,6 +53,8 @@ class DistillOptions:
     temperature: float = 0.0  # 0: greedy replies; above, sampled (seeded by seed)
     prompts: str = "data"  # "data": user turns of --data; "self": messages the target writes
     prompt_temperature: float = 1.0  # prompts="self": the messages' sampling temperature
+    dtype: str = "float32"  # what the target computes in (specd.models.load.DTYPES)
+    time_limit: float | None = None  # seconds: no wave starts after; the same command resumes
 
 
 def user_turns(records: list[dict], seed: int, turns: str = "all") -> list[list[dict]]:
@@ -118,16 +120,19 @@ def _next_tokens(model, ids: mx.array, cache: list, temperature: float) -> mx.ar
 
 def greedy_waves(
     model, prompts: list[list[int]], max_new_tokens: int, eos_ids, batch_size: int,
-    temperature: float = 0.0,
+    temperature: float = 0.0, deadline: float | None = None,
 ):  # fmt: skip
     """(prompt index, reply ids without the EOS) for every prompt, a wave at a time; with a
     temperature, each token drawn from the target's distribution at it instead of its argmax
-    (MLX's random state: seed it for the same replies again)."""
+    (MLX's random state: seed it for the same replies again). No wave starts after `deadline`
+    (a time.perf_counter() value)."""
     from mlx_lm.models.cache import BatchKVCache
 
     eos = set(eos_ids)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     for start in range(0, len(order), batch_size):
+        if deadline is not None and time.perf_counter() >= deadline:
+            return
         wave = order[start : start + batch_size]
         longest = max(len(prompts[i]) for i in wave)
         pads = [longest - len(prompts[i]) for i in wave]
@@ -187,9 +192,13 @@ def user_turn_opening(tokenizer) -> list[int]:
     return list(tokenizer.encode(text[: text.index(mark)], add_special_tokens=False))
 
 
-def _self_prompts(opts: DistillOptions, loaded, done: set[str], wanted: int):
+def _self_prompts(
+    opts: DistillOptions, loaded, done: set[str], wanted: int, clock: dict,
+    deadline: float | None,
+):  # fmt: skip
     """(chat, prompt ids) of up to `wanted` user messages the target writes, a batch at a
-    time from its template's user-turn opening, less repeats and benchmark questions."""
+    time from its template's user-turn opening, less repeats and benchmark questions.
+    clock["message_seconds"] adds up the time spent writing them."""
     from specd.datasets import benchmark_key, benchmark_keys
 
     tokenizer, model = loaded.tokenizer, loaded.model
@@ -197,13 +206,16 @@ def _self_prompts(opts: DistillOptions, loaded, done: set[str], wanted: int):
     excluded = benchmark_keys()
     seen = set(done)
     chosen, dry_batches = 0, 0
-    while chosen < wanted:
+    while chosen < wanted and (deadline is None or time.perf_counter() < deadline):
         batch = min(opts.batch_size, 2 * (wanted - chosen))
-        waves = greedy_waves(model, [opening] * batch, opts.max_prompt_tokens,
-                             loaded.identity.eos_token_ids, batch,
-                             opts.prompt_temperature)  # fmt: skip
+        started = time.perf_counter()
+        # the whole batch before any is handed on: a caller may spend long between two items
+        written = list(greedy_waves(model, [opening] * batch, opts.max_prompt_tokens,
+                                    loaded.identity.eos_token_ids, batch,
+                                    opts.prompt_temperature))  # fmt: skip
+        clock["message_seconds"] += time.perf_counter() - started
         new = 0
-        for _, ids in waves:
+        for _, ids in written:
             if len(ids) >= opts.max_prompt_tokens:
                 continue  # cut off at the cap, not ended by the target
             message = tokenizer.decode(ids).strip()
@@ -246,6 +258,8 @@ def distill(opts: DistillOptions) -> dict:
         raise ValueError("--conversations, --max-new-tokens and --batch-size must be >= 1")
     if not opts.temperature >= 0:
         raise ValueError(f"--temperature must be >= 0, not {opts.temperature}")
+    if opts.time_limit is not None and not opts.time_limit > 0:
+        raise ValueError(f"--time-limit must be > 0 seconds, not {opts.time_limit}")
     if opts.prompts not in ("data", "self"):
         raise ValueError(f"--prompts must be 'data' or 'self', not {opts.prompts!r}")
     if opts.prompts == "self" and not opts.prompt_temperature > 0:
@@ -253,7 +267,7 @@ def distill(opts: DistillOptions) -> dict:
     done = _done_prompts(opts.out)  # before the model loads: a wrong --out fails at once
     # a resumed run draws afresh (the same draws would repeat the messages already answered)
     mx.random.seed(opts.seed + len(done))
-    loaded = load_target(opts.target, "float32")
+    loaded = load_target(opts.target, opts.dtype)
     tokenizer = loaded.tokenizer
     wanted = max(0, opts.conversations - len(done))
     if done:
@@ -261,16 +275,18 @@ def distill(opts: DistillOptions) -> dict:
               file=sys.stderr)  # fmt: skip
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     started, finished, tokens = time.perf_counter(), 0, 0
+    deadline = None if opts.time_limit is None else started + opts.time_limit
     progress = Progress()
+    clock = {"message_seconds": 0.0}
     if opts.prompts == "self":
-        prompts = _self_prompts(opts, loaded, done, wanted)
+        prompts = _self_prompts(opts, loaded, done, wanted, clock, deadline)
     else:
         prompts = _new_prompts(opts, tokenizer, done, wanted)
     with opts.out.open("a", encoding="utf-8") as sink:
         for group in prompt_groups(prompts, opts.batch_size * WAVES_PER_GROUP):
             waves = greedy_waves(
                 loaded.model, [ids for _, ids in group], opts.max_new_tokens,
-                loaded.identity.eos_token_ids, opts.batch_size, opts.temperature,
+                loaded.identity.eos_token_ids, opts.batch_size, opts.temperature, deadline,
             )  # fmt: skip
             for index, ids in waves:
                 tokens += len(ids)
@@ -283,8 +299,11 @@ def distill(opts: DistillOptions) -> dict:
                     sink.write(json.dumps({"conversations": turns}, ensure_ascii=False) + "\n")
                     sink.flush()
                 rate = tokens / max(1e-9, time.perf_counter() - started)
+                writing = ""
+                if opts.prompts == "self":
+                    writing = f"  {clock['message_seconds']:.0f} s writing messages"
                 progress.update(
-                    f"replies {finished}/{wanted}  {tokens} tokens  {rate:.0f} tok/s",
+                    f"replies {finished}/{wanted}  {tokens} tokens  {rate:.0f} tok/s{writing}",
                     final=finished == wanted,
                 )
     progress.close()
@@ -296,5 +315,7 @@ def distill(opts: DistillOptions) -> dict:
         "new_tokens": tokens,
         "temperature": opts.temperature,
         "prompts": opts.prompts,
+        "dtype": loaded.dtype,
         "seconds": round(time.perf_counter() - started, 1),
+        "message_seconds": round(clock["message_seconds"], 1) if opts.prompts == "self" else None,
     }

@@ -636,6 +636,8 @@ def _add_common_train_args(p, what: str) -> None:
 
 
 def _add_distill(sub) -> None:
+    from verifier_svc.config import DTYPE_CHOICES
+
     p = sub.add_parser(
         "distill",
         help="the target's own replies to ShareGPT prompts, as draft-model training data",
@@ -673,6 +675,17 @@ def _add_distill(sub) -> None:
     p.add_argument(
         "--prompt-temperature", type=positive_float, default=1.0,
         help="--prompts self: the temperature the messages are sampled at",
+    )  # fmt: skip
+    p.add_argument(
+        "--dtype", choices=DTYPE_CHOICES, default="float32",
+        help="what the target computes in; float32 gives the replies the verifier serves in "
+        "float32, the model as stored (native) or half precision may run faster on a GPU and "
+        "differ where two tokens nearly tie (auto: as the verifier chooses)",
+    )  # fmt: skip
+    p.add_argument(
+        "--time-limit", type=positive_float, metavar="SECONDS",
+        help="start no wave of generation after this many seconds; what was generated is "
+        "written and the same command again goes on from there",
     )  # fmt: skip
 
 

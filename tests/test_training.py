@@ -255,6 +255,44 @@ def test_distill_of_first_turns_answers_each_opening_message(tiny_model_dir, dat
     assert len({turns[0]["value"] for turns in records}) == 4
 
 
+def test_distill_starts_no_wave_after_its_time_limit(tiny_model_dir, data, tmp_path):
+    from drafter_svc.distill import DistillOptions, distill
+
+    out = tmp_path / "limited.jsonl"
+    opts = DistillOptions(target=str(tiny_model_dir), out=out, conversations=4, max_new_tokens=4,
+                          batch_size=1, data=data, time_limit=1e-6)  # fmt: skip
+    assert distill(opts)["new_replies"] == 0
+    opts.prompts, opts.max_prompt_tokens = "self", 150
+    assert distill(opts)["new_replies"] == 0 and not out.read_text()
+    opts.time_limit = None
+    assert distill(opts)["new_replies"] == 4
+    with pytest.raises(ValueError, match="--time-limit must be > 0"):
+        distill(DistillOptions(target=None, out=out, time_limit=0))
+
+
+def test_distill_in_another_dtype_gives_the_greedy_replies_of_that_dtype(
+    tiny_model_dir, data, tmp_path
+):
+    from coordinator.bench import plain_decode
+    from drafter_svc.data import ROLES
+    from drafter_svc.distill import DistillOptions, distill
+    from specd.models.load import load_target
+
+    out = tmp_path / "half.jsonl"
+    opts = DistillOptions(target=str(tiny_model_dir), out=out, conversations=2, max_new_tokens=8,
+                          batch_size=1, data=data, dtype="bfloat16")  # fmt: skip
+    assert distill(opts)["dtype"] == "bfloat16"
+    half = load_target(str(tiny_model_dir), "bfloat16")
+    assert half.model.layers[0].self_attn.q_proj.weight.dtype == mx.bfloat16
+    for line in out.read_text().splitlines():
+        turns = json.loads(line)["conversations"]
+        chat = [{"role": ROLES[t["from"]], "content": t["value"]} for t in turns[:-1]]
+        prompt = half.tokenizer.apply_chat_template(chat, add_generation_prompt=True,
+                                                    tokenize=True)  # fmt: skip
+        greedy = plain_decode(half.model, list(prompt), 8, set(half.identity.eos_token_ids))
+        assert turns[-1]["value"] == half.tokenizer.decode(greedy.token_ids).strip()
+
+
 def test_distill_of_self_written_prompts_answers_messages_the_target_wrote(
     tiny_model_dir, tmp_path, monkeypatch
 ):
@@ -280,6 +318,7 @@ def test_distill_of_self_written_prompts_answers_messages_the_target_wrote(
                               prompts="self")  # fmt: skip
         summary = distill(opts)
         assert summary["prompts"] == "self" and summary["replies"] == wanted
+        assert 0 < summary["message_seconds"] <= summary["seconds"]
         return [json.loads(line)["conversations"] for line in out.read_text().splitlines()]
 
     records = run("self.jsonl", 5)
