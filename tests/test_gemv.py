@@ -123,6 +123,19 @@ def test_row_products_equal_blas(rows):
     assert np.allclose(got, x @ weight.T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 17, 20])
+@pytest.mark.parametrize("width", [64, 70, 1536])
+def test_half_weight_row_products_equal_blas(rows, width):
+    """Half weights through every kernel: one and two rows, groups of four, groups of eight
+    and a group of four after them, widths with and without a tail past the vectors."""
+    rng = np.random.default_rng(rows * width)
+    weight = rng.standard_normal((300, width)).astype(np.float16)
+    x = rng.standard_normal((rows, width), dtype=np.float32)
+    got = row_products(weight, x)
+    assert got.shape == (rows, 300)
+    assert np.allclose(got, x @ weight.astype(np.float32).T, rtol=1e-4, atol=1e-3)
+
+
 def test_the_kernels_are_built_where_a_compiler_is(monkeypatch):
     """pip builds specd/cpu/_row_kernels.c with the package; without it numpy does the products."""
     import shutil
