@@ -3,6 +3,7 @@
 import random
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
@@ -279,3 +280,33 @@ def test_a_prefill_a_layer_at_a_time_gives_the_same_numbers(tiny_model_dir, gemv
     for a, b in zip(sliced.session.cache, whole.session.cache, strict=True):
         assert a.offset == b.offset
         assert all(mx.array_equal(x, y).item() for x, y in zip(a.state, b.state, strict=True))
+
+
+def _log_prob_argmax(logits: np.ndarray) -> np.ndarray:
+    x = mx.array(logits)
+    return np.array(mx.argmax(x - mx.logsumexp(x, axis=-1, keepdims=True), axis=-1))
+
+
+def test_greedy_choices_on_the_host_equal_the_log_prob_argmax():
+    """Without the log-probabilities, the host's argmax is mlx-lm's greedy choice wherever the
+    top logit leads; a near-tie or a maximum that is not finite is left to MLX."""
+    from verifier_svc.engine import _greedy_next, greedy_on_host
+
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((64, 5000)) * 6).astype(np.float32)
+    fast = greedy_on_host(logits)
+    assert fast is not None and np.array_equal(fast, _log_prob_argmax(logits))
+    # two logits one float32 step apart: the later one is larger, but their log-probabilities
+    # (near -9.4, where float32's steps are 16 times wider) round to one value, so mlx-lm's
+    # argmax takes the earlier one
+    tie = np.zeros((1, 20000), dtype=np.float32)
+    tie[0, 2] = 0.5
+    tie[0, 5] = np.nextafter(np.float32(0.5), np.float32(1.0))
+    assert tie.argmax() == 5 and _log_prob_argmax(tie).tolist() == [2]
+    assert greedy_on_host(tie) is None
+    assert np.array(_greedy_next(mx.array(tie))).tolist() == _log_prob_argmax(tie).tolist()
+    for bad in (np.inf, np.nan):
+        odd = logits[:2].copy()
+        odd[1, 7] = bad
+        assert greedy_on_host(odd) is None
+    assert np.array(_greedy_next(mx.array(logits[:3]))).tolist() == fast[:3].tolist()
