@@ -1,0 +1,62 @@
+"""What a verify of k drafts costs the verifier's engine, in one process: the median ms of a
+`verify` call with 0 (a plain step), 6 (an EAGLE-3 chain) and 16 (a tree, a DFlash block)
+drafts after a prompt, the target as the verifier loads it by default (float32 on a CPU, the
+weights float16 holds exactly kept so). Every draft is rejected, so each call verifies the
+same context length. With --profile, cProfile's top functions for one k.
+
+    python benchmarks/verify_cost.py [--drafts 0 6 16] [--calls 15] [--profile 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+from specd.models.load import load_target
+from verifier_svc.engine import Target, half_weights_pay, prefill, verify
+
+CAPTURE = (1, 14, 26)  # the shipped drafters' target layers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", help="model (default: the embedded SmolLM2)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--drafts", type=int, nargs="+", default=[0, 6, 16])
+    parser.add_argument("--prompt-tokens", type=int, default=200)
+    parser.add_argument("--calls", type=int, default=15)
+    parser.add_argument("--profile", type=int, metavar="K", help="profile the calls with K drafts")
+    args = parser.parse_args()
+    half = half_weights_pay(args.dtype, None)  # as the verifier decides it
+    target = Target(load_target(args.target, args.dtype, half_weights=half))
+    print(f"target {target.identity.name} ({target.loaded.dtype}; {target.numpy_part})")
+    prompt = [1000 + i % 500 for i in range(args.prompt_tokens)]
+    session = prefill(target, prompt, CAPTURE).session
+    # a token the target never chooses after these prompts: every draft rejected
+    rejected = target.identity.vocab_size - 1
+
+    def calls(k: int, n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            verify(target, session, [rejected] * k)
+            times.append(time.perf_counter() - start)
+        return times
+
+    for k in args.drafts:
+        calls(k, 3)  # first use of the shapes
+        ms = 1000 * statistics.median(calls(k, args.calls))
+        print(f"{k:3d} drafts ({k + 1:2d} tokens): {ms:6.1f} ms")
+    if args.profile is not None:
+        profile = cProfile.Profile()
+        profile.enable()
+        calls(args.profile, args.calls)
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+
+
+if __name__ == "__main__":
+    main()
