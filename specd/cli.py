@@ -627,11 +627,17 @@ def _add_common_train_args(p, what: str) -> None:
     )  # fmt: skip
     p.add_argument("--no-resume", dest="resume", action="store_false",
                    help="start over even if OUT/checkpoint exists")  # fmt: skip
+    _add_time_limit(
+        p, "take no training step after this many seconds from the start (features included); "
+        "the held-out check and the checkpoint, model and training.json follow as at the end",
+    )  # fmt: skip
+
+
+def _add_time_limit(p, what_happens: str) -> None:
+    """--time-limit of a resumable job (train, distill)."""
     p.add_argument(
         "--time-limit", type=positive_float, metavar="SECONDS",
-        help="take no training step after this many seconds from the start (features "
-        "included); the held-out check and the checkpoint, model and training.json follow as "
-        "at the end, and the same command again goes on from there",
+        help=f"{what_happens}, and the same command again goes on from there",
     )  # fmt: skip
 
 
@@ -682,11 +688,8 @@ def _add_distill(sub) -> None:
         "float32, the model as stored (native) or half precision may run faster on a GPU and "
         "differ where two tokens nearly tie (auto: as the verifier chooses)",
     )  # fmt: skip
-    p.add_argument(
-        "--time-limit", type=positive_float, metavar="SECONDS",
-        help="start no wave of generation after this many seconds; what was generated is "
-        "written and the same command again goes on from there",
-    )  # fmt: skip
+    _add_time_limit(p, "start no wave of generation after this many seconds; what was generated "
+                    "is written")  # fmt: skip
 
 
 def _distill(args) -> int:
