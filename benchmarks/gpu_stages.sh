@@ -8,6 +8,9 @@
 #          questions (issue 25)
 # grounded drafting off and n-gram on the whole input-grounded set
 # load     aggregate throughput at 1, 4, 16, 64 clients, and the verifier alone (issue 28)
+# clients  drafting off and n-gram at 1, 16 and 64 clients beside mlx-lm batched (issue 28)
+# drafters [SECONDS]  the model drafters against drafting off and plain mlx-lm, every 8th
+#          MT-bench question: chains (k = 6 and adaptive), trees, DFlash (k = 15 and adaptive)
 # pool     many clients on the KV pool: the verifier alone, the services, the fault drill (issue 28)
 # distill  the target's replies to ShareGPT prompts, appended to ~/dd.jsonl (resumes)
 # selfprompts [SECONDS [DTYPE]]  the target's replies to user messages it writes itself
@@ -53,6 +56,13 @@ load)
     --json ~/res/load.json > "$OUT/load.log" 2>&1
   timeout 120 python3 benchmarks/batched_decode.py --target "$model" --clients 1 4 16 64 \
     --verifier-args "--dtype float32" > "$OUT/batched.log" 2>&1 ;;
+clients)
+  timeout 300 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
+    --max-tokens 128 --drafter none,ngram --concurrency 1,16,64 --concurrency-requests 1 \
+    --json ~/res/clients.json > "$OUT/clients.log" 2>&1 ;;
+drafters)
+  bench --questions mt-bench --every 8 --drafter none,eagle3-k6,eagle3,eagle3-tree,dflash-k15,dflash \
+    --time-limit "${2:-300}" --json ~/res/drafters.json > "$OUT/drafters.log" 2>&1 ;;
 pool)
   # the KV pool is the verifier's default on a GPU: the verifier alone with it, then the
   # services (drafting off and n-gram), then the fault drill at 16 sessions
@@ -93,7 +103,7 @@ eagle3)
   tar -czf "$OUT/eagle3-meta.tgz" -C ~/e3 config.json training.json ;;
 *)
   echo "usage: bash benchmarks/gpu_stages.sh" \
-    "parity|grounded|load|pool|distill|selfprompts [SECONDS [DTYPE]]|dflash|eagle3 [DATA [SECONDS [RECORDS]]]" >&2
+    "parity|grounded|load|clients|drafters [SECONDS]|pool|distill|selfprompts [SECONDS [DTYPE]]|dflash|eagle3 [DATA [SECONDS [RECORDS]]]" >&2
   exit 2 ;;
 esac
 tar -czf "$OUT/results.tgz" -C ~ res /tmp/specd-bench-* 2>/dev/null
