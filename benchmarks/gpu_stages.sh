@@ -17,7 +17,7 @@
 #          (--prompts self), appended to ~/ds.jsonl (resumes), for SECONDS (default 500) in
 #          DTYPE (default bfloat16: 22.3k reply tok/s against float32's 15.8k, run X)
 # dflash [DATA [SECONDS [RECORDS]]]  the DFlash drafter, from the shipped one, on the first
-#          RECORDS (default 30000; 24,000 took 27 GB of the 64 GB disk in ~/feat) of DATA
+#          RECORDS (default 30000; features take 4.6 kB a token, 27 GB for 24,000 records) of DATA
 #          (default ~/dd.jsonl, or carried .gpu/dd.gz.*) in its seed-0 shuffle, for SECONDS (default 480, features included); a second call on the
 #          same machine resumes from its checkpoint and cached features
 # eagle3 [DATA [SECONDS [RECORDS]]]  the EAGLE-3 head, from the shipped one, on the same

@@ -482,6 +482,71 @@ def test_features_reuse_a_smaller_cache_and_a_partial_run(tiny_model_dir, data, 
     )
 
 
+def test_features_that_cannot_fit_the_disk_are_refused_before_any_forward(
+    tiny_model_dir, data, tmp_path, monkeypatch
+):
+    from drafter_svc.eagle3 import train as eagle3_train
+    from specd.models.load import load_target
+
+    loaded = load_target(str(tiny_model_dir), "float32")
+    opts = TrainOptions(target=str(tiny_model_dir), out=tmp_path, conversations=6, max_len=64,
+                        data=data, cache_dir=tmp_path / "f")  # fmt: skip
+    computed = []
+    real = eagle3_train.TargetFeatures.many
+    monkeypatch.setattr(eagle3_train.TargetFeatures, "many",
+                        lambda self, exs: computed.extend(exs) or real(self, exs))  # fmt: skip
+    monkeypatch.setattr(eagle3_train, "_free_bytes", lambda directory: 1000)
+    with pytest.raises(ValueError, match=r"need .* GiB in .*f, which has 0.0 GiB free; pass fewer"):
+        eagle3_train.prepare_features(opts, loaded, (0, 1))
+    assert computed == []
+
+    # with room, the estimate is the file's contents: what the features hold per token
+    monkeypatch.setattr(eagle3_train, "_free_bytes", lambda directory: 2**40)
+    feats = eagle3_train.prepare_features(opts, loaded, (0, 1))
+    tokens = sum(len(f.ids) for f in feats)
+    per_token = eagle3_train.feature_bytes_per_token(loaded.identity.hidden_size, 2)
+    assert eagle3_train._features_bytes(feats) == per_token * tokens
+
+
+def test_the_final_feature_save_drops_the_partial_when_both_do_not_fit(
+    tiny_model_dir, data, tmp_path, monkeypatch
+):
+    from drafter_svc.eagle3 import train as eagle3_train
+    from specd.models.load import load_target
+
+    loaded = load_target(str(tiny_model_dir), "float32")
+    monkeypatch.setattr(eagle3_train, "FEATURE_SAVE_EVERY", 2)
+    monkeypatch.setattr(eagle3_train, "FEATURE_SAVE_SECONDS", 0)
+    cache = tmp_path / "f"
+    opts = TrainOptions(target=str(tiny_model_dir), out=tmp_path, conversations=6, max_len=64,
+                        data=data, cache_dir=cache, batch_size=2)  # fmt: skip
+    real_save = eagle3_train.save_features
+    seen_at_final = []
+
+    def save(path, feats):
+        if ".partial." not in path.name:
+            seen_at_final.append(sorted(f.name for f in cache.glob("*.npz")))
+        real_save(path, feats)
+
+    monkeypatch.setattr(eagle3_train, "save_features", save)
+    monkeypatch.setattr(eagle3_train, "_free_bytes", lambda directory: 2**40)
+    eagle3_train.prepare_features(opts, loaded, (0, 1))
+    assert any("partial" in name for name in seen_at_final[0])  # room for both: kept to the end
+
+    for f in cache.glob("*.npz"):
+        f.unlink()
+    seen_at_final.clear()
+    free = iter([2**40] + [10] * 100)  # room at the start, little at the final save
+    monkeypatch.setattr(eagle3_train, "_free_bytes", lambda directory: next(free))
+    feats = eagle3_train.prepare_features(opts, loaded, (0, 1))
+    assert seen_at_final == [[]]
+    assert sorted(f.name for f in cache.glob("*.npz")) == [
+        f"n6-len64-seed0-layers0_1-{data.stem}-clean.npz"
+    ]
+    again = eagle3_train.prepare_features(opts, loaded, (0, 1))
+    assert all((a.rows == b.rows).all() for a, b in zip(feats, again, strict=True))
+
+
 def test_features_of_a_padded_batch_equal_those_of_each_conversation_alone(tiny_model_dir,
                                                                            data):  # fmt: skip
     from drafter_svc.data import TargetFeatures, build_examples, read_conversations

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -378,6 +379,9 @@ def prepare_features(opts: TrainOptions, loaded, capture) -> list[Features]:
     partial = cache_dir / f"n{opts.conversations}{suffix}.partial.npz"
     feats = _cached_prefix(cache_dir, suffix, partial, examples)
     extractor = TargetFeatures(loaded.model, capture)
+    if len(feats) < len(examples):  # before hours of forwards, not at the final save
+        per_token = feature_bytes_per_token(loaded.identity.hidden_size, len(capture))
+        _check_room(cache_dir, partial, examples, per_token)
     started, tokens = time.perf_counter(), 0
     saved = started
     progress = Progress()
@@ -401,9 +405,39 @@ def prepare_features(opts: TrainOptions, loaded, capture) -> list[Features]:
             save_features(partial, feats)
             saved = time.perf_counter()
     progress.close()
+    if partial.is_file() and _free_bytes(cache_dir) < _features_bytes(feats):
+        partial.unlink()  # the features are in memory; the partial is a prefix of them
     save_features(path, feats)
     partial.unlink(missing_ok=True)
     return feats
+
+
+def _features_bytes(feats: list[Features]) -> int:
+    return sum(sum(a.nbytes for a in vars(f).values()) for f in feats)
+
+
+def _free_bytes(directory: Path) -> int:
+    return shutil.disk_usage(directory).free
+
+
+def feature_bytes_per_token(hidden: int, layers: int) -> int:
+    """A token's cached features: float16 rows of the capture layers and the final state,
+    float32 lse, int32 argmax and id, a bool mask (`Features`)."""
+    return 2 * hidden * (layers + 1) + 4 + 4 + 4 + 1
+
+
+def _check_room(cache_dir: Path, partial: Path, examples, per_token: int) -> None:
+    """Refuse a feature pass whose cache file cannot fit: a full disk stops the run at its
+    final save and can take the machine with it. A partial file is replaced, so its room
+    counts."""
+    needed = per_token * sum(len(ex.ids) for ex in examples)
+    room = _free_bytes(cache_dir) + (partial.stat().st_size if partial.is_file() else 0)
+    if needed > room:
+        raise ValueError(
+            f"the target features of {len(examples)} conversations need {needed / 2**30:.1f} GiB "
+            f"in {cache_dir}, which has {room / 2**30:.1f} GiB free; pass fewer --conversations "
+            "or a --cache-dir with room"
+        )
 
 
 def _cached_prefix(cache_dir: Path, suffix: str, partial: Path, examples) -> list[Features]:
