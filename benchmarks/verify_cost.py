@@ -4,8 +4,11 @@ drafts after a prompt, the target as the verifier loads it by default (float32 o
 weights float16 holds exactly kept so). The drafts are the vocabulary's last token, which the
 target all but never chooses, so each call verifies about the same context length; the drafts
 it did accept are printed. With --profile, cProfile's top functions for one k.
+--row-forwards and --kv-pool as the verifier takes them (auto: on on a GPU); --no-rows keeps
+no hidden rows (drafting off and n-gram keep none, the model drafters three layers').
 
     python benchmarks/verify_cost.py [--drafts 0 6 16] [--calls 15] [--profile 6]
+        [--row-forwards auto|on|off] [--kv-pool auto|on|off] [--no-rows]
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 
 from specd.models.load import load_target
 from verifier_svc.engine import Target, half_weights_pay, prefill, verify
+from verifier_svc.servicer import on_gpu
 
 CAPTURE = (1, 14, 26)  # the shipped drafters' target layers
 
@@ -30,12 +34,20 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--calls", type=int, default=15)
     parser.add_argument("--profile", type=int, metavar="K", help="profile the calls with K drafts")
+    parser.add_argument("--row-forwards", choices=("auto", "on", "off"), default="off")
+    parser.add_argument("--kv-pool", choices=("auto", "on", "off"), default="off")
+    parser.add_argument("--no-rows", action="store_true", help="keep no hidden rows")
     args = parser.parse_args()
     half = half_weights_pay(args.dtype, None)  # as the verifier decides it
-    target = Target(load_target(args.target, args.dtype, half_weights=half))
-    print(f"target {target.identity.name} ({target.loaded.dtype}; {target.numpy_part})")
+    target = Target(
+        load_target(args.target, args.dtype, half_weights=half),
+        row_forwards=on_gpu(args.row_forwards, "row-forwards"),
+        kv_pool=on_gpu(args.kv_pool, "kv-pool"),
+    )
+    print(f"target {target.identity.name} ({target.loaded.dtype}; {target.numpy_part}; "
+          f"row forwards {target.row_forwards}, pool {target.kv_pool is not None})")  # fmt: skip
     prompt = [1000 + i % 500 for i in range(args.prompt_tokens)]
-    session = prefill(target, prompt, CAPTURE).session
+    session = prefill(target, prompt, () if args.no_rows else CAPTURE).session
     # a token the target all but never chooses: the drafts are rejected
     rejected = target.identity.vocab_size - 1
 
