@@ -57,9 +57,11 @@ load)
   timeout 120 python3 benchmarks/batched_decode.py --target "$model" --clients 1 4 16 64 \
     --verifier-args "--dtype float32" > "$OUT/batched.log" 2>&1 ;;
 clients)
+  # the verifier logs its load each second: whether 64 sessions run in step (run Y)
   timeout 300 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
     --max-tokens 128 --drafter none,ngram --concurrency 1,16,64 --concurrency-requests 1 \
-    --json ~/res/clients.json > "$OUT/clients.log" 2>&1 ;;
+    --verifier-args "--log-stats 1" --json ~/res/clients.json > "$OUT/clients.log" 2>&1
+  grep -r "greedy forwards" /tmp/specd-bench-* > "$OUT/clients-load.log" 2>/dev/null ;;
 drafters)
   bench --questions mt-bench --every 8 --drafter none,eagle3-k6,eagle3,eagle3-tree,dflash-k15,dflash \
     --time-limit "${2:-300}" --json ~/res/drafters.json > "$OUT/drafters.log" 2>&1 ;;

@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specd.argtypes import byte_size, int_between
+from specd.argtypes import byte_size, int_between, non_negative_float
 from specd.options import option
 from specd.security import ServerSecurity
 
@@ -101,6 +101,13 @@ class VerifierConfig:
         "auto = on a GPU, a session alone keeps a cache of its own (its decode step costs "
         "less) and moves into the pool when other sessions' rounds come; on = every session",
         choices=GPU_MODES,
+    )
+    log_stats_s: float = option(
+        10.0,
+        "log the load every SECONDS while calls come: verify calls, tokens committed, "
+        "sessions per batched forward, open sessions, KV memory (0: never)",
+        type=non_negative_float,
+        metavar="SECONDS",
     )
     cache_dir: Path | None = None  # where the embedded model is materialized
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, token

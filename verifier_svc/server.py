@@ -45,7 +45,10 @@ async def serve(config: VerifierConfig) -> None:
         log.info("dtype auto: %s (a decode step + a verify of 8 tokens: %s)", loaded.dtype, timed)
     log.info("warm-up (%s): %d calls in %.1f s", warmup.mode, warmup.calls, warmup.seconds)
     await server.ready()
-    sweeper = asyncio.create_task(servicer.sessions.expire_forever())
+    tasks = [asyncio.create_task(servicer.sessions.expire_forever())]
+    if config.log_stats_s > 0:
+        tasks.append(asyncio.create_task(servicer.log_load_forever(log)))
     await server.run_until_signal()
-    sweeper.cancel()
+    for task in tasks:
+        task.cancel()
     mlx_thread.shutdown()

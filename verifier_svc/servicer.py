@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import mlx.core as mx
 import numpy as np
 
@@ -40,6 +42,7 @@ from verifier_svc.engine import (
     verify_tree,
 )
 from verifier_svc.kv_pool import PooledCache
+from verifier_svc.load_log import LoadStats
 from verifier_svc.sampling import SamplingConfig
 from verifier_svc.tree import check_parents
 from verifier_svc.warmup import WarmupReport, warm_up_served
@@ -115,6 +118,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.warmup: WarmupReport | None = None
         self.look_ahead = False  # decided at load
         self.sessions = SessionTable(config.max_sessions, config.session_idle_timeout_s)
+        self.load_stats = LoadStats()
         # prompts opened at once are prefilled together where sessions are pooled
         self._prefills = Batch(lambda asks: prefill_many(self._ready(), asks))
         self._rounds = Batch(
@@ -271,6 +275,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 self._verify_in_order, target, session, request.position, drafts, probs,
                 parents, steps,
             )  # fmt: skip
+        self.load_stats.answered(len(result.committed))
         return verifier_pb2.VerifyResponse(
             committed_ids=result.committed,
             num_accepted=result.num_accepted,
@@ -361,10 +366,22 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             answer(items_of.pop(id(r)), result)
 
         rounds_stream(self._ready(), rounds_of(items), lambda: rounds_of(more()), answered,
-                      metrics.DECODE_BATCH.observe)  # fmt: skip
+                      self._stepped)  # fmt: skip
         if later:
             for item, result in zip(later, self._rounds_many(later), strict=True):
                 answer(item, result)
+
+    def _stepped(self, sessions: int) -> None:
+        metrics.DECODE_BATCH.observe(sessions)
+        self.load_stats.stepped(sessions)
+
+    async def log_load_forever(self, log) -> None:
+        """Every --log-stats seconds, a line of what the verifier did, when it did anything."""
+        while True:
+            await asyncio.sleep(self.config.log_stats_s)
+            interval = self.load_stats.take()
+            if interval.calls or interval.forwards:
+                log.info("%s", interval.line(len(self.sessions), self.kv_bytes()))
 
     def _verify_in_order(
         self, target: Target, session: Session, position: int, drafts, probs, parents=None,
