@@ -686,8 +686,8 @@ def rounds_stream(
     that cannot share (`Target.joins`: sampling, another architecture, ...) and a round with
     no other to share with run alone, as `verify` or `decode`. A shared forward that fails
     leaves the sessions in it as they were and answers each with the error. `stepped(n)`:
-    the sessions of each shared forward (1 for a round run alone). Returns once every round
-    is answered and `more()` has no more."""
+    the sessions of each shared forward (1 for each forward of a round run alone). Returns
+    once every round is answered and `more()` has no more."""
     shared = target.many_forward()
     forward_many, max_rows = shared if shared is not None else (None, 0)
     pending = collections.deque(rounds)
@@ -708,7 +708,8 @@ def rounds_stream(
         for _ in range(alone):
             r = pending.popleft()
             if stepped is not None:
-                stepped(1)
+                for _ in range(1 if r.drafts else r.steps):  # a burst alone: a forward a step
+                    stepped(1)
             answer(r, _alone(target, r))
         if alone:
             continue
