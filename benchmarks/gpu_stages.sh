@@ -11,6 +11,9 @@
 # clients  drafting off and n-gram at 1, 16 and 64 clients beside mlx-lm batched (issue 28)
 # drafters [SECONDS]  the model drafters against drafting off and plain mlx-lm, every 8th
 #          MT-bench question: chains (k = 6 and adaptive), trees, DFlash (k = 15 and adaptive)
+# verify   what a verify of 1..16 tokens costs the engine, by path: the model's own forward or
+#          row by row, keeping the drafters' hidden rows or none (run Y: 13 ms for 7 tokens
+#          served, against 6 ms row by row in gpu_forwards.py)
 # pool     many clients on the KV pool: the verifier alone, the services, the fault drill (issue 28)
 # distill  the target's replies to ShareGPT prompts, appended to ~/dd.jsonl (resumes)
 # selfprompts [SECONDS [DTYPE]]  the target's replies to user messages it writes itself
@@ -65,6 +68,16 @@ clients)
 drafters)
   bench --questions mt-bench --every 8 --drafter none,eagle3-k6,eagle3,eagle3-tree,dflash-k15,dflash \
     --time-limit "${2:-300}" --json ~/res/drafters.json > "$OUT/drafters.log" 2>&1 ;;
+verify)
+  for rows in "" --no-rows; do
+    for path in off on; do
+      echo "== --row-forwards $path $rows" >> "$OUT/verify.log"
+      timeout 120 python3 benchmarks/verify_cost.py --target "$model" --dtype float32 \
+        --drafts 0 1 2 3 6 15 --calls 15 --row-forwards "$path" $rows >> "$OUT/verify.log" 2>&1
+    done
+  done
+  timeout 60 python3 benchmarks/verify_cost.py --target "$model" --dtype float32 --drafts 6 \
+    --calls 10 --row-forwards on --profile 6 >> "$OUT/verify.log" 2>&1 ;;
 pool)
   # the KV pool is the verifier's default on a GPU: the verifier alone with it, then the
   # services (drafting off and n-gram), then the fault drill at 16 sessions
@@ -105,7 +118,7 @@ eagle3)
   tar -czf "$OUT/eagle3-meta.tgz" -C ~/e3 config.json training.json ;;
 *)
   echo "usage: bash benchmarks/gpu_stages.sh" \
-    "parity|grounded|load|clients|drafters [SECONDS]|pool|distill|selfprompts [SECONDS [DTYPE]]|dflash|eagle3 [DATA [SECONDS [RECORDS]]]" >&2
+    "parity|grounded|load|clients|drafters [SECONDS]|verify|pool|distill|selfprompts [SECONDS [DTYPE]]|dflash|eagle3 [DATA [SECONDS [RECORDS]]]" >&2
   exit 2 ;;
 esac
 tar -czf "$OUT/results.tgz" -C ~ res /tmp/specd-bench-* 2>/dev/null
