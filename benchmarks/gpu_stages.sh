@@ -9,8 +9,10 @@
 # grounded drafting off and n-gram on the whole input-grounded set
 # load     aggregate throughput at 1, 4, 16, 64 clients, and the verifier alone (issue 28)
 # clients  drafting off and n-gram at 1, 16 and 64 clients beside mlx-lm batched (issue 28)
-# drafters [SECONDS]  the model drafters against drafting off and plain mlx-lm, every 8th
-#          MT-bench question: chains (k = 6 and adaptive), trees, DFlash (k = 15 and adaptive)
+# drafters [SECONDS [DRAFTERS [in-process]]]  model drafters (default eagle3-k6) against
+#          drafting off and plain mlx-lm, every 4th MT-bench question; a stack's start with
+#          its warm-ups takes ~70 s, so name few; in-process runs the services in one process
+#          (one GPU context: whether the split costs the verify, run Y)
 # verify   what a verify of 1..16 tokens costs the engine, by path: the model's own forward or
 #          row by row, keeping the drafters' hidden rows or none (run Y: 13 ms for 7 tokens
 #          served, against 6 ms row by row in gpu_forwards.py)
@@ -66,8 +68,9 @@ clients)
     --verifier-args "--log-stats 1" --json ~/res/clients.json > "$OUT/clients.log" 2>&1
   grep -r "greedy forwards" /tmp/specd-bench-* > "$OUT/clients-load.log" 2>/dev/null ;;
 drafters)
-  bench --questions mt-bench --every 8 --drafter none,eagle3-k6,eagle3,eagle3-tree,dflash-k15,dflash \
-    --time-limit "${2:-300}" --json ~/res/drafters.json > "$OUT/drafters.log" 2>&1 ;;
+  bench --questions mt-bench --every 4 --drafter "${3:-eagle3-k6},none" \
+    ${4:+--in-process} --time-limit "${2:-300}" --json ~/res/drafters.json \
+    >> "$OUT/drafters.log" 2>&1 ;;
 verify)
   for rows in "" --no-rows; do
     for path in off on; do
@@ -118,7 +121,7 @@ eagle3)
   tar -czf "$OUT/eagle3-meta.tgz" -C ~/e3 config.json training.json ;;
 *)
   echo "usage: bash benchmarks/gpu_stages.sh" \
-    "parity|grounded|load|clients|drafters [SECONDS]|verify|pool|distill|selfprompts [SECONDS [DTYPE]]|dflash|eagle3 [DATA [SECONDS [RECORDS]]]" >&2
+    "parity|grounded|load|clients|drafters [SECONDS [DRAFTERS [in-process]]]|verify|pool|distill|selfprompts [SECONDS [DTYPE]]|dflash|eagle3 [DATA [SECONDS [RECORDS]]]" >&2
   exit 2 ;;
 esac
 tar -czf "$OUT/results.tgz" -C ~ res /tmp/specd-bench-* 2>/dev/null
