@@ -25,9 +25,10 @@
 #          RECORDS (default 30000; features take 4.6 kB a token, 27 GB for 24,000 records) of DATA
 #          (default ~/dd.jsonl, or carried .gpu/dd.gz.*) in its seed-0 shuffle, for SECONDS (default 480, features included); a second call on the
 #          same machine resumes from its checkpoint and cached features
-# eagle3 [DATA [SECONDS [RECORDS]]]  the EAGLE-3 head, from the shipped one, on the same
-#          replies; both read the target features cached in ~/feat, so the second to run on
-#          the same DATA and RECORDS computes none
+# eagle3 [DATA [SECONDS [RECORDS [MLP_WIDTH]]]]  the EAGLE-3 head, from the shipped one, on
+#          the same replies; both read the target features cached in ~/feat, so the second to
+#          run on the same DATA and RECORDS computes none; MLP_WIDTH (e.g. 3072) widens the
+#          head's MLP first (a wider head, one of issue 26's levers)
 # A carried .gpu/kernels.tgz (an earlier stage's $OUT/kernels.tgz) spares compiling kernels.
 set -uo pipefail
 . ~/b/env.sh .
@@ -110,18 +111,19 @@ dflash)
     --cache-dir ~/feat --conversations "${4:-30000}" --max-len 1024 --epochs 2 --batch-size 32 --held-out 200 \
     --save-every 50 --time-limit "${3:-480}" --block-size 16 --anchors 16 \
     --init-from drafter_svc/dflash/drafters/smollm2-135m-instruct > "$OUT/dflash.log" 2>&1
-  cp ~/df/model.safetensors "$OUT/dflash.safetensors"
+  for f in ~/df/model*.safetensors; do cp "$f" "$OUT/dflash-$(basename "$f")"; done
   tar -czf "$OUT/dflash-meta.tgz" -C ~/df config.json draft_vocab.npy training.json ;;
 eagle3)
-  python3 -m specd train eagle3 --target "$model" --out ~/e3 --data "${2:-$HOME/dd.jsonl}" \
+  out=~/e3${5:+-mlp$5}  # a widened head is another run
+  python3 -m specd train eagle3 --target "$model" --out "$out" --data "${2:-$HOME/dd.jsonl}" \
     --cache-dir ~/feat --conversations "${4:-30000}" --max-len 1024 --epochs 1 --batch-size 32 --held-out 200 \
-    --save-every 40 --ttt-steps 6 --lr 5e-4 --time-limit "${3:-480}" \
+    --save-every 40 --ttt-steps 6 --lr 5e-4 --time-limit "${3:-480}" ${5:+--mlp-width "$5"} \
     --init-from drafter_svc/eagle3/heads/smollm2-135m-instruct > "$OUT/eagle3.log" 2>&1
-  cp ~/e3/model.safetensors "$OUT/eagle3.safetensors"
-  tar -czf "$OUT/eagle3-meta.tgz" -C ~/e3 config.json training.json ;;
+  for f in "$out"/model*.safetensors; do cp "$f" "$OUT/eagle3-$(basename "$f")"; done
+  tar -czf "$OUT/eagle3-meta.tgz" -C "$out" config.json training.json ;;
 *)
   echo "usage: bash benchmarks/gpu_stages.sh" \
-    "parity|grounded|load|clients|drafters [SECONDS [DRAFTERS [in-process]]]|verify|pool|distill|selfprompts [SECONDS [DTYPE]]|dflash|eagle3 [DATA [SECONDS [RECORDS]]]" >&2
+    "parity|grounded|load|clients|drafters [SECONDS [DRAFTERS [in-process]]]|verify|pool|distill|selfprompts [SECONDS [DTYPE]]|dflash [DATA [SECONDS [RECORDS]]]|eagle3 [DATA [SECONDS [RECORDS [MLP_WIDTH]]]]" >&2
   exit 2 ;;
 esac
 tar -czf "$OUT/results.tgz" -C ~ res /tmp/specd-bench-* 2>/dev/null

@@ -144,6 +144,39 @@ def make_optimizer(lr: float, warmup: int, total_steps: int) -> optim.Optimizer:
 # ---------------------------------------------------------------- weights both drafters read
 
 
+SHIPPED_FILE_BYTES = 16 * 2**20  # the most one shipped weight file may hold
+
+
+def save_weights(directory: Path, weights: dict[str, mx.array],
+                 limit: int = SHIPPED_FILE_BYTES) -> list[Path]:  # fmt: skip
+    """A drafter's tensors as `model.safetensors`, or, past `limit` bytes, as
+    `model-0000i-of-0000n.safetensors` files of at most `limit` each (in name order, as
+    Hugging Face shards them); `read_weights` reads either. Files of an earlier save go."""
+    sizes = {name: array.nbytes for name, array in weights.items()}
+    too_big = [name for name, size in sizes.items() if size > limit]
+    if too_big:
+        raise ValueError(f"tensor {too_big[0]} ({sizes[too_big[0]]} bytes) is past the "
+                         f"{limit}-byte limit of one weight file")  # fmt: skip
+    shards: list[dict[str, mx.array]] = [{}]
+    held = 0
+    for name in sorted(weights):
+        if shards[-1] and held + sizes[name] > limit:
+            shards.append({})
+            held = 0
+        shards[-1][name] = weights[name]
+        held += sizes[name]
+    for old in directory.glob("model*.safetensors"):
+        old.unlink()
+    if len(shards) == 1:
+        paths = [directory / "model.safetensors"]
+    else:
+        paths = [directory / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                 for i in range(1, len(shards) + 1)]  # fmt: skip
+    for path, shard in zip(paths, shards, strict=True):
+        mx.save_safetensors(str(path), shard, metadata={"format": "mlx"})
+    return paths
+
+
 def read_weights(directory: Path) -> dict[str, mx.array]:
     """Every tensor of a drafter checkpoint directory's safetensors files."""
     files = sorted(directory.glob("*.safetensors"))

@@ -567,6 +567,14 @@ def _add_train(sub) -> None:
         "--ttt-steps", type=int_between(1), default=3, help="unrolled training-time-test passes"
     )
     e3.add_argument("--decay", type=float, default=0.8, help="loss weight of pass j: decay**j")
+    e3.add_argument(
+        "--mlp-width",
+        type=int_between(1),
+        metavar="N",
+        help="MLP units of the head (default: the target's, or the --init-from head's); wider "
+        "than the start head's widens it computing what it did, the new units starting at zero "
+        "output. A head past 16 MiB is written as several weight files",
+    )
     e3.add_argument("--format", dest="fmt", default="eagle", choices=["eagle", "speculators"])
     df = kinds.add_parser("dflash", help="a DFlash block drafter (ShareGPT data)")
     _add_common_train_args(df, "drafter")

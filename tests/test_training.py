@@ -190,6 +190,56 @@ def test_a_continued_head_can_grow_or_shrink_its_draft_vocabulary(tiny_model_dir
     assert "draft vocabulary 60 -> 20: covers" in capsys.readouterr().err
 
 
+def test_a_widened_head_computes_what_it_did_then_trains_and_loads(tiny_model_dir, data,
+                                                                   tmp_path, capsys):  # fmt: skip
+    from drafter_svc.eagle3.train import widen_mlp
+
+    common = dict(target=str(tiny_model_dir), conversations=6, max_len=64, warmup=2, data=data,
+                  epochs=1, draft_vocab=60)  # fmt: skip
+    train_eagle3(TrainOptions(**common, out=tmp_path / "narrow"))
+    narrow, _ = load_head(tmp_path / "narrow")
+    width = narrow.config.intermediate_size
+    hidden = narrow.config.hidden_size
+    emb = mx.random.normal((1, 5, hidden), key=mx.random.key(1))
+    feature = mx.random.normal((1, 5, hidden), key=mx.random.key(2))
+    before, _ = narrow.step(emb, feature, 0, None, None)
+    wide = widen_mlp(narrow, 2 * width)
+    after, _ = wide.step(emb, feature, 0, None, None)
+    assert wide.midlayer.mlp.down_proj.weight.shape == (hidden, 2 * width)
+    np.testing.assert_allclose(np.array(after), np.array(before), atol=1e-5, rtol=1e-5)
+    assert (np.array(wide.d2t) == np.array(narrow.d2t)).all()
+    with pytest.raises(ValueError, match="narrower than the start head"):
+        widen_mlp(wide, width)
+
+    summary = train_eagle3(TrainOptions(**common, out=tmp_path / "wide", mlp_width=2 * width,
+                                        init_from=tmp_path / "narrow"))  # fmt: skip
+    assert summary["steps"] == 6
+    assert f"MLP widened {width} -> {2 * width} units" in capsys.readouterr().err
+    trained, _ = load_head(tmp_path / "wide")
+    assert trained.config.intermediate_size == 2 * width
+    new_units = np.array(trained.midlayer.mlp.down_proj.weight)[:, width:]
+    assert np.abs(new_units).max() > 0  # the new units learned
+
+
+def test_weights_past_the_file_limit_are_written_as_shards_that_load_back(tmp_path):
+    from drafter_svc.checkpoints import read_weights, save_weights
+
+    weights = {f"w{i}": mx.full((64, 16), float(i), dtype=mx.float16) for i in range(5)}  # 2 kB
+    paths = save_weights(tmp_path, weights, limit=5000)
+    assert [p.name for p in paths] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert all(p.stat().st_size <= 5000 + 1024 for p in paths)  # the limit, plus each header
+    back = read_weights(tmp_path)
+    assert sorted(back) == sorted(weights)
+    assert all((back[k] == weights[k]).all() for k in weights)
+    # a later save that fits one file leaves no shard of the first behind
+    assert [p.name for p in save_weights(tmp_path, {"w0": weights["w0"]}, limit=5000)] == [
+        "model.safetensors"
+    ]
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
+    with pytest.raises(ValueError, match="past the 1000-byte limit"):
+        save_weights(tmp_path, weights, limit=1000)
+
+
 def test_distill_writes_the_targets_own_replies_and_resumes(tiny_model_dir, data, tmp_path):
     """Every user turn is a prompt after the conversation before it; each record is that
     conversation ended with the target's own greedy reply; a second run only adds the rest."""

@@ -18,11 +18,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from drafter_svc.checkpoints import CheckpointError, read_weights, strip_prefix
+from drafter_svc.checkpoints import CheckpointError, read_weights, save_weights, strip_prefix
 from drafter_svc.layers import MLP
 
 CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
 # optional: the target tokens the drafter reads out, most frequent first (frequency-ranked
 # readout); a checkpoint without it reads out the whole vocabulary
 DRAFT_VOCAB = "draft_vocab.npy"
@@ -223,7 +222,7 @@ def save_drafter(model: DFlashDrafter, directory: str | Path, dtype=mx.float16) 
     directory.mkdir(parents=True, exist_ok=True)
     cfg = model.config
     weights = {k: v.astype(dtype) for k, v in tree_flatten(model.parameters())}
-    mx.save_safetensors(str(directory / WEIGHTS), weights, metadata={"format": "mlx"})
+    save_weights(directory, weights)
     config = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",

@@ -16,11 +16,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from drafter_svc.checkpoints import CheckpointError, read_weights, strip_prefix
+from drafter_svc.checkpoints import CheckpointError, read_weights, save_weights, strip_prefix
 from drafter_svc.layers import MLP
 
 EAGLE_CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
 
 
 def default_capture_layers(num_target_layers: int) -> tuple[int, ...]:
@@ -404,5 +403,5 @@ def save_head(
             config["target_hidden_size"] = cfg.target_hidden_size
     else:
         raise ValueError(f"unknown format {fmt!r}; choose eagle or speculators")
-    mx.save_safetensors(str(directory / WEIGHTS), weights, metadata={"format": "mlx"})
+    save_weights(directory, weights)
     (directory / EAGLE_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

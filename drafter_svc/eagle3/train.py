@@ -78,6 +78,7 @@ class TrainOptions:
     batch_size: int = 1  # conversations per step, padded to the longest (a GPU wants many)
     held_out: int = 0  # conversations kept out of training, their agreement printed as it goes
     time_limit: float | None = None  # seconds from the start: no step after, resumable
+    mlp_width: int | None = None  # the head's MLP width; None: the target's, or the start's
 
 
 def head_config(loaded, draft_vocab: int, capture: tuple[int, ...]) -> Eagle3Config:
@@ -99,6 +100,36 @@ def head_config(loaded, draft_vocab: int, capture: tuple[int, ...]) -> Eagle3Con
         target_fingerprint=loaded.identity.fingerprint,
         target_name=loaded.path.name,
     )
+
+
+def widen_mlp(head: Eagle3Head, width: int, seed: int = 0) -> Eagle3Head:
+    """The head with `width` MLP units, computing what it did: the new units' gate and up
+    rows drawn like the old ones, their down columns zero, so training starts where the
+    narrower head stood and the new units learn from there. Narrowing would lose what the
+    head knows, so it is refused."""
+    cfg = head.config
+    old = cfg.intermediate_size
+    if width < old:
+        raise ValueError(f"--mlp-width {width} is narrower than the start head's {old}")
+    mlp = head.midlayer.mlp
+    key = mx.random.key(seed)
+    grown = {}
+    for name in ("gate_proj", "up_proj"):
+        weight = getattr(mlp, name).weight.astype(mx.float32)  # [old, hidden]
+        key, draw = mx.random.split(key)
+        std = mx.std(weight).item()
+        extra = std * mx.random.normal((width - old, weight.shape[1]), key=draw)
+        grown[name] = mx.concatenate([weight, extra])
+    down = mlp.down_proj.weight.astype(mx.float32)  # [hidden, old]
+    grown["down_proj"] = mx.concatenate([down, mx.zeros((down.shape[0], width - old))], axis=1)
+    cfg.intermediate_size = width
+    wide = Eagle3Head(cfg)
+    wide.update(head.parameters())
+    for name, weight in grown.items():
+        getattr(wide.midlayer.mlp, name).weight = weight
+    wide.d2t = head.d2t
+    print(f"MLP widened {old} -> {width} units", file=sys.stderr)
+    return wide
 
 
 def choose_draft_vocab(
@@ -195,6 +226,7 @@ class Trainer:
             head = self._start_from(opts.init_from, loaded)
         else:
             self.cfg = head_config(loaded, opts.draft_vocab or DEFAULT_DRAFT_VOCAB, capture)
+            self.cfg.intermediate_size = opts.mlp_width or self.cfg.intermediate_size
             self.draft_ids = choose_draft_vocab(feats, self.cfg.vocab_size,
                                                 self.cfg.draft_vocab_size)  # fmt: skip
             self.cfg.draft_vocab_size = len(self.draft_ids)
@@ -229,6 +261,9 @@ class Trainer:
         wanted = self.opts.draft_vocab
         if wanted is not None and wanted != cfg.draft_vocab_size:
             head = self._resize_vocab(head, loaded, wanted)
+        width = self.opts.mlp_width
+        if width is not None and width != cfg.intermediate_size:
+            head = widen_mlp(head, width)
         return head
 
     def _resize_vocab(self, head: Eagle3Head, loaded, size: int) -> Eagle3Head:
