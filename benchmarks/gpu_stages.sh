@@ -21,7 +21,8 @@
 # selfprompts [SECONDS [DTYPE]]  the target's replies to user messages it writes itself
 #          (--prompts self), appended to ~/ds.jsonl (resumes), for SECONDS (default 500) in
 #          DTYPE (default bfloat16: 22.3k reply tok/s against float32's 15.8k, run X)
-# dflash [DATA [SECONDS [RECORDS]]]  the DFlash drafter, from the shipped one, on the first
+# dflash [DATA [SECONDS [RECORDS [LAYERS]]]]  the DFlash drafter, from the shipped one (LAYERS
+#          deepens it first: e.g. 4), on the first
 #          RECORDS (default 30000; features take 4.6 kB a token, 27 GB for 24,000 records) of DATA
 #          (default ~/dd.jsonl, or carried .gpu/dd.gz.*) in its seed-0 shuffle, for SECONDS (default 480, features included); a second call on the
 #          same machine resumes from its checkpoint and cached features
@@ -107,12 +108,13 @@ selfprompts)
   gzip -c ~/ds.jsonl > ~/ds.jsonl.gz && (cd ~ && split -b 15M ds.jsonl.gz ds.gz.)
   cp ~/ds.gz.* "$OUT/" ;;
 dflash)
-  python3 -m specd train dflash --target "$model" --out ~/df --data "${2:-$HOME/dd.jsonl}" \
+  out=~/df${5:+-layers$5}  # a deeper drafter is another run
+  python3 -m specd train dflash --target "$model" --out "$out" --data "${2:-$HOME/dd.jsonl}" \
     --cache-dir ~/feat --conversations "${4:-30000}" --max-len 1024 --epochs 2 --batch-size 32 --held-out 200 \
-    --save-every 50 --time-limit "${3:-480}" --block-size 16 --anchors 16 \
+    --save-every 50 --time-limit "${3:-480}" --block-size 16 --anchors 16 ${5:+--layers "$5"} \
     --init-from drafter_svc/dflash/drafters/smollm2-135m-instruct > "$OUT/dflash.log" 2>&1
-  for f in ~/df/model*.safetensors; do cp "$f" "$OUT/dflash-$(basename "$f")"; done
-  tar -czf "$OUT/dflash-meta.tgz" -C ~/df config.json draft_vocab.npy training.json ;;
+  for f in "$out"/model*.safetensors; do cp "$f" "$OUT/dflash-$(basename "$f")"; done
+  tar -czf "$OUT/dflash-meta.tgz" -C "$out" config.json draft_vocab.npy training.json ;;
 eagle3)
   out=~/e3${5:+-mlp$5}  # a widened head is another run
   python3 -m specd train eagle3 --target "$model" --out "$out" --data "${2:-$HOME/dd.jsonl}" \
@@ -123,7 +125,7 @@ eagle3)
   tar -czf "$OUT/eagle3-meta.tgz" -C "$out" config.json training.json ;;
 *)
   echo "usage: bash benchmarks/gpu_stages.sh" \
-    "parity|grounded|load|clients|drafters [SECONDS [DRAFTERS [in-process]]]|verify|pool|distill|selfprompts [SECONDS [DTYPE]]|dflash [DATA [SECONDS [RECORDS]]]|eagle3 [DATA [SECONDS [RECORDS [MLP_WIDTH]]]]" >&2
+    "parity|grounded|load|clients|drafters [SECONDS [DRAFTERS [in-process]]]|verify|pool|distill|selfprompts [SECONDS [DTYPE]]|dflash [DATA [SECONDS [RECORDS [LAYERS]]]]|eagle3 [DATA [SECONDS [RECORDS [MLP_WIDTH]]]]" >&2
   exit 2 ;;
 esac
 tar -czf "$OUT/results.tgz" -C ~ res /tmp/specd-bench-* 2>/dev/null

@@ -579,7 +579,12 @@ def _add_train(sub) -> None:
     df = kinds.add_parser("dflash", help="a DFlash block drafter (ShareGPT data)")
     _add_common_train_args(df, "drafter")
     df.add_argument("--block-size", type=int_between(2), default=8, help="block trained for")
-    df.add_argument("--layers", type=int_between(1), default=2, help="drafter decoder layers")
+    df.add_argument(
+        "--layers",
+        type=int_between(1),
+        help="drafter decoder layers (default 2 for a new drafter, the --init-from drafter's); "
+        "more than the start drafter's adds layers that begin by passing their input on",
+    )
     df.add_argument("--anchors", type=int_between(1), default=16, help="blocks per training step")
     df.add_argument(
         "--draft-vocab",

@@ -221,6 +221,36 @@ def test_a_widened_head_computes_what_it_did_then_trains_and_loads(tiny_model_di
     assert np.abs(new_units).max() > 0  # the new units learned
 
 
+def test_a_deepened_dflash_drafter_computes_what_it_did_then_trains(tiny_model_dir, data,
+                                                                    tmp_path, capsys):  # fmt: skip
+    from drafter_svc.dflash.train import deepen
+
+    common = dict(target=str(tiny_model_dir), conversations=6, max_len=64, block_size=4,
+                  anchors=4, epochs=1, warmup=2, data=data)  # fmt: skip
+    train_dflash(DFlashOptions(**common, layers=1, out=tmp_path / "one"))
+    one = load_drafter(tmp_path / "one")
+    cfg = one.config
+    rows = mx.random.normal((1, 6, len(cfg.target_layer_ids) * cfg.feature_size),
+                            key=mx.random.key(3))  # fmt: skip
+    block = mx.random.normal((1, 4, cfg.hidden_size), key=mx.random.key(4))
+    before = one(block, 6, one.context_kv(rows, 0))
+    three = deepen(one, 3)
+    after = three(block, 6, three.context_kv(rows, 0))
+    assert len(three.layers) == 3
+    np.testing.assert_allclose(np.array(after), np.array(before), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="fewer than the start drafter's 3"):
+        deepen(three, 2)
+
+    summary = train_dflash(DFlashOptions(**common, layers=2, out=tmp_path / "two",
+                                         init_from=tmp_path / "one"))  # fmt: skip
+    assert summary["layers"] == 2 and "drafter deepened 1 -> 2 layers" in capsys.readouterr().err
+    two = load_drafter(tmp_path / "two")
+    assert len(two.layers) == 2
+    assert np.abs(np.array(two.layers[1].self_attn.o_proj.weight)).max() > 0  # it learned
+    kept = train_dflash(DFlashOptions(**common, out=tmp_path / "kept", init_from=tmp_path / "two"))
+    assert kept["layers"] == 2  # no --layers: the start drafter's
+
+
 def test_weights_past_the_file_limit_are_written_as_shards_that_load_back(tmp_path):
     from drafter_svc.checkpoints import read_weights, save_weights
 

@@ -10,6 +10,7 @@ lm_head are the target's, frozen. Anchors fall inside assistant replies.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -42,6 +43,8 @@ from drafter_svc.eagle3.model import default_capture_layers
 from drafter_svc.eagle3.train import TrainOptions, choose_draft_vocab, prepare_features
 from drafter_svc.training import epoch_order, run_steps
 
+DEFAULT_LAYERS = 2  # decoder layers of a new drafter
+
 
 @dataclass
 class DFlashOptions:
@@ -50,7 +53,7 @@ class DFlashOptions:
     conversations: int = 600
     max_len: int = 512
     block_size: int = 8
-    layers: int = 2
+    layers: int | None = None  # None: 2 for a new drafter, the start drafter's with init_from
     anchors: int = 16  # blocks per step
     gamma: float = 0.0  # 0: by block size (7 for 16, 5 for 10, 4 below)
     epochs: float = 2.0
@@ -98,7 +101,7 @@ def drafter_config(loaded, opts: DFlashOptions, layer_ids, mask_id: int) -> DFla
     cfg = cfg.get("text_config", cfg)
     return DFlashConfig(
         hidden_size=int(cfg["hidden_size"]),
-        num_hidden_layers=opts.layers,
+        num_hidden_layers=opts.layers or DEFAULT_LAYERS,
         intermediate_size=int(cfg["intermediate_size"]),
         num_attention_heads=int(cfg["num_attention_heads"]),
         num_key_value_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
@@ -115,6 +118,25 @@ def drafter_config(loaded, opts: DFlashOptions, layer_ids, mask_id: int) -> DFla
         target_fingerprint=loaded.identity.fingerprint,
         target_name=loaded.path.name,
     )
+
+
+def deepen(model: DFlashDrafter, layers: int) -> DFlashDrafter:
+    """The drafter with `layers` decoder layers, computing what it did: each new layer, after
+    the others, starts as a copy of the last with its attention output and MLP down projection
+    at zero, so it adds nothing until training moves them. Fewer layers would lose what the
+    drafter knows, so that is refused."""
+    have = len(model.layers)
+    if layers < have:
+        raise ValueError(f"--layers {layers} is fewer than the start drafter's {have}")
+    deeper = DFlashDrafter(dataclasses.replace(model.config, num_hidden_layers=layers))
+    deeper.update(model.parameters())  # the first `have` layers and the rest of the drafter
+    last = model.layers[-1].parameters()
+    for layer in deeper.layers[have:]:
+        layer.update(last)
+        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+        layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+    print(f"drafter deepened {have} -> {layers} layers", file=sys.stderr)
+    return deeper
 
 
 def init_from_target(model: DFlashDrafter, target_model) -> None:
@@ -194,6 +216,8 @@ class DFlashTrainer:
                     f" training features have {tuple(layer_ids)}"
                 )
             self.model.config.block_size = opts.block_size
+            if opts.layers is not None and opts.layers != self.model.config.num_hidden_layers:
+                self.model = deepen(self.model, opts.layers)
             self.cfg = self.model.config
         else:
             self.model = DFlashDrafter(self.cfg)
@@ -347,7 +371,7 @@ def train(opts: DFlashOptions) -> dict:
         "tokens": int(sum(len(f.ids) for f in feats)),
         "assistant_tokens": int(sum(int(f.loss_mask.sum()) for f in feats)),
         "block_size": opts.block_size,
-        "layers": opts.layers,
+        "layers": trainer.cfg.num_hidden_layers,
         "anchors_per_step": opts.anchors,
         "batch_size": opts.batch_size,
         "gamma": trainer.gamma,

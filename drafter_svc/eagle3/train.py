@@ -11,6 +11,7 @@ by decay**j.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -122,8 +123,7 @@ def widen_mlp(head: Eagle3Head, width: int, seed: int = 0) -> Eagle3Head:
         grown[name] = mx.concatenate([weight, extra])
     down = mlp.down_proj.weight.astype(mx.float32)  # [hidden, old]
     grown["down_proj"] = mx.concatenate([down, mx.zeros((down.shape[0], width - old))], axis=1)
-    cfg.intermediate_size = width
-    wide = Eagle3Head(cfg)
+    wide = Eagle3Head(dataclasses.replace(cfg, intermediate_size=width))
     wide.update(head.parameters())
     for name, weight in grown.items():
         getattr(wide.midlayer.mlp, name).weight = weight
@@ -264,6 +264,7 @@ class Trainer:
         width = self.opts.mlp_width
         if width is not None and width != cfg.intermediate_size:
             head = widen_mlp(head, width)
+            self.cfg = head.config
         return head
 
     def _resize_vocab(self, head: Eagle3Head, loaded, size: int) -> Eagle3Head:
