@@ -152,21 +152,34 @@ def test_a_default_it_could_not_use_falls_back_to_products(tiny_model_dir, monke
 
 
 def test_a_failure_while_appending_leaves_every_layer_as_it_was(tiny_model_dir, monkeypatch):
-    """Rollback trims all layers by the first one's length: they must agree after a failure."""
+    """Rollback trims all layers by the first one's length: they must agree after a failure
+    in a later layer (the first one's keys and values already written)."""
     _, fast = _pair(tiny_model_dir)
     session = prefill(fast, PROMPT).session
     base = session.cache[0].offset
-    real = type(session.cache[1]).update_and_fetch
+    calls = []
+    for name in ("_attend", "_attend_compiled"):
+        real = getattr(CpuLlama, name)
 
-    def fail_on_second_layer(cache, keys, values):
-        if cache is session.cache[1]:
-            raise MemoryError("injected")
-        return real(cache, keys, values)
+        def fail_on_second_layer(self, *args, real=real):
+            calls.append(1)
+            if len(calls) == 2:
+                raise MemoryError("injected")
+            return real(self, *args)
 
-    monkeypatch.setattr(type(session.cache[1]), "update_and_fetch", fail_on_second_layer)
+        monkeypatch.setattr(CpuLlama, name, fail_on_second_layer)
     with pytest.raises(MemoryError):
         fast.forward(mx.array([7, 8]), session.cache)
     assert [c.offset for c in session.cache] == [base] * len(session.cache)
+    calls.append(1)  # no more failures
+    # and the next forward gives what it gives on a session that never failed
+    again = prefill(fast, PROMPT).session
+    for cache in (session.cache, again.cache):
+        fast.forward(mx.array([7, 8]), cache)
+    np.testing.assert_array_equal(
+        np.array(session.cache[1].keys[..., : base + 2, :]),
+        np.array(again.cache[1].keys[..., : base + 2, :]),
+    )
 
 
 def test_several_sequences_in_one_forward_equal_each_alone(pair):
@@ -277,3 +290,23 @@ def test_more_sessions_than_a_forward_takes_go_in_groups(pair, monkeypatch):
     results = rounds_many(fast, rounds)
     assert [r.committed for n, r in enumerate(results) if n != 1] == alone[:1] + alone[2:]
     assert max(calls) <= 4
+
+
+def test_cache_buffers_shared_with_other_arrays_are_copied_first(tiny_model_dir):
+    """A cache holding a broadcast array (one buffer behind every row) gets buffers of its
+    own before the forward writes its keys and values; the array it held stays as it was."""
+    _, fast = _pair(tiny_model_dir)
+    plain, shared = fast.new_cache(), fast.new_cache()
+    fast.forward(mx.array([7]), plain)
+    for layer in plain:
+        layer.offset = 0
+    zero = mx.zeros((1,), mx.float32)
+    held = []
+    for layer, ref in zip(shared, plain, strict=True):
+        layer.keys = mx.broadcast_to(zero, ref.keys.shape)
+        layer.values = mx.broadcast_to(zero, ref.values.shape)
+        held.append(layer.keys)
+    want = fast.forward(mx.array([7, 8]), plain)[0]
+    got = fast.forward(mx.array([7, 8]), shared)[0]
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+    assert all(not np.array(h).any() for h in held)

@@ -4,11 +4,12 @@ With its weight products on numpy's gemv (specd.cpu.gemv), a one-token forward o
 SmolLM2-135M still spent ~37 of its ~89 ms waiting on MLX: every product makes MLX evaluate
 its input, ~4 small graphs per layer at ~35-170 us each. The rest of a layer (two RMSNorms,
 RoPE, attention over the cache, SwiGLU) is little arithmetic per token, so forwards of a few
-tokens run every layer here and touch MLX only to append their keys and values to the model's
-own KV caches, in one evaluation at the end; draft trees come with their ancestor mask and
-depth positions. Bigger forwards and other architectures stay in MLX. That rest runs in the
-compiled kernels where they were built (numpy's dozen calls per part cost more than the
-arithmetic), else in numpy. docs/history, entries of 2026-12-01.
+tokens run every layer here and write their keys and values straight into the buffers of the
+model's own KV caches (MLX's update and evaluation per layer cost ~1 ms a sequence per
+forward); draft trees come with their ancestor mask and depth positions. Bigger forwards and
+other architectures stay in MLX. That rest runs in the compiled kernels where they were built
+(numpy's dozen calls per part cost more than the arithmetic), else in numpy. docs/history,
+entries of 2026-12-01.
 """
 
 from __future__ import annotations
@@ -237,42 +238,65 @@ class CpuLlama:
         n = len(token_ids)
         h = self.embed[token_ids].astype(np.float32, copy=False)  # [T, H]; a half table's rows
         captured: dict[int, np.ndarray] = {}
-        new_kv = []
         spans = list(zip(bounds[:-1], bounds[1:], strict=True))
-        for i, layer in enumerate(self.layers):
-            x = rms(h, layer.input_norm)
-            q = heads(layer.q.of_rows(x), self.heads, cos, sin)
-            k = heads(layer.k.of_rows(x), self.kv_heads, cos, sin)
-            v = layer.v.of_rows(x).reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
-            parts = [
-                attend(_rows(q, a, b), _rows(k, a, b), v[:, a:b], s.cache[i], offset, seen)
-                for s, offset, seen, (a, b) in zip(segments, offsets, sees, spans, strict=True)
-            ]
-            attended = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            h = h + layer.o.of_rows(attended)
-            x = rms(h, layer.post_norm)
-            gate = layer.gate.of_rows(x)
-            swiglu(gate, layer.up.of_rows(x))
-            h = h + layer.down.of_rows(gate)
-            if i in capture:
-                captured[i] = h
-            new_kv.append((k, v))
-        logits = self.head.of_rows(rms(h, self.final_norm))
-        # numpy views of the caches are gone: MLX may update their buffers in place
         try:
-            for s, (a, b) in zip(segments, spans, strict=True):
-                for layer_cache, (k, v) in zip(s.cache, new_kv, strict=True):
-                    layer_cache.update_and_fetch(
-                        mx.array(_rows(k, a, b)[None]),
-                        mx.array(np.ascontiguousarray(v[:, a:b])[None]),
-                    )
-            mx.eval([a for s in segments for c in s.cache for a in (c.keys, c.values)])
+            # each layer's keys and values go straight into its cache's buffer, rows
+            # [offset, offset + T): no MLX array, update or evaluation per layer and sequence
+            buffers = [self._cache_buffers(s.cache, len(s.token_ids)) for s in segments]
+            for i, layer in enumerate(self.layers):
+                x = rms(h, layer.input_norm)
+                q = heads(layer.q.of_rows(x), self.heads, cos, sin)
+                k = heads(layer.k.of_rows(x), self.kv_heads, cos, sin)
+                v = layer.v.of_rows(x).reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
+                parts = []
+                for offset, seen, (a, b), own in zip(offsets, sees, spans, buffers, strict=True):
+                    keys, values = own[i]
+                    parts.append(attend(_rows(q, a, b), _rows(k, a, b), v[:, a:b], keys, values,
+                                        offset, seen))  # fmt: skip
+                    keys[:, offset : offset + b - a] = k[:, a:b]
+                    values[:, offset : offset + b - a] = v[:, a:b]
+                attended = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                h = h + layer.o.of_rows(attended)
+                x = rms(h, layer.post_norm)
+                gate = layer.gate.of_rows(x)
+                swiglu(gate, layer.up.of_rows(x))
+                h = h + layer.down.of_rows(gate)
+                if i in capture:
+                    captured[i] = h
+            logits = self.head.of_rows(rms(h, self.final_norm))
         except BaseException:
             for s, offset in zip(segments, offsets, strict=True):
                 for layer_cache in s.cache:  # all layers as they were, so rollback trims alike
                     layer_cache.offset = min(layer_cache.offset, offset)
             raise
+        for s in segments:
+            for layer_cache in s.cache:
+                layer_cache.offset += len(s.token_ids)
         return [(logits[a:b], {i: rows[a:b] for i, rows in captured.items()}) for a, b in spans]
+
+    def _cache_buffers(self, cache: list, tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Writable numpy views [kv, C, D] of each layer's key and value buffers, with room for
+        `tokens` more rows; a buffer too small grows as KVCache.update_and_fetch grows it."""
+        grown = []
+        for c in cache:
+            if c.keys is None or c.offset + tokens > c.keys.shape[2]:
+                # MLX's own growth (zeros written, then not counted), so the buffers match its
+                zeros = mx.zeros((1, self.kv_heads, tokens, self.head_dim), mx.float32)
+                c.update_and_fetch(zeros, zeros)
+                c.offset -= tokens
+                grown.extend([c.keys, c.values])
+        if grown:
+            mx.eval(grown)
+        views = []
+        for c in cache:
+            keys, values = np.asarray(c.keys), np.asarray(c.values)
+            if not all(a.flags.writeable and a.flags.c_contiguous for a in (keys, values)):
+                # not a plain writable buffer: a contiguous copy of its own first
+                c.keys = mx.array(np.ascontiguousarray(keys))
+                c.values = mx.array(np.ascontiguousarray(values))
+                keys, values = np.asarray(c.keys), np.asarray(c.values)
+            views.append((keys[0], values[0]))
+        return views
 
     def _rms_compiled(self, h: np.ndarray, weight: np.ndarray) -> np.ndarray:
         return rms_norm(h, weight, self.eps)
@@ -301,24 +325,21 @@ class CpuLlama:
             out[..., half:dims] = a * sin + b * cos
         return out
 
-    def _attend_compiled(self, q, k, v, layer_cache: KVCache, offset: int, sees) -> np.ndarray:
+    def _attend_compiled(self, q, k, v, keys, values, offset: int, sees) -> np.ndarray:
         """As `_attend`, in one call of the compiled kernels."""
         n = q.shape[1]
-        if offset:
-            keys, values = np.asarray(layer_cache.keys)[0], np.asarray(layer_cache.values)[0]
-        else:
-            keys = values = np.empty((self.kv_heads, 0, self.head_dim), np.float32)
         out = np.empty((n, self.heads * self.head_dim), np.float32)
         layer_kernels().attention(
             q * self.scale, k, np.ascontiguousarray(v), keys, values, offset, sees, out
         )
         return out
 
-    def _attend(self, q, k, v, layer_cache: KVCache, offset: int, sees) -> np.ndarray:
-        """Attention of the new queries over the cached rows and the new rows -> [T, heads*D]."""
+    def _attend(self, q, k, v, keys, values, offset: int, sees) -> np.ndarray:
+        """Attention of the new queries over the first `offset` cached rows ([kv, C, D]) and
+        the new rows -> [T, heads*D]."""
         if offset:
-            k = np.concatenate([np.asarray(layer_cache.keys)[0, :, :offset], k], axis=1)
-            v = np.concatenate([np.asarray(layer_cache.values)[0, :, :offset], v], axis=1)
+            k = np.concatenate([keys[:, :offset], k], axis=1)
+            v = np.concatenate([values[:, :offset], v], axis=1)
         visible = np.concatenate([np.ones((len(sees), offset), dtype=bool), sees], axis=1)
         return attend_numpy(q * self.scale, k, v, visible)
 
