@@ -1,5 +1,6 @@
 """Decode-sized weight products through numpy (specd.cpu.gemv) against MLX's own."""
 
+import itertools
 from pathlib import Path
 
 import mlx.core as mx
@@ -390,6 +391,65 @@ def test_compiled_attention_equals_softmax_attention(past, tokens):
     _kernels().attention(q, nk, nv, k, v, past, sees, out)
     want = _attention_reference(q, nk, nv, k, v, past, sees)
     assert np.allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_of_several_sequences_equals_each_alone():
+    """attention_many: every sequence's rows bit for bit as `attention` gives them alone, its
+    new keys and values written after its past in its own cache, nothing else touched."""
+    rng = np.random.default_rng(5)
+    heads, groups, dim = 6, 2, 16
+    pasts, tokens, capacities = [0, 7, 300, 40], [1, 3, 8, 1], [8, 16, 320, 256]
+    bounds = np.cumsum([0, *tokens]).tolist()
+    n = bounds[-1]
+    q = rng.standard_normal((heads, n, dim), dtype=np.float32)
+    nk, nv = (rng.standard_normal((groups, n, dim), dtype=np.float32) for _ in range(2))
+    caches = [
+        [rng.standard_normal((groups, c, dim), dtype=np.float32) for _ in range(2)]
+        for c in capacities
+    ]
+    before = [[a.copy() for a in pair] for pair in caches]
+    sees = [np.tri(t, dtype=bool) for t in tokens]
+    sees[2][5, 1] = False  # a tree's mask
+    scale = 0.25
+    out = np.empty((n, heads * dim), np.float32)
+    _kernels().attention_many(
+        q, nk, nv, [k for k, _ in caches], [v for _, v in caches], pasts, bounds, sees, scale,
+        out,
+    )  # fmt: skip
+    for s, (a, b) in enumerate(itertools.pairwise(bounds)):
+        (k, v), (k0, v0), past = caches[s], before[s], pasts[s]
+        alone = np.empty((b - a, heads * dim), np.float32)
+        _kernels().attention(
+            np.ascontiguousarray(q[:, a:b] * np.float32(scale)), np.ascontiguousarray(nk[:, a:b]),
+            np.ascontiguousarray(nv[:, a:b]), k0, v0, past, sees[s], alone,
+        )  # fmt: skip
+        np.testing.assert_array_equal(out[a:b], alone)
+        for cache, old, new in ((k, k0, nk), (v, v0, nv)):
+            np.testing.assert_array_equal(cache[:, past : past + b - a], new[:, a:b])
+            np.testing.assert_array_equal(cache[:, :past], old[:, :past])
+            np.testing.assert_array_equal(cache[:, past + b - a :], old[:, past + b - a :])
+
+
+def test_attention_of_several_sequences_refuses_what_does_not_fit():
+    kernels = _kernels()
+    f32 = np.float32
+    q, kv = np.ones((4, 2, 8), f32), np.ones((2, 2, 8), f32)
+    cache = np.ones((2, 5, 8), f32)
+    sees = [np.ones((1, 1), bool)] * 2
+    out = np.ones((2, 32), f32)
+    with pytest.raises(ValueError, match="without room"):
+        kernels.attention_many(q, kv, kv, [cache] * 2, [cache] * 2, [3, 5], [0, 1, 2], sees, 1.0,
+                               out)  # fmt: skip
+    with pytest.raises(ValueError, match="shapes do not match"):
+        kernels.attention_many(q, kv, kv, [cache] * 2, [cache] * 2, [3, 3], [0, 2, 2], sees, 1.0,
+                               out)  # fmt: skip
+    with pytest.raises(ValueError, match="keys"):
+        kernels.attention_many(q, kv, kv, [cache], [cache] * 2, [3, 3], [0, 1, 2], sees, 1.0, out)
+    with pytest.raises(ValueError, match="read-only"):
+        frozen = cache.copy()
+        frozen.flags.writeable = False
+        kernels.attention_many(q, kv, kv, [cache, frozen], [cache] * 2, [0, 0], [0, 1, 2], sees,
+                               1.0, out)  # fmt: skip
 
 
 def test_compiled_layer_parts_refuse_bad_shapes():

@@ -308,13 +308,16 @@ static int have_f16c;  /* set when the module loads */
 
 /* Weight rows are split into spans: for one or two input rows PIECES spans, for groups of four
  * spans of TILE_BYTES, each read from memory once and kept in L2 while every group of
- * input rows (in L1) passes over it. Threads claim `chunk` spans at a time. */
-typedef struct {
+ * input rows (in L1) passes over it. Threads claim `chunk` spans at a time. Other work
+ * (attention_many) runs on the same pool through `task`, `outputs` then counting its units. */
+typedef struct Job {
     const void *weight;
     const float *rows;
     float *out;
     Py_ssize_t outputs, width, n, span, spans, chunk;
     int half;  /* weight is float16 */
+    void (*task)(const struct Job *job, Py_ssize_t first, Py_ssize_t last);
+    const void *context;  /* the task's own arguments */
 } Job;
 
 static void run_span(const Job *job, Py_ssize_t first, Py_ssize_t last) {
@@ -358,7 +361,7 @@ static void run_spans(const Job *job, atomic_long *next) {
         for (; t < stop; t++) {
             Py_ssize_t first = t * job->span;
             Py_ssize_t last = first + job->span < job->outputs ? first + job->span : job->outputs;
-            run_span(job, first, last);
+            job->task(job, first, last);
         }
     }
 }
@@ -453,6 +456,32 @@ static void start_workers(void) {
     }
 }
 
+/* Runs every span of `job` on this thread and the pool's workers, or on this thread alone
+ * while another thread has the pool. */
+static void run_job(const Job *job) {
+    atomic_long alone = 0;  /* the span counter when this thread does every span itself */
+    if (pthread_mutex_trylock(&pool.caller) != 0) {  /* the pool is busy */
+        run_spans(job, &alone);
+        return;
+    }
+    if (pool.workers < 0) start_workers();
+    if (pool.workers == 0 || job->spans == 1) {
+        run_spans(job, &alone);
+        pthread_mutex_unlock(&pool.caller);
+        return;
+    }
+    pool.job = *job;
+    atomic_store_explicit(&pool.next, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.busy, pool.workers, memory_order_relaxed);
+    pthread_mutex_lock(&pool.lock);
+    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    run_spans(job, &pool.next);
+    while (atomic_load_explicit(&pool.busy, memory_order_acquire) > 0) cpu_relax();
+    pthread_mutex_unlock(&pool.caller);
+}
+
 static void products_in_spans(const void *weight, int half, const float *rows, float *out,
                               Py_ssize_t outputs, Py_ssize_t width, Py_ssize_t n) {
     Py_ssize_t row_bytes = width * (half ? 2 : (Py_ssize_t)sizeof(float));
@@ -461,28 +490,9 @@ static void products_in_spans(const void *weight, int half, const float *rows, f
     if (n > 2 && span > TILE_BYTES / row_bytes) span = TILE_BYTES / row_bytes;
     if (span < 1) span = 1;
     Py_ssize_t spans = (outputs + span - 1) / span;
-    Job job = {weight, rows, out, outputs, width, n, span, spans, n <= 2 ? 1 : piece(spans), half};
-    atomic_long alone = 0;  /* the span counter when this thread does every span itself */
-    if (pthread_mutex_trylock(&pool.caller) != 0) {  /* the pool is busy */
-        run_spans(&job, &alone);
-        return;
-    }
-    if (pool.workers < 0) start_workers();
-    if (pool.workers == 0 || spans == 1) {
-        run_spans(&job, &alone);
-        pthread_mutex_unlock(&pool.caller);
-        return;
-    }
-    pool.job = job;
-    atomic_store_explicit(&pool.next, 0, memory_order_relaxed);
-    atomic_store_explicit(&pool.busy, pool.workers, memory_order_relaxed);
-    pthread_mutex_lock(&pool.lock);
-    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
-    pthread_cond_broadcast(&pool.wake);
-    pthread_mutex_unlock(&pool.lock);
-    run_spans(&job, &pool.next);
-    while (atomic_load_explicit(&pool.busy, memory_order_acquire) > 0) cpu_relax();
-    pthread_mutex_unlock(&pool.caller);
+    Job job = {weight, rows, out, outputs, width, n, span, spans, n <= 2 ? 1 : piece(spans), half,
+               run_span, NULL};
+    run_job(&job);
 }
 
 /* The arrays of one call: each C-contiguous, of `ndim` dimensions, of one kind. */
@@ -727,6 +737,178 @@ static PyObject *attention(PyObject *self, PyObject *args) {
     return finish(v, 7, 1, NULL);
 }
 
+/* ---- Attention of several sequences' new tokens, each over its own KV cache, in one call:
+ * per layer one call for all the sessions of a shared forward (not one each), their heads
+ * shared out to the pool's threads. The new keys and values are first written into each
+ * cache's buffer, where the next forward reads them. */
+typedef struct {
+    const float *queries;      /* [H, N, D], not yet scaled */
+    float *out;                /* [N, H * D] */
+    const Py_buffer *keys, *values, *sees;  /* per sequence: [G, C, D] twice, [T, T] */
+    const Py_ssize_t *pasts, *bounds;       /* per sequence; bounds has one more */
+    Py_ssize_t heads, groups, tokens, dim, longest;  /* longest: most rows a query sees */
+    float scale;
+} ManyAttention;
+
+/* units [first, last) of sequence x query head */
+static void attention_units(const Job *job, Py_ssize_t first, Py_ssize_t last) {
+    const ManyAttention *a = job->context;
+    Py_ssize_t dim = a->dim, group = a->heads / a->groups;
+    float *scratch = malloc(sizeof(float) * (size_t)(a->longest + 1 + dim));
+    if (scratch == NULL) abort();  /* a few KiB; no way to raise from a worker */
+    float *query = scratch + a->longest + 1;
+    for (Py_ssize_t u = first; u < last; u++) {
+        Py_ssize_t s = u / a->heads, h = u % a->heads, g = h / group;
+        Py_ssize_t start = a->bounds[s], fresh = a->bounds[s + 1] - start, past = a->pasts[s];
+        Py_ssize_t capacity = a->keys[s].shape[1];
+        const float *keys = (const float *)a->keys[s].buf + g * capacity * dim;
+        const float *values = (const float *)a->values[s].buf + g * capacity * dim;
+        const unsigned char *sees = a->sees[s].buf;
+        for (Py_ssize_t t = 0; t < fresh; t++) {
+            const float *q = a->queries + (h * a->tokens + start + t) * dim;
+            for (Py_ssize_t d = 0; d < dim; d++) query[d] = q[d] * a->scale;
+            attend_one(query, keys, values, past, keys + past * dim, values + past * dim, fresh,
+                       sees + t * fresh, dim, scratch, a->out + (start + t) * a->heads * dim + h * dim);
+        }
+    }
+    free(scratch);
+}
+
+static void release_list(Py_buffer *views, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++) PyBuffer_Release(&views[i]);
+}
+
+/* Each item of `list` (a sequence of `count`) as a C-contiguous array of `ndim` dimensions;
+ * -1 (an error set, none held) if one is not. */
+static int take_list(PyObject *list, Py_ssize_t count, int ndim, int writable, int kind,
+                     const char *name, Py_buffer *views) {
+    PyObject *items = PySequence_Fast(list, name);
+    if (items == NULL) return -1;
+    if (PySequence_Fast_GET_SIZE(items) != count) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd arrays for %zd sequences", name,
+                     PySequence_Fast_GET_SIZE(items), count);
+        Py_DECREF(items);
+        return -1;
+    }
+    ArraySpec spec = {name, ndim, writable, kind};
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(items, i);
+        if (take_arrays(&item, &spec, 1, &views[i]) < 0) {
+            release_list(views, i);
+            Py_DECREF(items);
+            return -1;
+        }
+    }
+    Py_DECREF(items);
+    return 0;
+}
+
+static int take_sizes(PyObject *list, Py_ssize_t count, const char *name, Py_ssize_t *out) {
+    PyObject *items = PySequence_Fast(list, name);
+    if (items == NULL) return -1;
+    int ok = PySequence_Fast_GET_SIZE(items) == count;
+    for (Py_ssize_t i = 0; ok && i < count; i++) {
+        out[i] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(items, i));
+        if (out[i] == -1 && PyErr_Occurred()) {
+            Py_DECREF(items);
+            return -1;
+        }
+    }
+    Py_DECREF(items);
+    if (!ok) PyErr_Format(PyExc_ValueError, "%s: wrong length", name);
+    return ok ? 0 : -1;
+}
+
+/* attention_many(queries [H, N, D], new_keys [G, N, D], new_values [G, N, D], keys, values,
+ *                pasts, bounds, sees, scale, out [N, H * D])
+ * S sequences, rows bounds[s]:bounds[s + 1] of N theirs: keys and values are S writable
+ * [G, C_s, D] cache buffers whose first pasts[s] rows are the past; the sequence's new keys
+ * and values are written after them, then each of its queries (scaled by `scale`) attends to
+ * the past and to its new tokens as sees[s] [T_s, T_s] bool says. As `attention` otherwise. */
+static PyObject *attention_many(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *objs[4], *lists[5];
+    float scale;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOfO", &objs[0], &objs[1], &objs[2], &lists[0], &lists[1],
+                          &lists[2], &lists[3], &lists[4], &scale, &objs[3]))
+        return NULL;
+    Py_ssize_t count = PySequence_Size(lists[2]);
+    if (count < 0) return NULL;
+    if (count == 0) return PyErr_Format(PyExc_ValueError, "attention_many: no sequences");
+    static const ArraySpec specs[] = {{"queries", 3, 0, FLOAT32},
+                                      {"new_keys", 3, 0, FLOAT32},
+                                      {"new_values", 3, 0, FLOAT32},
+                                      {"out", 2, 1, FLOAT32}};
+    Py_buffer v[4];
+    if (take_arrays(objs, specs, 4, v) < 0) return NULL;
+    Py_ssize_t *sizes = malloc(sizeof(Py_ssize_t) * (size_t)(2 * count + 1));
+    Py_buffer *views = malloc(sizeof(Py_buffer) * (size_t)(3 * count));
+    if (sizes == NULL || views == NULL) {
+        free(sizes);
+        free(views);
+        release_arrays(v, 4);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t *pasts = sizes, *bounds = sizes + count;
+    Py_buffer *keys = views, *values = views + count, *sees = views + 2 * count;
+    int held = 0;  /* lists taken */
+    PyObject *result = NULL;
+    if (take_sizes(lists[2], count, "pasts", pasts) < 0 ||
+        take_sizes(lists[3], count + 1, "bounds", bounds) < 0)
+        goto done;
+    if (take_list(lists[0], count, 3, 1, FLOAT32, "keys", keys) < 0) goto done;
+    held = 1;
+    if (take_list(lists[1], count, 3, 1, FLOAT32, "values", values) < 0) goto done;
+    held = 2;
+    if (take_list(lists[4], count, 2, 0, BOOLEAN, "sees", sees) < 0) goto done;
+    held = 3;
+    Py_ssize_t heads = v[0].shape[0], tokens = v[0].shape[1], dim = v[0].shape[2];
+    Py_ssize_t groups = v[1].shape[0], longest = 0;
+    int ok = groups > 0 && heads % groups == 0 && dim % 8 == 0 && bounds[0] == 0 &&
+             bounds[count] == tokens && v[3].shape[0] == tokens && v[3].shape[1] == heads * dim;
+    for (int i = 1; i < 3; i++)
+        ok = ok && v[i].shape[0] == groups && v[i].shape[1] == tokens && v[i].shape[2] == dim;
+    for (Py_ssize_t s = 0; ok && s < count; s++) {
+        Py_ssize_t fresh = bounds[s + 1] - bounds[s], capacity = keys[s].shape[1];
+        ok = fresh > 0 && pasts[s] >= 0 && pasts[s] + fresh <= capacity &&
+             keys[s].shape[0] == groups && keys[s].shape[2] == dim &&
+             values[s].shape[0] == groups && values[s].shape[1] == capacity &&
+             values[s].shape[2] == dim && sees[s].shape[0] == fresh && sees[s].shape[1] == fresh;
+        if (pasts[s] + fresh > longest) longest = pasts[s] + fresh;
+    }
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "attention_many: shapes do not match (or a head size "
+                                          "not a multiple of 8, or a cache without room)");
+        goto done;
+    }
+    ManyAttention context = {v[0].buf, v[3].buf, keys,   values, sees, pasts, bounds,
+                             heads,    groups,   tokens, dim,    longest, scale};
+    Job job = {.outputs = count * heads, .span = 1, .spans = count * heads,
+               .chunk = piece(count * heads), .task = attention_units, .context = &context};
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t s = 0; s < count; s++) {
+        Py_ssize_t start = bounds[s], fresh = bounds[s + 1] - start;
+        Py_ssize_t capacity = keys[s].shape[1], bytes = sizeof(float) * fresh * dim;
+        for (Py_ssize_t g = 0; g < groups; g++) {
+            Py_ssize_t to = (g * capacity + pasts[s]) * dim, from = (g * tokens + start) * dim;
+            memcpy((float *)keys[s].buf + to, (const float *)v[1].buf + from, (size_t)bytes);
+            memcpy((float *)values[s].buf + to, (const float *)v[2].buf + from, (size_t)bytes);
+        }
+    }
+    run_job(&job);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    if (held >= 1) release_list(keys, count);
+    if (held >= 2) release_list(values, count);
+    if (held >= 3) release_list(sees, count);
+    free(sizes);
+    free(views);
+    release_arrays(v, 4);
+    return result;
+}
+
 VECTOR_CLONES
 static void norm_rows(const float *h, const float *weight, float eps, Py_ssize_t rows,
                       Py_ssize_t width, float *out) {
@@ -843,6 +1025,9 @@ static PyMethodDef methods[] = {
     {"attention", attention, METH_VARARGS,
      "attention(queries, new_keys, new_values, keys, values, past, sees, out): a few new "
      "tokens' attention over a KV cache, float32"},
+    {"attention_many", attention_many, METH_VARARGS,
+     "attention_many(queries, new_keys, new_values, keys, values, pasts, bounds, sees, scale, "
+     "out): several sequences' new tokens written into their KV caches and attending to them"},
     {"rms_norm", rms_norm, METH_VARARGS,
      "rms_norm(h, weight, eps, out): out = h / sqrt(mean(h^2) + eps) * weight, per row"},
     {"rope", rope, METH_VARARGS,

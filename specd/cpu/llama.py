@@ -108,11 +108,6 @@ class Segment:
     sees: np.ndarray | None = None  # [T, T] which new tokens each sees (default: causal)
 
 
-def _rows(x: np.ndarray, a: int, b: int) -> np.ndarray:
-    """[heads, a:b, D] of [heads, T, D], contiguous as the kernels read it."""
-    return x if a == 0 and b == x.shape[1] else np.ascontiguousarray(x[:, a:b])
-
-
 class CpuLlama:
     """numpy forwards of at most `max_rows` tokens for an mlx-lm `llama` model whose products
     were switched to gemv; build with `CpuLlama.attach`, which says None when it cannot."""
@@ -212,7 +207,8 @@ class CpuLlama:
     ) -> list[tuple[np.ndarray, dict[int, np.ndarray]]]:
         """Several sequences' new tokens in one forward, each at the end of its own cache: the
         products and norms run over every row at once (a weight read once for all), RoPE by
-        each row's position, attention and the cache update per sequence."""
+        each row's position, attention over each sequence's own cache (in the compiled kernels
+        one call a layer for all of them, their heads on the pool's threads)."""
         bounds = np.cumsum([0] + [len(s.token_ids) for s in segments])
         offsets = [s.cache[0].offset for s in segments]
         positions = np.concatenate(
@@ -230,15 +226,14 @@ class CpuLlama:
         cos, sin = self.rope.at(positions)
         kernels = layer_kernels() if self.head_dim % 8 == 0 else None
         if kernels is not None:
-            rms, heads, attend = self._rms_compiled, self._heads_compiled, self._attend_compiled
-            swiglu = kernels.swiglu
+            rms, heads = self._rms_compiled, self._heads_compiled
+            attend, swiglu = self._attend_compiled, kernels.swiglu
         else:
             rms, heads, attend, swiglu = self._rms, self._heads, self._attend, _swiglu
         token_ids = np.concatenate([s.token_ids for s in segments])
         n = len(token_ids)
         h = self.embed[token_ids].astype(np.float32, copy=False)  # [T, H]; a half table's rows
         captured: dict[int, np.ndarray] = {}
-        spans = list(zip(bounds[:-1], bounds[1:], strict=True))
         try:
             # each layer's keys and values go straight into its cache's buffer, rows
             # [offset, offset + T): no MLX array, update or evaluation per layer and sequence
@@ -248,14 +243,8 @@ class CpuLlama:
                 q = heads(layer.q.of_rows(x), self.heads, cos, sin)
                 k = heads(layer.k.of_rows(x), self.kv_heads, cos, sin)
                 v = layer.v.of_rows(x).reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
-                parts = []
-                for offset, seen, (a, b), own in zip(offsets, sees, spans, buffers, strict=True):
-                    keys, values = own[i]
-                    parts.append(attend(_rows(q, a, b), _rows(k, a, b), v[:, a:b], keys, values,
-                                        offset, seen))  # fmt: skip
-                    keys[:, offset : offset + b - a] = k[:, a:b]
-                    values[:, offset : offset + b - a] = v[:, a:b]
-                attended = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                keys, values = [own[i][0] for own in buffers], [own[i][1] for own in buffers]
+                attended = attend(q, k, v, keys, values, offsets, bounds, sees)
                 h = h + layer.o.of_rows(attended)
                 x = rms(h, layer.post_norm)
                 gate = layer.gate.of_rows(x)
@@ -272,6 +261,7 @@ class CpuLlama:
         for s in segments:
             for layer_cache in s.cache:
                 layer_cache.offset += len(s.token_ids)
+        spans = list(zip(bounds[:-1], bounds[1:], strict=True))
         return [(logits[a:b], {i: rows[a:b] for i, rows in captured.items()}) for a, b in spans]
 
     def _cache_buffers(self, cache: list, tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -325,23 +315,32 @@ class CpuLlama:
             out[..., half:dims] = a * sin + b * cos
         return out
 
-    def _attend_compiled(self, q, k, v, keys, values, offset: int, sees) -> np.ndarray:
-        """As `_attend`, in one call of the compiled kernels."""
-        n = q.shape[1]
-        out = np.empty((n, self.heads * self.head_dim), np.float32)
-        layer_kernels().attention(
-            q * self.scale, k, np.ascontiguousarray(v), keys, values, offset, sees, out
-        )
+    def _attend_compiled(self, q, k, v, keys, values, offsets, bounds, sees) -> np.ndarray:
+        """As `_attend`, every sequence in one call of the compiled kernels."""
+        out = np.empty((q.shape[1], self.heads * self.head_dim), np.float32)
+        layer_kernels().attention_many(
+            q, k, np.ascontiguousarray(v), keys, values, offsets, bounds.tolist(), sees,
+            self.scale, out,
+        )  # fmt: skip
         return out
 
-    def _attend(self, q, k, v, keys, values, offset: int, sees) -> np.ndarray:
-        """Attention of the new queries over the first `offset` cached rows ([kv, C, D]) and
-        the new rows -> [T, heads*D]."""
-        if offset:
-            k = np.concatenate([keys[:, :offset], k], axis=1)
-            v = np.concatenate([values[:, :offset], v], axis=1)
-        visible = np.concatenate([np.ones((len(sees), offset), dtype=bool), sees], axis=1)
-        return attend_numpy(q * self.scale, k, v, visible)
+    def _attend(self, q, k, v, keys, values, offsets, bounds, sees) -> np.ndarray:
+        """Each sequence's new queries [heads, a:b, D] over its first `offset` cached rows
+        ([kv, C, D] buffers) and its new rows -> [T, heads*D]; then its new keys and values
+        written into the buffers after those rows."""
+        parts = []
+        for keys_of, values_of, offset, seen, a, b in zip(
+            keys, values, offsets, sees, bounds[:-1], bounds[1:], strict=True
+        ):
+            new_k, new_v = k[:, a:b], v[:, a:b]
+            if offset:
+                new_k = np.concatenate([keys_of[:, :offset], new_k], axis=1)
+                new_v = np.concatenate([values_of[:, :offset], new_v], axis=1)
+            visible = np.concatenate([np.ones((len(seen), offset), dtype=bool), seen], axis=1)
+            parts.append(attend_numpy(q[:, a:b] * self.scale, new_k, new_v, visible))
+            keys_of[:, offset : offset + b - a] = k[:, a:b]
+            values_of[:, offset : offset + b - a] = v[:, a:b]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def rms_norm(h: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
