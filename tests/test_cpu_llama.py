@@ -310,3 +310,69 @@ def test_cache_buffers_shared_with_other_arrays_are_copied_first(tiny_model_dir)
     got = fast.forward(mx.array([7, 8]), shared)[0]
     np.testing.assert_array_equal(np.array(got), np.array(want))
     assert all(not np.array(h).any() for h in held)
+
+
+def _stream_with_a_second_round(fast, sa, sb, second, fail_at=None):
+    """rounds_stream of A (2 steps, looking ahead in company) and B (6 steps); A's second
+    round arrives once A's look-ahead has run. Returns ((round, answer) pairs, sessions per
+    step, [the steps run when A's second round came] or [] if it never did)."""
+    from verifier_svc.engine import Round, rounds_stream
+
+    first = Round(sa, [], 2, ahead_in_company=True)
+    answers, steps, seen = [], [], []
+
+    def more():
+        if any(r is first for r, _ in answers) and sa.ahead is not None and not seen:
+            seen.append(len(steps))
+            return [second]
+        return []
+
+    real = type(fast.cpu_layers).forward_many
+
+    def forward_many(self, segments, capture):
+        if len(steps) == fail_at:
+            raise MemoryError("injected")
+        return real(self, segments, capture)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(fast.cpu_layers), "forward_many", forward_many)
+        rounds_stream(fast, [first, Round(sb, [], 6)], more,
+                      lambda r, result: answers.append((r, result)), steps.append)  # fmt: skip
+    return answers, steps, seen
+
+
+def test_a_round_answered_while_others_run_computes_its_next_token(pair):
+    """Round.ahead_in_company: the session takes a row in the next shared forward, its next
+    round starts with that token, and the tokens are those of decoding alone."""
+    from verifier_svc.engine import Round
+
+    _, fast = pair
+    pa, pb = _prompt(6), _prompt(9)
+    want_a = decode(fast, prefill(fast, pa).session, 7).committed
+    want_b = decode(fast, prefill(fast, pb).session, 6).committed
+    sa, sb = prefill(fast, pa).session, prefill(fast, pb).session
+    second = Round(sa, [], 3, ahead_in_company=True)
+    answers, steps, seen = _stream_with_a_second_round(fast, sa, sb, second)
+    assert seen == [3]  # its 2 steps, then its look-ahead
+    got_a = [t for r, result in answers if r.session is sa for t in result.committed]
+    assert got_a == want_a[:5]
+    assert [result.committed for r, result in answers if r.session is sb] == [want_b]
+    assert steps == [2] * 6  # A in every forward: 2 steps, its look-ahead, 2 more, look-ahead
+    assert [result.share for _, result in answers] == [0.5, 0.5, 0.5]  # its rows of 2 a forward
+    assert sa.ahead is not None and sa.cache[0].offset == sa.position
+    assert decode(fast, sa, 2).committed == want_a[5:]
+
+
+def test_a_failed_forward_drops_the_look_ahead_it_held(pair):
+    from verifier_svc.engine import Round
+
+    _, fast = pair
+    pa, pb = _prompt(6), _prompt(9)
+    want_a = decode(fast, prefill(fast, pa).session, 5).committed
+    sa, sb = prefill(fast, pa).session, prefill(fast, pb).session
+    second = Round(sa, [], 3, ahead_in_company=True)
+    answers, steps, seen = _stream_with_a_second_round(fast, sa, sb, second, fail_at=3)
+    assert seen == []  # the step of A's look-ahead failed
+    assert isinstance(next(v for r, v in answers if r.session is sb), MemoryError)
+    assert sa.ahead is None and sa.cache[0].offset == sa.position - 1
+    assert decode(fast, sa, 3).committed == want_a[2:]

@@ -179,7 +179,7 @@ class Target:
             return isinstance(r.session.cache[0], PooledCache)
         layers = self.cpu_layers
         if layers is not None:
-            return r.session.ahead is None and layers.can_run(1 + len(r.drafts), r.session.cache)
+            return layers.can_run(1 + len(r.drafts), r.session.cache)
         return self.shares_forwards
 
     @property
@@ -278,6 +278,7 @@ class Session:
 class Ahead:
     choice: mx.array  # [1] the target's greedy choice after last_token
     rows: mx.array | None  # [1, L*H] last_token's captured rows
+    forward_rows: int = 1  # rows of the forward that computed it (shared ones: every session's)
 
 
 @dataclass
@@ -657,6 +658,10 @@ class Round:
     drafts: list[int] = field(default_factory=list)
     steps: int = 1
     look_ahead: bool = False  # a plain round run alone leaves its next forward queued
+    # a plain round finishing in shared forwards while others go on takes one more row in the
+    # next, its next call's first token (`Session.ahead`), so the session misses no forward
+    # while its answer travels
+    ahead_in_company: bool = False
 
 
 def rounds_many(
@@ -686,12 +691,14 @@ def rounds_stream(
     that cannot share (`Target.joins`: sampling, another architecture, ...) and a round with
     no other to share with run alone, as `verify` or `decode`. A shared forward that fails
     leaves the sessions in it as they were and answers each with the error. `stepped(n)`:
-    the sessions of each shared forward (1 for each forward of a round run alone). Returns
-    once every round is answered and `more()` has no more."""
+    the sessions of each shared forward (1 for each forward of a round run alone). A plain
+    round answered while others run on takes a row of the next forward if it asks
+    (`Round.ahead_in_company`). Returns once every round is answered and `more()` has no more."""
     shared = target.many_forward()
     forward_many, max_rows = shared if shared is not None else (None, 0)
     pending = collections.deque(rounds)
     running: list[_Running] = []
+    finished: list[Session] = []  # sessions answered by the last step that may look ahead
     while True:
         pending.extend(more())
         if not pending and not running:
@@ -715,18 +722,47 @@ def rounds_stream(
             continue
         rows = sum(len(state.tokens()) for state in running)
         while pending and target.joins(pending[0]):
-            state = _Running(pending[0])
-            if running and rows + len(state.tokens()) > max_rows:
+            r = pending[0]
+            took = _took_ahead(r)
+            if running and took is None and rows + len(_Running(r).tokens()) > max_rows:
                 break
             pending.popleft()
-            _drop_ahead(state.round.session)  # its queued forward is recomputed in the shared one
+            finished = [f for f in finished if f is not r.session]  # it computes its own
+            if took is not None:
+                state = took
+            else:
+                _drop_ahead(r.session)  # a queued forward is recomputed in the shared one
+                state = _Running(r)
+            if state.done(target):  # its look-ahead was all it asked for
+                answer(r, state.result(target, state.seconds))
+                continue
             running.append(state)
             rows += len(state.tokens())
         if not running:
+            finished = []
             continue
+        for session in finished:  # the rows to spare, in the order their rounds finished
+            if rows + 1 <= max_rows:
+                running.append(_Running(Round(session), looks_ahead=True))
+                rows += 1
+        finished = []
         if stepped is not None:
             stepped(len(running))
-        running = _step(target, running, forward_many, answer)
+        running, finished = _step(target, running, forward_many, answer)
+
+
+def _took_ahead(r: Round) -> _Running | None:
+    """A plain round whose session has its next token computed already (`Session.ahead`)
+    starts with that token committed, as `decode` would; None for other rounds."""
+    session = r.session
+    if r.drafts or session.ahead is None:
+        return None
+    ahead, session.ahead = session.ahead, None
+    state = _Running(r, committed=[int(ahead.choice.item())], own_rows=1)
+    state.all_rows = ahead.forward_rows
+    if session.capture and ahead.rows is not None:
+        state.rows.append(ahead.rows)
+    return state
 
 
 @dataclass(eq=False)
@@ -740,6 +776,12 @@ class _Running:
     seconds: float = 0.0  # wall time of the forwards it took part in
     own_rows: int = 0
     all_rows: int = 0  # rows of those forwards, every session's
+    looks_ahead: bool = False  # no round: the next token of a session already answered
+
+    def done(self, target: Target) -> bool:
+        return bool(self.committed) and (
+            self.committed[-1] in target.eos_ids or len(self.committed) >= max(self.round.steps, 1)
+        )
 
     def tokens(self) -> np.ndarray:
         """This step's new tokens: the last token and drafts first, then the latest token."""
@@ -760,10 +802,14 @@ class _Running:
         return VerifyResult(tokens, self.accepted, session.finished, kept, seconds, share)
 
 
-def _step(target: Target, running: list[_Running], forward_many, answer) -> list[_Running]:
+def _step(
+    target: Target, running: list[_Running], forward_many, answer
+) -> tuple[list[_Running], list[Session]]:
     """One shared forward: every running round's tokens, then each one's verdict; answers the
-    rounds that finish and returns those still running. forward_many's logits and rows are
-    numpy (the CPU kernels) or MLX arrays."""
+    rounds that finish. Returns those still running, and the sessions of the rounds answered
+    that may look ahead in the next step (`Round.ahead_in_company`) if others run on.
+    A look-ahead row leaves its choice as its session's `Session.ahead`. forward_many's
+    logits and rows are numpy (the CPU kernels) or MLX arrays."""
     start = time.perf_counter()
     capture = frozenset().union(*(s.round.session.capture for s in running))
     segments = [Segment(s.tokens(), s.round.session.cache) for s in running]
@@ -778,12 +824,17 @@ def _step(target: Target, running: list[_Running], forward_many, answer) -> list
         for state, segment, (_, outputs), choice in zip(running, segments, outs, choices,
                                                         strict=True):  # fmt: skip
             r = state.round
-            state.seconds += seconds
-            state.own_rows += len(segment.token_ids)
-            state.all_rows += step_rows
             captured = None
             if r.session.capture:
                 captured = _joined([outputs[j] for j in r.session.capture], -1)
+            if state.looks_ahead:
+                rows = None if captured is None else _mx(captured)
+                r.session.ahead = Ahead(choice.astype(mx.int32).reshape(1), rows, step_rows)
+                done.append(state)
+                continue
+            state.seconds += seconds
+            state.own_rows += len(segment.token_ids)
+            state.all_rows += step_rows
             if r.drafts and not state.committed:  # a verify: one step, its accepted prefix kept
                 acceptance = accept_greedy(r.drafts, choice.tolist(), target.eos_ids)
                 state.committed, state.accepted = acceptance.committed, acceptance.num_accepted
@@ -797,20 +848,36 @@ def _step(target: Target, running: list[_Running], forward_many, answer) -> list
             state.committed.append(token)
             if captured is not None:
                 state.rows.append(captured)
-            if token in target.eos_ids or len(state.committed) >= max(r.steps, 1):
+            if state.done(target):
                 done.append(state)
     except Exception as exc:  # noqa: BLE001 - the error of the sessions in this forward
         for state in running:
-            _rollback(state.round.session.cache, state.round.session.position - 1)
-            answer(state.round, exc)
-        return []
+            _undo(state)
+            if not state.looks_ahead:
+                answer(state.round, exc)
+        return [], []
     except BaseException:
         for state in running:
-            _rollback(state.round.session.cache, state.round.session.position - 1)
+            _undo(state)
         raise
+    looking = []
     for state in done:
+        if state.looks_ahead:
+            continue
         answer(state.round, state.result(target, state.seconds))
-    return [s for s in running if all(s is not d for d in done)]
+        r = state.round
+        if r.ahead_in_company and not r.drafts and not r.session.finished:
+            looking.append(r.session)
+    still = [s for s in running if all(s is not d for d in done)]
+    return still, looking
+
+
+def _undo(state: _Running) -> None:
+    """A failed step leaves the session as it was before the round (or the look-ahead)."""
+    session = state.round.session
+    if state.looks_ahead:
+        session.ahead = None
+    _rollback(session.cache, session.position - 1)
 
 
 def _alone(target: Target, r: Round) -> VerifyResult | Exception:

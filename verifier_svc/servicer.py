@@ -356,7 +356,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 running.add(id(session))
                 steps = 1 if drafts else self._plain_steps(session, asked)
                 ahead = not drafts and self._looks_ahead(session, steps)
-                r = Round(session, drafts, steps, ahead)
+                fits = not drafts and session.position + steps < self.max_context
+                r = Round(session, drafts, steps, ahead, ahead_in_company=fits)
                 items_of[id(r)] = item
                 rounds.append(r)
             return rounds
