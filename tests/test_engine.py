@@ -310,3 +310,21 @@ def test_greedy_choices_on_the_host_equal_the_log_prob_argmax():
         odd[1, 7] = bad
         assert greedy_on_host(odd) is None
     assert np.array(_greedy_next(mx.array(logits[:3]))).tolist() == fast[:3].tolist()
+
+
+def test_greedy_choices_of_a_shared_forward_equal_each_sessions_own():
+    """The sessions' numpy logits taken in one pass, or each its own way where one holds a
+    near-tie (mlx-lm's choice for it, the host's for the others)."""
+    from verifier_svc.engine import _greedy_choices, _greedy_next
+
+    rng = np.random.default_rng(1)
+    parts = [(rng.standard_normal((n, 20000)) * 6).astype(np.float32) for n in (1, 3, 1)]
+    tie = parts[1].copy()
+    tie[1] = 0.0
+    tie[1, 2] = 0.5
+    tie[1, 5] = np.nextafter(np.float32(0.5), np.float32(1.0))
+    for logits in (parts, [parts[0], tie, parts[2]]):
+        got = [np.array(c).tolist() for c in _greedy_choices(logits)]
+        want = [np.array(_greedy_next(mx.array(x))).tolist() for x in logits]
+        assert got == want
+    assert got[1][1] == 2
