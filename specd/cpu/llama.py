@@ -279,13 +279,13 @@ class CpuLlama:
             mx.eval(grown)
         views = []
         for c in cache:
-            keys, values = np.asarray(c.keys), np.asarray(c.values)
-            if not all(a.flags.writeable and a.flags.c_contiguous for a in (keys, values)):
+            keys, values = np.asarray(c.keys)[0], np.asarray(c.values)[0]
+            if not (keys.flags.carray and values.flags.carray):  # C-contiguous and writable
                 # not a plain writable buffer: a contiguous copy of its own first
-                c.keys = mx.array(np.ascontiguousarray(keys))
-                c.values = mx.array(np.ascontiguousarray(values))
-                keys, values = np.asarray(c.keys), np.asarray(c.values)
-            views.append((keys[0], values[0]))
+                c.keys = mx.array(np.ascontiguousarray(c.keys))
+                c.values = mx.array(np.ascontiguousarray(c.values))
+                keys, values = np.asarray(c.keys)[0], np.asarray(c.values)[0]
+            views.append((keys, values))
         return views
 
     def _rms_compiled(self, h: np.ndarray, weight: np.ndarray) -> np.ndarray:
