@@ -723,9 +723,9 @@ def rounds_stream(
         rows = sum(len(state.tokens()) for state in running)
         while pending and target.joins(pending[0]):
             r = pending[0]
-            took = _took_ahead(r)
-            if running and took is None and rows + len(_Running(r).tokens()) > max_rows:
+            if running and rows + len(_Running(r).tokens()) > max_rows:
                 break
+            took = _took_ahead(r)
             pending.popleft()
             finished = [f for f in finished if f is not r.session]  # it computes its own
             if took is not None:
