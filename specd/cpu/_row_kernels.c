@@ -376,7 +376,8 @@ static struct {
     Job job;                 /* written only while no worker is inside a job */
     atomic_uint generation;  /* bumped per job */
     atomic_long next;        /* the next span to claim */
-    atomic_int busy;         /* workers not yet done with the current job */
+    atomic_int inside;       /* workers inside the current job */
+    atomic_uint open;        /* the generation workers may still enter; 0 once it is closed */
     int workers;             /* -1: not started */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
           .workers = -1};
@@ -415,8 +416,11 @@ static void *worker_main(void *arg) {
     unsigned seen = (unsigned)(uintptr_t)arg;
     for (;;) {
         seen = wait_for_job(seen);
-        run_spans(&pool.job, &pool.next);
-        atomic_fetch_sub_explicit(&pool.busy, 1, memory_order_release);
+        /* a worker the OS had set aside until the job was done finds it closed, and the
+         * caller never waits for it (with seq_cst, it sees `inside` or the worker sees 0) */
+        atomic_fetch_add(&pool.inside, 1);
+        if (atomic_load(&pool.open) == seen) run_spans(&pool.job, &pool.next);
+        atomic_fetch_sub_explicit(&pool.inside, 1, memory_order_release);
     }
     return NULL;
 }
@@ -435,7 +439,8 @@ static void forget_workers(void) {
     pthread_mutex_init(&pool.caller, NULL);
     pthread_mutex_init(&pool.lock, NULL);
     pthread_cond_init(&pool.wake, NULL);
-    atomic_store(&pool.busy, 0);
+    atomic_store(&pool.inside, 0);
+    atomic_store(&pool.open, 0);
     pool.workers = -1;
 }
 
@@ -472,13 +477,18 @@ static void run_job(const Job *job) {
     }
     pool.job = *job;
     atomic_store_explicit(&pool.next, 0, memory_order_relaxed);
-    atomic_store_explicit(&pool.busy, pool.workers, memory_order_relaxed);
+    unsigned g = atomic_load_explicit(&pool.generation, memory_order_relaxed) + 1;
+    if (g == 0) g = 1;  /* 0 means closed */
+    atomic_store(&pool.open, g);
     pthread_mutex_lock(&pool.lock);
-    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+    atomic_store_explicit(&pool.generation, g, memory_order_release);
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
     run_spans(job, &pool.next);
-    while (atomic_load_explicit(&pool.busy, memory_order_acquire) > 0) cpu_relax();
+    /* every span is claimed: wait for those that workers hold, not for workers that never
+     * came in (asleep, or set aside by the OS while another process runs) */
+    atomic_store(&pool.open, 0);
+    while (atomic_load(&pool.inside) > 0) cpu_relax();
     pthread_mutex_unlock(&pool.caller);
 }
 
