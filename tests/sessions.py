@@ -81,3 +81,14 @@ def loaded_verifier(model_dir, **options):
         return verifier
 
     return asyncio.run(load())
+
+
+class RpcContext:
+    """What the servicers' rpc wrapper needs of a grpc.aio context, for calling a servicer
+    method directly; an abort fails the test with the status."""
+
+    def invocation_metadata(self):
+        return ()
+
+    async def abort(self, code, details):
+        raise AssertionError(f"{code}: {details}")

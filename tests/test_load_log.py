@@ -7,17 +7,10 @@ import re
 
 from specd.service import MlxThread
 from specd.v1 import verifier_pb2
+from tests.sessions import RpcContext
 from verifier_svc.config import VerifierConfig
 from verifier_svc.load_log import LoadStats
 from verifier_svc.servicer import VerifierServicer
-
-
-class Context:  # what the rpc wrapper needs of a grpc.aio context
-    def invocation_metadata(self):
-        return ()
-
-    async def abort(self, code, details):
-        raise AssertionError(f"{code}: {details}")
 
 
 def test_an_interval_counts_calls_tokens_and_sessions_per_forward_then_resets():
@@ -50,7 +43,7 @@ def test_a_serving_verifier_logs_its_load_after_calls_and_not_while_idle(tiny_mo
         verifier = VerifierServicer(config, mlx)
         await verifier.load()
         reporter = asyncio.create_task(verifier.log_load_forever(log))
-        context = Context()
+        context = RpcContext()
         await asyncio.sleep(0.15)  # idle: no line
         idle_lines = len(caplog.records)
         opened = [

@@ -5,17 +5,10 @@ import asyncio
 
 from specd.service import MlxThread
 from specd.v1 import verifier_pb2
+from tests.sessions import RpcContext
 from verifier_svc import servicer as servicer_module
 from verifier_svc.config import VerifierConfig
 from verifier_svc.servicer import VerifierServicer
-
-
-class Context:  # what the rpc wrapper needs of a grpc.aio context
-    def invocation_metadata(self):
-        return ()
-
-    async def abort(self, code, details):
-        raise AssertionError(f"{code}: {details}")
 
 
 def test_open_sessions_round_between_the_layers_of_a_long_prefill(tiny_model_dir, monkeypatch):
@@ -38,7 +31,7 @@ def test_open_sessions_round_between_the_layers_of_a_long_prefill(tiny_model_dir
             VerifierConfig(model=str(tiny_model_dir), warmup="minimal"), mlx
         )
         await verifier.load()
-        context = Context()
+        context = RpcContext()
         opened = await verifier.OpenSession(
             verifier_pb2.OpenSessionRequest(prompt_ids=[5, 6, 7]), context
         )

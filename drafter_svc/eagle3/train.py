@@ -127,7 +127,6 @@ def widen_mlp(head: Eagle3Head, width: int, seed: int = 0) -> Eagle3Head:
     wide.update(head.parameters())
     for name, weight in grown.items():
         getattr(wide.midlayer.mlp, name).weight = weight
-    wide.d2t = head.d2t
     print(f"MLP widened {old} -> {width} units", file=sys.stderr)
     return wide
 
