@@ -14,6 +14,7 @@ from specd.models.load import load_target
 from tests.sessions import (
     CAPTURES,
     PROMPTS,
+    RpcContext,
     assert_same_rounds,
     close,
     loaded_verifier,
@@ -232,7 +233,6 @@ def test_sessions_opened_at_once_are_prefilled_in_shared_forwards(
 
     from specd.service import MlxThread
     from specd.v1 import verifier_pb2
-    from tests.test_prefill_slices import Context
     from verifier_svc import engine
     from verifier_svc.config import VerifierConfig
     from verifier_svc.servicer import VerifierServicer
@@ -253,7 +253,7 @@ def test_sessions_opened_at_once_are_prefilled_in_shared_forwards(
         gate = threading.Event()
         mlx.submit(gate.wait)  # the worker busy while the calls queue up
         calls = [
-            verifier.OpenSession(verifier_pb2.OpenSessionRequest(prompt_ids=p), Context())
+            verifier.OpenSession(verifier_pb2.OpenSessionRequest(prompt_ids=p), RpcContext())
             for p in PROMPTS
         ]
         tasks = [asyncio.ensure_future(c) for c in calls]
