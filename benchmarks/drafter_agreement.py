@@ -1,7 +1,8 @@
 """How often a model drafter's first draft is the target's next token, and the tau it gets when
 served in-process with a pinned k: tells a weak drafter from a broken serving path. For EAGLE-3
 also how often the next token is among the head's top 2-4 (what a tree's extra branches can
-catch) and how often a chain's second draft is right after a right first one.
+catch), how often a chain's second draft is right after a right first one, and how many of the
+target's tokens its draft vocabulary holds at all.
 
     python benchmarks/drafter_agreement.py --kind eagle3 --k 1 [--weights DIR] [--prompts 3]
     python benchmarks/drafter_agreement.py --kind dflash --k 3
@@ -73,6 +74,9 @@ def main() -> None:
     p.add_argument("--kind", choices=["eagle3", "dflash"], required=True)
     p.add_argument("--weights", type=Path, help="the model to measure (default: the shipped one)")
     p.add_argument("--k", type=int, default=1, help="pinned draft length when served")
+    p.add_argument(
+        "--draft-vocab", type=int, help="DFlash: tokens read out (0: all; default: its list)"
+    )
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     p.add_argument("--prompts", type=int, default=1, help=f"how many of the {len(PROMPTS)} prompts")
     p.add_argument("--questions", help="a question set (mt-bench, humaneval, a .jsonl) instead")
@@ -82,7 +86,8 @@ def main() -> None:
     if args.questions:
         prompts = [q.turns[0] for q in load_questions(args.questions)[:: args.every]]
     loaded = load_target(None, "float32")
-    proposer = make_proposer(DrafterConfig(**drafter_options(args.kind, weights=args.weights)))
+    options = drafter_options(args.kind, weights=args.weights, draft_vocab=args.draft_vocab)
+    proposer = make_proposer(DrafterConfig(**options))
     verifier = LocalVerifier(
         Target(load_target(None, "float32", half_weights=half_weights_pay("float32", None)))
     )
@@ -90,6 +95,7 @@ def main() -> None:
     eos = set(loaded.identity.eos_token_ids)
     hits, positions, rounds, accepted, identical = 0.0, 0, 0, 0, True
     covered, depth_positions, first_right, second_right = np.zeros(4), 0, 0, 0
+    in_vocab, out_tokens = 0, 0
     for prompt in prompts:
         ids = encode_chat(loaded.tokenizer, [{"role": "user", "content": prompt}])
         out = plain_decode(loaded.model, ids, args.tokens, eos).token_ids
@@ -99,6 +105,7 @@ def main() -> None:
         )
         agree = first_draft_agreement(proposer, seq, feats.rows, feats.argmax, len(ids))
         hits += agree * (len(out) - 1)
+        out_tokens += len(out)
         positions += len(out) - 1
         if args.kind == "eagle3":
             c, n, f, sr = eagle3_depth_profile(
@@ -106,6 +113,8 @@ def main() -> None:
             )
             covered, depth_positions = covered + c, depth_positions + n
             first_right, second_right = first_right + f, second_right + sr
+            # which of the target's tokens the head can draft at all
+            in_vocab += int((proposer.drafter.t2d[np.array(out, dtype=np.int64)] >= 0).sum())
 
         async def serve(ids=ids):
             stats, tokens = RoundStats(), []
@@ -122,6 +131,8 @@ def main() -> None:
     if depth_positions:
         shares = " / ".join(f"{x:.3f}" for x in covered / depth_positions)
         print(f"eagle3: target's next token among the head's top 1 / 2 / 3 / 4: {shares}")
+        print(f"eagle3: target's tokens in the head's draft vocabulary "
+              f"({len(proposer.drafter.d2t)}): {in_vocab / out_tokens:.3f}")  # fmt: skip
         print(f"eagle3: second draft of a 2-chain right when the first is: "
               f"{second_right / max(first_right, 1):.3f} ({first_right} cases)")  # fmt: skip
     print(f"{args.kind}: served in-process, k = {args.k} pinned: tau {1 + accepted / rounds:.2f}, "

@@ -4,6 +4,7 @@ training checkpoints that resume."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -147,23 +148,27 @@ def make_optimizer(lr: float, warmup: int, total_steps: int) -> optim.Optimizer:
 SHIPPED_FILE_BYTES = 16 * 2**20  # the most one shipped weight file may hold
 
 
+ROW_BLOCK = re.compile(r"^(?P<name>.+)\.rows(?P<index>\d+)of(?P<count>\d+)$")
+
+
 def save_weights(directory: Path, weights: dict[str, mx.array],
                  limit: int = SHIPPED_FILE_BYTES) -> list[Path]:  # fmt: skip
     """A drafter's tensors as `model.safetensors`, or, past `limit` bytes, as
     `model-0000i-of-0000n.safetensors` files of at most `limit` each (in name order, as
-    Hugging Face shards them); `read_weights` reads either. Files of an earlier save go."""
-    sizes = {name: array.nbytes for name, array in weights.items()}
-    too_big = [name for name, size in sizes.items() if size > limit]
-    if too_big:
-        raise ValueError(f"tensor {too_big[0]} ({sizes[too_big[0]]} bytes) is past the "
-                         f"{limit}-byte limit of one weight file")  # fmt: skip
+    Hugging Face shards them); `read_weights` reads either. A tensor past `limit` on its own
+    (a wide read-out) is stored as blocks of its rows, `NAME.rowsIofN`, which `read_weights`
+    joins. Files of an earlier save go."""
+    blocks: dict[str, mx.array] = {}
+    for name, array in weights.items():
+        blocks.update(_row_blocks(name, array, limit))
+    sizes = {name: array.nbytes for name, array in blocks.items()}
     shards: list[dict[str, mx.array]] = [{}]
     held = 0
-    for name in sorted(weights):
+    for name in sorted(blocks):
         if shards[-1] and held + sizes[name] > limit:
             shards.append({})
             held = 0
-        shards[-1][name] = weights[name]
+        shards[-1][name] = blocks[name]
         held += sizes[name]
     for old in directory.glob("model*.safetensors"):
         old.unlink()
@@ -177,6 +182,43 @@ def save_weights(directory: Path, weights: dict[str, mx.array],
     return paths
 
 
+def _row_blocks(name: str, array: mx.array, limit: int) -> dict[str, mx.array]:
+    """{name: array} when it fits `limit` bytes, else its rows in blocks that each fit."""
+    if array.nbytes <= limit:
+        return {name: array}
+    row_bytes = array.nbytes // array.shape[0] if array.ndim > 1 else array.nbytes
+    if row_bytes > limit:
+        raise ValueError(f"tensor {name}: one row ({row_bytes} bytes) is past the {limit}-byte "
+                         "limit of one weight file")  # fmt: skip
+    per_block = limit // row_bytes
+    count = -(-array.shape[0] // per_block)
+    return {f"{name}.rows{i}of{count}": array[i * per_block : (i + 1) * per_block]
+            for i in range(count)}  # fmt: skip
+
+
+def _join_row_blocks(weights: dict[str, mx.array], directory: Path) -> dict[str, mx.array]:
+    """`save_weights`' row blocks of a tensor back into the one tensor."""
+    blocks: dict[str, dict[int, mx.array]] = {}
+    counts: dict[str, int] = {}
+    joined = {}
+    for key, array in weights.items():
+        match = ROW_BLOCK.match(key)
+        if match is None:
+            joined[key] = array
+            continue
+        name = match["name"]
+        blocks.setdefault(name, {})[int(match["index"])] = array
+        counts[name] = int(match["count"])
+    for name, parts in blocks.items():
+        if sorted(parts) != list(range(counts[name])):
+            raise CheckpointError(
+                f"{directory}: {name} is stored in {counts[name]} row blocks but only "
+                f"{len(parts)} are there; copy every weight file"
+            )
+        joined[name] = mx.concatenate([parts[i] for i in range(counts[name])], axis=0)
+    return joined
+
+
 def read_weights(directory: Path) -> dict[str, mx.array]:
     """Every tensor of a drafter checkpoint directory's safetensors files."""
     files = sorted(directory.glob("*.safetensors"))
@@ -187,7 +229,7 @@ def read_weights(directory: Path) -> dict[str, mx.array]:
     weights: dict[str, mx.array] = {}
     for f in files:
         weights.update(mx.load(str(f)))
-    return weights
+    return _join_row_blocks(weights, directory)
 
 
 def strip_prefix(weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -266,8 +266,25 @@ def test_weights_past_the_file_limit_are_written_as_shards_that_load_back(tmp_pa
         "model.safetensors"
     ]
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
-    with pytest.raises(ValueError, match="past the 1000-byte limit"):
-        save_weights(tmp_path, weights, limit=1000)
+
+
+def test_a_tensor_past_the_file_limit_is_written_in_row_blocks_that_join_back(tmp_path):
+    """A wide read-out (a draft vocabulary of 16,384 is 18.9 MB in float16) is stored as blocks
+    of its rows, each file within the limit, and reads back as the one tensor."""
+    from drafter_svc.checkpoints import CheckpointError, read_weights, save_weights
+
+    wide = mx.arange(300 * 8, dtype=mx.float16).reshape(300, 8)  # 4,800 bytes
+    small = mx.ones((4,), dtype=mx.float32)
+    paths = save_weights(tmp_path, {"lm_head.weight": wide, "norm.weight": small}, limit=1000)
+    assert len(paths) > 4 and all(p.stat().st_size <= 1000 + 1024 for p in paths)
+    back = read_weights(tmp_path)
+    assert sorted(back) == ["lm_head.weight", "norm.weight"]
+    assert back["lm_head.weight"].shape == (300, 8) and (back["lm_head.weight"] == wide).all()
+    paths[0].unlink()  # a block missing: named, not a silently short tensor
+    with pytest.raises(CheckpointError, match="row blocks"):
+        read_weights(tmp_path)
+    with pytest.raises(ValueError, match="one row"):
+        save_weights(tmp_path, {"w": mx.zeros((2, 600), dtype=mx.float32)}, limit=1000)
 
 
 def test_distill_writes_the_targets_own_replies_and_resumes(tiny_model_dir, data, tmp_path):
