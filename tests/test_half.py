@@ -116,3 +116,23 @@ def _half_saving(model) -> int:
         for _, m in model.named_modules()
         if isinstance(m, (nn.Linear, nn.Embedding))
     )
+
+
+def test_products_of_several_rows_keep_a_float32_copy_and_one_row_reads_the_half():
+    """A prefill's products (compute-bound) read a float32 copy made once, a decode step's the
+    float16 weight; both equal the float32 Linear's bit for bit, and a new weight is not
+    answered from the copy of the old one."""
+    from specd.cpu.half import half_copy
+
+    full = nn.Linear(16, 8)
+    full.weight = full.weight.astype(mx.float16).astype(mx.float32)
+    half = half_copy(full)
+    assert isinstance(half, HalfLinear) and half.weight.dtype == mx.float16
+    one, many = mx.random.normal((1, 16)), mx.random.normal((1, 5, 16))
+    assert mx.array_equal(half(one), full(one))
+    assert "_float32_copy" not in half.__dict__
+    assert mx.array_equal(half(many), full(many))
+    assert half.__dict__["_float32_copy"][1].dtype == mx.float32
+    assert "_float32_copy" not in dict(tree_flatten(half.parameters()))  # not a parameter
+    half.weight = (2 * full.weight).astype(mx.float16)
+    assert mx.array_equal(half(many), many @ (2 * full.weight).T + full.bias)
