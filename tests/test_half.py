@@ -11,7 +11,7 @@ from mlx_lm import load as mlx_load
 from test_cpu_llama import decode_in_bursts
 from tiny import make_tiny_model_dir
 
-from specd.cpu.half import HalfEmbedding, HalfLinear, stored_half
+from specd.cpu.half import HalfEmbedding, HalfLinear, stored_half, stored_half_module
 from specd.models.load import load_target
 from verifier_svc.engine import Target, half_weights_pay
 
@@ -121,13 +121,19 @@ def _half_saving(model) -> int:
 def test_products_of_several_rows_keep_a_float32_copy_and_one_row_reads_the_half():
     """A prefill's products (compute-bound) read a float32 copy made once, a decode step's the
     float16 weight; both equal the float32 Linear's bit for bit, and a new weight is not
-    answered from the copy of the old one."""
-    from specd.cpu.half import half_copy
+    answered from the copy of the old one. A model whose copies would pass the limit makes
+    none."""
+    from specd.cpu.half import half_copy, keep_float32_copies
 
     full = nn.Linear(16, 8)
     full.weight = full.weight.astype(mx.float16).astype(mx.float32)
     half = half_copy(full)
     assert isinstance(half, HalfLinear) and half.weight.dtype == mx.float16
+    holder = nn.Sequential(half)
+    assert not keep_float32_copies(holder, limit=500)  # 8 x 16 float32 = 512 bytes of copies
+    half(mx.random.normal((3, 16)))
+    assert "_float32_copy" not in half.__dict__  # past the limit: converted at each product
+    assert keep_float32_copies(holder)
     one, many = mx.random.normal((1, 16)), mx.random.normal((1, 5, 16))
     assert mx.array_equal(half(one), full(one))
     assert "_float32_copy" not in half.__dict__
@@ -136,3 +142,16 @@ def test_products_of_several_rows_keep_a_float32_copy_and_one_row_reads_the_half
     assert "_float32_copy" not in dict(tree_flatten(half.parameters()))  # not a parameter
     half.weight = (2 * full.weight).astype(mx.float16)
     assert mx.array_equal(half(many), many @ (2 * full.weight).T + full.bias)
+
+
+def test_a_served_target_keeps_float32_copies_for_a_long_prompt(quantized_dir):
+    """Through the verifier's module swaps (the compiled products) the model's choice holds:
+    a prompt past the numpy forwards' rows leaves float32 copies, the same first token."""
+    from verifier_svc.engine import prefill
+
+    served = Target(load_target(str(quantized_dir), "float32", half_weights=True))
+    plain = Target(load_target(str(quantized_dir), "float32"))
+    prompt = PROMPT * 6  # 66 tokens: MLX's products, several rows each
+    assert prefill(served, prompt).first_token == prefill(plain, prompt).first_token
+    modules = [m for _, m in served.model.named_modules() if stored_half_module(m)]
+    assert modules and all("_float32_copy" in m.__dict__ for m in modules)

@@ -26,15 +26,22 @@ def exactly_half(weight: mx.array) -> mx.array | None:
     return half
 
 
+# float32 copies of a model's half weights, for products of several rows, up to this many bytes
+# in all (the embedded model's: 513 MiB); a larger model converts at each product instead, so
+# its weights keep to half the memory
+FLOAT32_COPIES_BYTES = 1 << 30
+
+
 def float32_weight(module: nn.Module, rows: int = 1) -> mx.array:
     """The module's weight as float32. For a product of one row the float16 weight is converted
     each time (a memory-bound step reads half the bytes); for several rows (a prompt's
-    prefill, compute-bound) a float32 copy is made once and kept beside it, which spares the
-    conversion in every call: the same values, the same BLAS call."""
+    prefill, compute-bound), where `keep_float32_copies` allowed it, a float32 copy is made
+    once and kept beside it, which spares the conversion in every call: the same values, the
+    same BLAS call."""
     weight = module["weight"]
     if weight.dtype != mx.float16:
         return weight
-    if rows <= 1:
+    if rows <= 1 or not module.__dict__.get("_copies_allowed"):
         return weight.astype(mx.float32)
     kept = module.__dict__.get("_float32_copy")  # outside MLX's parameters
     if kept is None or kept[0] is not weight:
@@ -82,6 +89,8 @@ def rebuilt(kind: type, module: nn.Module, weight: mx.array) -> nn.Module:
         if "bias" in module:
             new.bias = module.bias
     new.weight = weight
+    if "_copies_allowed" in module.__dict__:  # a model's choice outlives the module swap
+        new.__dict__["_copies_allowed"] = module.__dict__["_copies_allowed"]
     return new
 
 
@@ -111,6 +120,16 @@ def half_copy(module: nn.Module) -> nn.Module | None:
 def store_half(model: nn.Module) -> int:
     """Keep every weight of `model` that float16 holds exactly as float16 (half_copy)."""
     return replace_modules(model, half_copy)
+
+
+def keep_float32_copies(model: nn.Module, limit: int = FLOAT32_COPIES_BYTES) -> bool:
+    """Let `model`'s half weights keep float32 copies for products of several rows when all
+    of them together take at most `limit` bytes; True when they may."""
+    halves = [m for _, m in model.named_modules() if stored_half_module(m)]
+    allowed = 2 * sum(m.weight.nbytes for m in halves) <= limit
+    for module in halves:
+        module.__dict__["_copies_allowed"] = allowed
+    return allowed
 
 
 def stored_half_module(module: nn.Module) -> bool:

@@ -11,7 +11,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from specd.cpu.half import HalfEmbedding, HalfLinear, half_copy, store_half, stored_half_module
+from specd.cpu.half import (
+    HalfEmbedding,
+    HalfLinear,
+    half_copy,
+    keep_float32_copies,
+    store_half,
+    stored_half_module,
+)
 
 DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
 _FLOAT = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -251,6 +258,7 @@ def convert_dtype(model: nn.Module, dtype: str, half_weights: bool = False) -> N
         model.apply(cast)
         if half:  # weights that were stored unquantized
             store_half(model)
+            keep_float32_copies(model)
     mx.eval(model.parameters())
     mx.clear_cache()  # the conversion's temporaries, else MLX keeps them for reuse
 
