@@ -118,11 +118,10 @@ def _half_saving(model) -> int:
     )
 
 
-def test_products_of_several_rows_keep_a_float32_copy_and_one_row_reads_the_half():
-    """A prefill's products (compute-bound) read a float32 copy made once, a decode step's the
-    float16 weight; both equal the float32 Linear's bit for bit, and a new weight is not
-    answered from the copy of the old one. A model whose copies would pass the limit makes
-    none."""
+def test_a_small_model_keeps_float32_copies_of_its_half_weights():
+    """MLX's products read a float32 copy made with the model (a prefill then converts no
+    weight per call), equal to the float32 Linear's bit for bit; a new weight is not answered
+    from the copy of the old one; a model whose copies would pass the limit makes none."""
     from specd.cpu.half import half_copy, keep_float32_copies
 
     full = nn.Linear(16, 8)
@@ -130,23 +129,22 @@ def test_products_of_several_rows_keep_a_float32_copy_and_one_row_reads_the_half
     half = half_copy(full)
     assert isinstance(half, HalfLinear) and half.weight.dtype == mx.float16
     holder = nn.Sequential(half)
+    one, many = mx.random.normal((1, 16)), mx.random.normal((1, 5, 16))
     assert not keep_float32_copies(holder, limit=500)  # 8 x 16 float32 = 512 bytes of copies
-    half(mx.random.normal((3, 16)))
+    assert mx.array_equal(half(many), full(many))
     assert "_float32_copy" not in half.__dict__  # past the limit: converted at each product
     assert keep_float32_copies(holder)
-    one, many = mx.random.normal((1, 16)), mx.random.normal((1, 5, 16))
-    assert mx.array_equal(half(one), full(one))
-    assert "_float32_copy" not in half.__dict__
-    assert mx.array_equal(half(many), full(many))
-    assert half.__dict__["_float32_copy"][1].dtype == mx.float32
+    assert half.__dict__["_float32_copy"][1].dtype == mx.float32  # made now, not on first use
+    assert mx.array_equal(half(one), full(one)) and mx.array_equal(half(many), full(many))
+    assert half.weight.dtype == mx.float16
     assert "_float32_copy" not in dict(tree_flatten(half.parameters()))  # not a parameter
     half.weight = (2 * full.weight).astype(mx.float16)
     assert mx.array_equal(half(many), many @ (2 * full.weight).T + full.bias)
 
 
 def test_a_served_target_keeps_float32_copies_for_a_long_prompt(quantized_dir):
-    """Through the verifier's module swaps (the compiled products) the model's choice holds:
-    a prompt past the numpy forwards' rows leaves float32 copies, the same first token."""
+    """Through the verifier's module swaps (the compiled products) the copies stay: a prompt
+    past the numpy forwards' rows, run by MLX on them, gives the same first token."""
     from verifier_svc.engine import prefill
 
     served = Target(load_target(str(quantized_dir), "float32", half_weights=True))

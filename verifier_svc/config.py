@@ -20,7 +20,7 @@ FLOAT32_WEIGHTS_HELP = (
     "keep every weight float32 in memory; by default, with the numpy forwards above, weights "
     "that float16 holds exactly (all of a model dequantized from a 4-bit or half checkpoint, "
     "as the embedded one is) are kept as float16: half the bytes per decode step, same outputs "
-    "(a prompt's prefill reads a float32 copy of them made on first use)"
+    "(a prompt's prefill reads float32 copies of them made at load, up to 1 GiB)"
 )
 
 

@@ -26,40 +26,35 @@ def exactly_half(weight: mx.array) -> mx.array | None:
     return half
 
 
-# float32 copies of a model's half weights, for products of several rows, up to this many bytes
-# in all (the embedded model's: 513 MiB); a larger model converts at each product instead, so
-# its weights keep to half the memory
+# float32 copies of a model's half weights for MLX's products, up to this many bytes in all (the
+# embedded model's: 513 MiB); a larger model converts at each product instead, so its weights
+# keep to half the memory
 FLOAT32_COPIES_BYTES = 1 << 30
 
 
-def float32_weight(module: nn.Module, rows: int = 1) -> mx.array:
-    """The module's weight as float32. For a product of one row the float16 weight is converted
-    each time (a memory-bound step reads half the bytes); for several rows (a prompt's
-    prefill, compute-bound), where `keep_float32_copies` allowed it, a float32 copy is made
-    once and kept beside it, which spares the conversion in every call: the same values, the
-    same BLAS call."""
+def float32_weight(module: nn.Module) -> mx.array:
+    """The module's weight as float32: the float32 copy `keep_float32_copies` made beside the
+    float16 weight where it allowed one (a prompt's prefill, compute-bound, then converts no
+    weight per call), else the float16 weight converted for a product of one row (half the
+    bytes read) or of several. The same values, the same BLAS call, either way."""
     weight = module["weight"]
     if weight.dtype != mx.float16:
         return weight
-    if rows <= 1 or not module.__dict__.get("_copies_allowed"):
+    if not module.__dict__.get("_copies_allowed"):
         return weight.astype(mx.float32)
     kept = module.__dict__.get("_float32_copy")  # outside MLX's parameters
-    if kept is None or kept[0] is not weight:
+    if kept is None or kept[0] is not weight:  # none yet, or the weight was replaced
         kept = (weight, weight.astype(mx.float32))
         mx.eval(kept[1])
         module.__dict__["_float32_copy"] = kept
     return kept[1]
 
 
-def _rows(x: mx.array) -> int:
-    return x.size // x.shape[-1] if x.ndim else 1
-
-
 class HalfLinear(nn.Linear):
     """A float32 Linear whose weight is stored as float16 (or float32: then it is nn.Linear)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        weight = float32_weight(self, _rows(x))
+        weight = float32_weight(self)
         if "bias" in self:
             return mx.addmm(self["bias"], x, weight.T)
         return x @ weight.T
@@ -73,7 +68,7 @@ class HalfEmbedding(nn.Embedding):
         return rows.astype(mx.float32) if rows.dtype == mx.float16 else rows
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return x @ float32_weight(self, _rows(x)).T
+        return x @ float32_weight(self).T
 
 
 _HALF = {nn.Linear: HalfLinear, nn.Embedding: HalfEmbedding}
@@ -89,8 +84,9 @@ def rebuilt(kind: type, module: nn.Module, weight: mx.array) -> nn.Module:
         if "bias" in module:
             new.bias = module.bias
     new.weight = weight
-    if "_copies_allowed" in module.__dict__:  # a model's choice outlives the module swap
-        new.__dict__["_copies_allowed"] = module.__dict__["_copies_allowed"]
+    for kept in ("_copies_allowed", "_float32_copy"):  # a model's copies outlive the swap
+        if kept in module.__dict__:
+            new.__dict__[kept] = module.__dict__[kept]
     return new
 
 
@@ -123,12 +119,15 @@ def store_half(model: nn.Module) -> int:
 
 
 def keep_float32_copies(model: nn.Module, limit: int = FLOAT32_COPIES_BYTES) -> bool:
-    """Let `model`'s half weights keep float32 copies for products of several rows when all
-    of them together take at most `limit` bytes; True when they may."""
+    """Give `model`'s half weights float32 copies for MLX's products when all of them
+    together take at most `limit` bytes; True when they have them. The verifier's decode
+    steps read the float16 weights in its own kernels all the same."""
     halves = [m for _, m in model.named_modules() if stored_half_module(m)]
     allowed = 2 * sum(m.weight.nbytes for m in halves) <= limit
     for module in halves:
         module.__dict__["_copies_allowed"] = allowed
+        if allowed:  # now, not in a first request's prefill
+            float32_weight(module)
     return allowed
 
 
