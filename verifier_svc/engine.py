@@ -23,7 +23,7 @@ from specd.cpu.gemv import (
     set_max_rows,
     use_gemv,
 )
-from specd.cpu.half import stored_half
+from specd.cpu.half import float32_copy_bytes, stored_half
 from specd.cpu.llama import DEFAULT_MAX_ROWS as CPU_MAX_ROWS
 from specd.cpu.llama import CpuLlama, Segment
 from specd.cpu.row_products import compiled as row_kernels_compiled
@@ -96,6 +96,7 @@ class Target:
         products = "compiled products" if row_kernels_compiled() else "numpy's products"
         self.half_weights = stored_half(self.model)
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+        self.weight_bytes += float32_copy_bytes(self.model)  # MLX's products read these
         stored = f", {self.half_weights} weights stored float16" if self.half_weights else ""
         self.numpy_part = (
             f"{'whole layers' if cpu_layers else 'weight products'}, {products}{stored}"

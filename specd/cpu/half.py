@@ -131,6 +131,12 @@ def keep_float32_copies(model: nn.Module, limit: int = FLOAT32_COPIES_BYTES) -> 
     return allowed
 
 
+def float32_copy_bytes(model: nn.Module) -> int:
+    """Bytes the float32 copies of `model`'s half weights take (`keep_float32_copies`)."""
+    return sum(m.__dict__["_float32_copy"][1].nbytes
+               for _, m in model.named_modules() if "_float32_copy" in m.__dict__)  # fmt: skip
+
+
 def stored_half_module(module: nn.Module) -> bool:
     return isinstance(module, (HalfLinear, HalfEmbedding)) and module.weight.dtype == mx.float16
 
