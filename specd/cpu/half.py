@@ -34,20 +34,25 @@ FLOAT32_COPIES_BYTES = 1 << 30
 
 def float32_weight(module: nn.Module) -> mx.array:
     """The module's weight as float32: the float32 copy `keep_float32_copies` made beside the
-    float16 weight where it allowed one (a prompt's prefill, compute-bound, then converts no
-    weight per call), else the float16 weight converted for a product of one row (half the
-    bytes read) or of several. The same values, the same BLAS call, either way."""
+    float16 weight, where it made one (a prompt's prefill, compute-bound, then converts no
+    weight per call), else the float16 weight converted at each product. The same values,
+    the same BLAS call, either way."""
     weight = module["weight"]
     if weight.dtype != mx.float16:
         return weight
-    if not module.__dict__.get("_copies_allowed"):
-        return weight.astype(mx.float32)
     kept = module.__dict__.get("_float32_copy")  # outside MLX's parameters
-    if kept is None or kept[0] is not weight:  # none yet, or the weight was replaced
-        kept = (weight, weight.astype(mx.float32))
-        mx.eval(kept[1])
-        module.__dict__["_float32_copy"] = kept
+    if kept is None:
+        return weight.astype(mx.float32)
+    if kept[0] is not weight:  # the weight was replaced: so is its copy
+        kept = _copy_of(module, weight)
     return kept[1]
+
+
+def _copy_of(module: nn.Module, weight: mx.array) -> tuple[mx.array, mx.array]:
+    kept = (weight, weight.astype(mx.float32))
+    mx.eval(kept[1])
+    module.__dict__["_float32_copy"] = kept
+    return kept
 
 
 class HalfLinear(nn.Linear):
@@ -84,9 +89,8 @@ def rebuilt(kind: type, module: nn.Module, weight: mx.array) -> nn.Module:
         if "bias" in module:
             new.bias = module.bias
     new.weight = weight
-    for kept in ("_copies_allowed", "_float32_copy"):  # a model's copies outlive the swap
-        if kept in module.__dict__:
-            new.__dict__[kept] = module.__dict__[kept]
+    if "_float32_copy" in module.__dict__:  # a model's copies outlive the module swap
+        new.__dict__["_float32_copy"] = module.__dict__["_float32_copy"]
     return new
 
 
@@ -123,12 +127,11 @@ def keep_float32_copies(model: nn.Module, limit: int = FLOAT32_COPIES_BYTES) -> 
     together take at most `limit` bytes; True when they have them. The verifier's decode
     steps read the float16 weights in its own kernels all the same."""
     halves = [m for _, m in model.named_modules() if stored_half_module(m)]
-    allowed = 2 * sum(m.weight.nbytes for m in halves) <= limit
-    for module in halves:
-        module.__dict__["_copies_allowed"] = allowed
-        if allowed:  # now, not in a first request's prefill
-            float32_weight(module)
-    return allowed
+    if 2 * sum(m.weight.nbytes for m in halves) > limit:
+        return False
+    for module in halves:  # now, not in a first request's prefill
+        _copy_of(module, module.weight)
+    return True
 
 
 def float32_copy_bytes(model: nn.Module) -> int:
