@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -13,6 +14,29 @@ import numpy as np
 from specd.progress import Progress
 
 RECENT = 50  # steps the progress line and the summary average over
+CURVE_FILE = "held_out_curve.json"  # beside the checkpoint: a resumed run keeps the whole curve
+
+
+class HeldOutCurve(list):
+    """Held-out figures at each checkpoint ({"step": ..., ...} points), kept in the checkpoint
+    directory as they come, so that training.json after a resume holds the curve from the
+    run's first step, not only from the resume."""
+
+    def __init__(self, checkpoint: Path, resumed_at: int | None):
+        """resumed_at: the step the run goes on from (None: it starts over)."""
+        super().__init__()
+        self.path = checkpoint / CURVE_FILE
+        if resumed_at is not None and self.path.is_file():
+            kept = json.loads(self.path.read_text())
+            self.extend(p for p in kept if p["step"] <= resumed_at)
+
+    def add(self, point: dict) -> None:
+        self.append(point)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self))
+
+    def at(self, step: int) -> bool:
+        return bool(self) and self[-1]["step"] == step
 
 
 def epoch_order(count: int, epochs: float, seed: int) -> np.ndarray:

@@ -151,6 +151,32 @@ def test_held_out_agreement_is_measured_at_every_checkpoint(tiny_model_dir, data
                                   conversations=6, max_len=64, data=data, held_out=6))  # fmt: skip
 
 
+def test_a_resumed_run_reports_the_held_out_curve_from_its_first_step(tiny_model_dir, data,
+                                                                      tmp_path):  # fmt: skip
+    def eagle(epochs, resume=True):
+        return train_eagle3(
+            TrainOptions(target=str(tiny_model_dir), out=tmp_path / "head", conversations=6,
+                         max_len=64, draft_vocab=100, save_every=2, warmup=1, data=data,
+                         epochs=epochs, held_out=2, resume=resume)
+        )["held_out_curve"]  # fmt: skip
+
+    first = eagle(1)
+    assert [p["step"] for p in first] == [0, 2, 4]
+    assert [p["step"] for p in eagle(2)] == [0, 2, 4, 6, 8]  # resumed at 4
+    assert eagle(2)[:3] == first
+    assert [p["step"] for p in eagle(1, resume=False)] == [0, 2, 4]  # none of the old run's
+
+    def dflash(epochs):
+        return train_dflash(
+            DFlashOptions(target=str(tiny_model_dir), out=tmp_path / "dflash", conversations=6,
+                          max_len=64, block_size=4, layers=1, anchors=4, epochs=epochs,
+                          warmup=1, save_every=2, data=data, draft_vocab=20, held_out=2)
+        )["held_out_curve"]  # fmt: skip
+
+    assert [p["step"] for p in dflash(1)] == [0, 2, 4]
+    assert [p["step"] for p in dflash(2)] == [0, 2, 4, 6, 8]
+
+
 def test_training_continues_from_a_given_model(tiny_model_dir, data, tmp_path):
     first = tmp_path / "first"
     common = dict(target=str(tiny_model_dir), conversations=6, max_len=64, draft_vocab=100,

@@ -41,7 +41,7 @@ from drafter_svc.dflash.model import (
 )
 from drafter_svc.eagle3.model import default_capture_layers
 from drafter_svc.eagle3.train import TrainOptions, choose_draft_vocab, prepare_features
-from drafter_svc.training import epoch_order, run_steps
+from drafter_svc.training import HeldOutCurve, epoch_order, run_steps
 
 DEFAULT_LAYERS = 2  # decoder layers of a new drafter
 
@@ -334,16 +334,16 @@ def train(opts: DFlashOptions) -> dict:
     feats, held = split_held_out(feats, opts.held_out)
     trainer = DFlashTrainer(opts, loaded, feats, layer_ids)
     ckpt = opts.out / "checkpoint"
-    if opts.resume and trainer.load_checkpoint(ckpt):
+    resumed = opts.resume and trainer.load_checkpoint(ckpt)
+    if resumed:
         print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
     rng = np.random.default_rng(opts.seed + trainer.step)
     order = epoch_order(len(feats), opts.epochs, opts.seed)
-
-    curve: list[dict] = []  # held-out acceptance at each checkpoint
+    curve = HeldOutCurve(ckpt, trainer.step if resumed else None)  # acceptance per checkpoint
 
     def evaluate():
-        if held and (not curve or curve[-1]["step"] != trainer.step):
-            curve.append({"step": trainer.step, "tau_estimate": trainer.acceptance(held)})
+        if held and not curve.at(trainer.step):
+            curve.add({"step": trainer.step, "tau_estimate": trainer.acceptance(held)})
 
     def describe(recent):
         loss = np.mean([r[0] for r in recent]) if recent else float("nan")

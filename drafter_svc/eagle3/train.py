@@ -49,7 +49,7 @@ from drafter_svc.eagle3.model import (
     load_head,
     save_head,
 )
-from drafter_svc.training import epoch_order, run_steps
+from drafter_svc.training import HeldOutCurve, epoch_order, run_steps
 from specd.progress import Progress
 
 NEG = -1e9
@@ -506,17 +506,17 @@ def train(opts: TrainOptions) -> dict:
     feats, held = split_held_out(feats, opts.held_out)
     trainer = Trainer(opts, loaded, feats)
     ckpt = opts.out / "checkpoint"
-    if opts.resume and trainer.load_checkpoint(ckpt):
+    resumed = opts.resume and trainer.load_checkpoint(ckpt)
+    if resumed:
         print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
     order = epoch_order(len(feats), opts.epochs, opts.seed)
-
-    curve: list[dict] = []  # held-out agreement at each checkpoint
+    curve = HeldOutCurve(ckpt, trainer.step if resumed else None)  # agreement per checkpoint
 
     def evaluate():
-        if held and (not curve or curve[-1]["step"] != trainer.step):
+        if held and not curve.at(trainer.step):
             agree = trainer.agreement(held)
-            curve.append({"step": trainer.step, "agreement_per_pass": agree,
-                          "tau_estimate": round(1 + _chain_estimate(agree), 3)})  # fmt: skip
+            curve.add({"step": trainer.step, "agreement_per_pass": agree,
+                       "tau_estimate": round(1 + _chain_estimate(agree), 3)})  # fmt: skip
 
     def describe(recent):
         if not recent:
