@@ -17,7 +17,9 @@
 #          row by row, keeping the drafters' hidden rows or none (run Y: 13 ms for 7 tokens
 #          served, against 6 ms row by row in gpu_forwards.py)
 # pool     many clients on the KV pool: the verifier alone, the services, the fault drill (issue 28)
-# distill  the target's replies to ShareGPT prompts, appended to ~/dd.jsonl (resumes)
+# distill [SECONDS [DTYPE]]  the target's replies to ShareGPT prompts (every user turn, the
+#          whole prompt range up to 1024 tokens, in shuffled order), appended to ~/dd.jsonl
+#          (resumes), for SECONDS (default 500) in DTYPE (default bfloat16)
 # selfprompts [SECONDS [DTYPE]]  the target's replies to user messages it writes itself
 #          (--prompts self), appended to ~/ds.jsonl (resumes), for SECONDS (default 500) in
 #          DTYPE (default bfloat16: 22.3k reply tok/s against float32's 15.8k, run X)
@@ -96,8 +98,10 @@ pool)
     --max-tokens 64 --drafter ngram --concurrency 1,16 --concurrency-requests 1 \
     --concurrency-faults --json ~/res/faults.json > "$OUT/pool-faults.log" 2>&1 ;;
 distill)
-  timeout 540 python3 -m specd distill --target "$model" --out ~/dd.jsonl --conversations 60000 \
-    --batch-size 512 --max-prompt-tokens 1024 --max-new-tokens 256 > "$OUT/distill.log" 2>&1
+  timeout 590 python3 -m specd distill --target "$model" --out ~/dd.jsonl --conversations 100000 \
+    --batch-size 512 --max-prompt-tokens 1024 --max-new-tokens 256 --dtype "${3:-bfloat16}" \
+    --time-limit "${2:-500}" >> "$OUT/distill.log" 2>&1
+  wc -l ~/dd.jsonl >> "$OUT/distill.log"
   gzip -c ~/dd.jsonl > ~/dd.jsonl.gz && (cd ~ && split -b 15M dd.jsonl.gz dd.gz.)
   cp ~/dd.gz.* "$OUT/" ;;
 selfprompts)
@@ -126,7 +130,7 @@ eagle3)
   tar -czf "$OUT/eagle3-meta.tgz" -C "$out" config.json training.json ;;
 *)
   echo "usage: bash benchmarks/gpu_stages.sh" \
-    "parity|grounded|load|clients|drafters [SECONDS [DRAFTERS [in-process]]]|verify|pool|distill|selfprompts [SECONDS [DTYPE]]|dflash [DATA [SECONDS [RECORDS [LAYERS]]]]|eagle3 [DATA [SECONDS [RECORDS [MLP_WIDTH [DRAFT_VOCAB]]]]]" >&2
+    "parity|grounded|load|clients|drafters [SECONDS [DRAFTERS [in-process]]]|verify|pool|distill [SECONDS [DTYPE]]|selfprompts [SECONDS [DTYPE]]|dflash [DATA [SECONDS [RECORDS [LAYERS]]]]|eagle3 [DATA [SECONDS [RECORDS [MLP_WIDTH [DRAFT_VOCAB]]]]]" >&2
   exit 2 ;;
 esac
 tar -czf "$OUT/results.tgz" -C ~ res /tmp/specd-bench-* 2>/dev/null
