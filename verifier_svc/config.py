@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specd.argtypes import byte_size, int_between, non_negative_float
+from specd.cpu import FLOAT32_COPIES_BYTES
 from specd.options import option
 from specd.security import ServerSecurity
 
@@ -20,7 +21,8 @@ FLOAT32_WEIGHTS_HELP = (
     "keep every weight float32 in memory; by default, with the numpy forwards above, weights "
     "that float16 holds exactly (all of a model dequantized from a 4-bit or half checkpoint, "
     "as the embedded one is) are kept as float16: half the bytes per decode step, same outputs "
-    "(a prompt's prefill reads float32 copies of them made at load, up to 1 GiB)"
+    f"(a prompt's prefill reads float32 copies of them made at load, up to "
+    f"{FLOAT32_COPIES_BYTES >> 30} GiB)"
 )
 
 

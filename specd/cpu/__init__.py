@@ -8,3 +8,8 @@ package when a C compiler is there; numpy otherwise).
   half.py          weights that float16 holds exactly, kept half (half the bytes to read)
   llama.py         whole Llama-family layers (attention, RoPE, norms) on numpy
 """
+
+# float32 copies of a model's half weights for MLX's products, up to this many bytes in all (the
+# embedded model's: 513 MiB); a larger model converts at each product instead, so its weights
+# keep to half the memory. Here, not in half.py, so the verifier's help can name it without MLX.
+FLOAT32_COPIES_BYTES = 1 << 30

@@ -14,6 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from specd.cpu import FLOAT32_COPIES_BYTES
+
 
 def exactly_half(weight: mx.array) -> mx.array | None:
     """float32 `weight` as float16 if every value survives the trip, else None."""
@@ -24,12 +26,6 @@ def exactly_half(weight: mx.array) -> mx.array | None:
         return None
     mx.eval(half)
     return half
-
-
-# float32 copies of a model's half weights for MLX's products, up to this many bytes in all (the
-# embedded model's: 513 MiB); a larger model converts at each product instead, so its weights
-# keep to half the memory
-FLOAT32_COPIES_BYTES = 1 << 30
 
 
 def float32_weight(module: nn.Module) -> mx.array:
