@@ -33,7 +33,9 @@ class HeldOutCurve(list):
     def add(self, point: dict) -> None:
         self.append(point)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self))
+        staging = self.path.with_suffix(".tmp")  # a run killed mid-write leaves the old file
+        staging.write_text(json.dumps(self))
+        staging.replace(self.path)
 
     def at(self, step: int) -> bool:
         return bool(self) and self[-1]["step"] == step
