@@ -14,8 +14,9 @@
 #          its warm-ups takes ~70 s, so name few; in-process runs the services in one process
 #          (one GPU context: whether the split costs the verify, run Y)
 # verify   what a verify of 1..16 tokens costs the engine, by path: the model's own forward or
-#          row by row, keeping the drafters' hidden rows or none (run Y: 13 ms for 7 tokens
-#          served, against 6 ms row by row in gpu_forwards.py)
+#          row by row, keeping the drafters' hidden rows or none, drafts rejected, then every
+#          draft kept (run Y: 13 ms for 7 tokens served, against 6 ms row by row in
+#          gpu_forwards.py)
 # pool     many clients on the KV pool: the verifier alone, the services, the fault drill (issue 28)
 # distill [SECONDS [DTYPE]]  the target's replies to ShareGPT prompts (every user turn, the
 #          whole prompt range up to 1024 tokens, in shuffled order), appended to ~/dd.jsonl
@@ -85,8 +86,12 @@ verify)
         --drafts 0 1 2 3 6 15 --calls 15 --row-forwards "$path" $rows >> "$OUT/verify.log" 2>&1
     done
   done
+  # every draft kept, as a right drafter's rounds keep them
+  echo "== --row-forwards on --accept" >> "$OUT/verify.log"
+  timeout 100 python3 benchmarks/verify_cost.py --target "$model" --dtype float32 \
+    --drafts 0 1 2 3 6 15 --calls 15 --row-forwards on --accept >> "$OUT/verify.log" 2>&1
   timeout 60 python3 benchmarks/verify_cost.py --target "$model" --dtype float32 --drafts 6 \
-    --calls 10 --row-forwards on --profile 6 >> "$OUT/verify.log" 2>&1 ;;
+    --calls 10 --row-forwards on --accept --profile 6 >> "$OUT/verify.log" 2>&1 ;;
 pool)
   # the KV pool is the verifier's default on a GPU: the verifier alone with it, then the
   # services (drafting off and n-gram), then the fault drill at 16 sessions

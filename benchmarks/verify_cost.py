@@ -3,12 +3,15 @@
 drafts after a prompt, the target as the verifier loads it by default (float32 on a CPU, the
 weights float16 holds exactly kept so). The drafts are the vocabulary's last token, which the
 target all but never chooses, so each call verifies about the same context length; the drafts
-it did accept are printed. With --profile, cProfile's top functions for one k.
+it did accept are printed. --accept drafts the target's own greedy reply instead, so every
+draft is kept as in a served round a right drafter makes (the KV and hidden rows of all k + 1
+tokens kept, the context growing k + 1 a call). With --profile, cProfile's top functions for
+one k.
 --row-forwards and --kv-pool as the verifier takes them (auto: on on a GPU); --no-rows keeps
 no hidden rows (drafting off and n-gram keep none, the model drafters three layers').
 
     python benchmarks/verify_cost.py [--drafts 0 6 16] [--calls 15] [--profile 6]
-        [--row-forwards auto|on|off] [--kv-pool auto|on|off] [--no-rows]
+        [--row-forwards auto|on|off] [--kv-pool auto|on|off] [--no-rows] [--accept]
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ import statistics
 import time
 
 from specd.models.load import load_target
-from verifier_svc.engine import Target, half_weights_pay, prefill, verify
+from specd.prompts import encode_chat
+from verifier_svc.engine import Target, decode, half_weights_pay, prefill, verify
 from verifier_svc.servicer import on_gpu
 
 CAPTURE = (1, 14, 26)  # the shipped drafters' target layers
+# a request for a long reply: --accept drafts the target's greedy reply to it
+LONG_REPLY = "Write a long, detailed essay on the history of printing, from woodblocks to lasers."
 
 
 def main() -> None:
@@ -37,6 +43,9 @@ def main() -> None:
     parser.add_argument("--row-forwards", choices=("auto", "on", "off"), default="off")
     parser.add_argument("--kv-pool", choices=("auto", "on", "off"), default="off")
     parser.add_argument("--no-rows", action="store_true", help="keep no hidden rows")
+    parser.add_argument(
+        "--accept", action="store_true", help="draft the target's greedy reply: every draft kept"
+    )
     args = parser.parse_args()
     half = half_weights_pay(args.dtype, None)  # as the verifier decides it
     target = Target(
@@ -46,19 +55,33 @@ def main() -> None:
     )
     print(f"target {target.identity.name} ({target.loaded.dtype}; {target.numpy_part}; "
           f"row forwards {target.row_forwards}, pool {target.kv_pool is not None})")  # fmt: skip
-    prompt = [1000 + i % 500 for i in range(args.prompt_tokens)]
-    session = prefill(target, prompt, () if args.no_rows else CAPTURE).session
+    capture = () if args.no_rows else CAPTURE
+    if args.accept:
+        prompt = encode_chat(target.loaded.tokenizer, [{"role": "user", "content": LONG_REPLY}])
+        reply = greedy_reply(target, prompt, (args.calls + 3) * (1 + max(args.drafts)))
+    else:
+        prompt = [1000 + i % 500 for i in range(args.prompt_tokens)]
     # a token the target all but never chooses: the drafts are rejected
     rejected = target.identity.vocab_size - 1
+    accepted = asked = 0
+    session = None
 
-    accepted = 0
+    def drafts_for(k: int) -> list[int]:
+        if not args.accept:
+            return [rejected] * k
+        done = session.position - len(prompt)  # reply tokens committed
+        return reply[done : done + k]
 
     def calls(k: int, n: int) -> list[float]:
-        nonlocal accepted
+        nonlocal accepted, asked, session
+        if session is None or args.accept:  # an accepting session starts at the prompt again
+            session = prefill(target, prompt, capture).session
         times = []
         for _ in range(n):
+            drafts = drafts_for(k)
+            asked += len(drafts)
             start = time.perf_counter()
-            accepted += verify(target, session, [rejected] * k).num_accepted
+            accepted += verify(target, session, drafts).num_accepted
             times.append(time.perf_counter() - start)
         return times
 
@@ -66,13 +89,23 @@ def main() -> None:
         calls(k, 3)  # first use of the shapes
         ms = 1000 * statistics.median(calls(k, args.calls))
         print(f"{k:3d} drafts ({k + 1:2d} tokens): {ms:6.1f} ms")
-    print(f"drafts accepted in all: {accepted}")
+    print(f"drafts accepted in all: {accepted} of {asked}")
     if args.profile is not None:
         profile = cProfile.Profile()
         profile.enable()
         calls(args.profile, args.calls)
         profile.disable()
         pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+
+
+def greedy_reply(target: Target, prompt: list[int], length: int) -> list[int]:
+    """The target's greedy reply to prompt, `length` tokens (fewer where it ends)."""
+    opened = prefill(target, prompt)
+    reply = [opened.first_token]
+    reply += decode(target, opened.session, length - 1).committed
+    if len(reply) < length:
+        raise SystemExit(f"the reply ended after {len(reply)} of the {length} tokens needed")
+    return reply
 
 
 if __name__ == "__main__":
