@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -97,13 +98,24 @@ def run_identity(options) -> dict[str, str]:
     }
 
 
+def write_whole(path: Path, write: Callable[[Path], None]) -> None:
+    """write(staging) then a rename onto path: a run killed mid-write leaves the file it had,
+    never a truncated one. The staging name keeps path's suffix (MLX's savers add theirs)."""
+    staging = path.with_name(f".{path.name}")
+    write(staging)
+    staging.replace(path)
+
+
 def save_training_state(directory: Path, model, optimizer, step: int, run: dict) -> None:
+    """Each file written whole, state.json last: a kill part way leaves a checkpoint that
+    resumes (at worst the step before with the newer weights), never one that fails to load."""
     directory.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(directory / "model.safetensors"),
-                        dict(tree_flatten(model.parameters())))  # fmt: skip
+    weights = dict(tree_flatten(model.parameters()))
+    write_whole(directory / "model.safetensors", lambda f: mx.save_safetensors(str(f), weights))
     state = {k: v for k, v in tree_flatten(optimizer.state) if isinstance(v, mx.array)}
-    mx.save_safetensors(str(directory / "optimizer.safetensors"), state)
-    (directory / "state.json").write_text(json.dumps({"step": step, "run": run}))
+    write_whole(directory / "optimizer.safetensors", lambda f: mx.save_safetensors(str(f), state))
+    saved = json.dumps({"step": step, "run": run})
+    write_whole(directory / "state.json", lambda f: f.write_text(saved))
 
 
 def load_training_state(directory: Path, model, optimizer, run: dict) -> int | None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from drafter_svc.checkpoints import write_whole
 from specd.progress import Progress
 
 RECENT = 50  # steps the progress line and the summary average over
@@ -33,9 +34,8 @@ class HeldOutCurve(list):
     def add(self, point: dict) -> None:
         self.append(point)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        staging = self.path.with_suffix(".tmp")  # a run killed mid-write leaves the old file
-        staging.write_text(json.dumps(self))
-        staging.replace(self.path)
+        text = json.dumps(self)
+        write_whole(self.path, lambda f: f.write_text(text))
 
     def at(self, step: int) -> bool:
         return bool(self) and self[-1]["step"] == step

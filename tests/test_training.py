@@ -772,3 +772,42 @@ def test_jsonl_lines_end_at_newlines_only(tmp_path):
     path.write_text(json.dumps(record, ensure_ascii=False) + "\n", encoding="utf-8")
     assert read_conversations(path) == [record]
     assert len(_done_prompts(path)) == 1
+
+
+def test_a_checkpoint_killed_mid_write_still_resumes(tmp_path, monkeypatch):
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+
+    from drafter_svc import checkpoints
+
+    model, optimizer = nn.Linear(4, 3), optim.Adam(1e-3)
+    optimizer.init(model.trainable_parameters())
+    run = {"data": "chats.jsonl"}
+    checkpoints.save_training_state(tmp_path, model, optimizer, 40, run)
+    saved = np.array(model.weight)
+    model.weight = model.weight + 1
+
+    real_save = mx.save_safetensors
+
+    def killed_after_half(path, arrays):  # the optimizer's file is cut off part way
+        if "optimizer" in str(path):
+            real_save(path, arrays)
+            with open(path, "r+b") as f:
+                f.truncate(f.seek(0, 2) // 2)
+            raise KeyboardInterrupt
+        real_save(path, arrays)
+
+    monkeypatch.setattr(checkpoints.mx, "save_safetensors", killed_after_half)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoints.save_training_state(tmp_path, model, optimizer, 80, run)
+    monkeypatch.undo()
+    fresh, fresh_optimizer = nn.Linear(4, 3), optim.Adam(1e-3)
+    fresh_optimizer.init(fresh.trainable_parameters())
+    # the step before, its optimizer whole; the weights written whole are the newer ones
+    assert checkpoints.load_training_state(tmp_path, fresh, fresh_optimizer, run) == 40
+    np.testing.assert_array_equal(np.array(fresh.weight), saved + 1)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "model.safetensors",
+        "optimizer.safetensors",
+        "state.json",
+    ]
