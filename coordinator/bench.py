@@ -409,15 +409,12 @@ def in_process_runner(args, name: str):
     from coordinator.rounds import Plan, RoundStats, run_rounds
     from drafter_svc.config import DrafterConfig, drafter_options
     from drafter_svc.server import make_proposer
-    from specd.models.load import load_target
     from specd.v1 import common_pb2
-    from verifier_svc.engine import Target, half_weights_pay
+    from verifier_svc.servicer import target_for
 
-    # its own copy of the model: the baseline's stays free of the capture wrappers; its weights
-    # kept as the verifier service keeps them
-    half = not args.float32_weights and half_weights_pay(args.dtype, args.gemv_rows)
-    loaded = load_target(args.target, args.dtype, half_weights=half)
-    verifier = LocalVerifier(Target(loaded, args.gemv_rows))
+    # its own copy of the model (the baseline's stays free of the capture wrappers), served as
+    # the stack's verifier serves it: on a GPU row by row, where its own forward would be dearer
+    verifier = LocalVerifier(target_for(verifier_config(args, name)))
     drafter = None
     if bench_kind(name) is not None:
         options = drafter_options(bench_kind(name), **_variant_options(args, name))
@@ -449,6 +446,20 @@ def in_process_runner(args, name: str):
         return time.perf_counter() - start, stats
 
     return run
+
+
+def verifier_config(args, name: str):
+    """The settings of the verifier that drafter `name`'s stack starts: its flags read by the
+    verifier's own parser (flags of the service around it, such as --log-stats, ignored)."""
+    import argparse
+
+    from specd.options import add_flags, flag_values
+    from verifier_svc.config import VerifierConfig
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_flags(parser, VerifierConfig)
+    flags, _ = parser.parse_known_args(bench_stack(args, name, None).verifier_flags())
+    return VerifierConfig(**flag_values(flags, VerifierConfig))
 
 
 def _spec_row(question, base: Baseline, spec, spec_s: float, temperature: float) -> dict:

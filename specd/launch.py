@@ -153,12 +153,7 @@ class Stack:
         chosen = free_ports(len(unset), self.host)
         self.ports = {**self.ports, **dict(zip(unset, chosen, strict=True))}
         try:
-            verifier_flags = ["--model", self.target] if self.target else []
-            if self.gemv_rows is not None:
-                verifier_flags += ["--gemv-rows", str(self.gemv_rows)]
-            if self.float32_weights:
-                verifier_flags.append("--float32-weights")
-            self._spawn("verifier", [*verifier_flags, "--dtype", self.dtype, *self.verifier_args])
+            self._spawn("verifier", self.verifier_flags())
             if self.drafter:
                 model_drafter = self.drafter != "ngram" and self.target
                 target = ["--target", self.target] if model_drafter else []
@@ -180,6 +175,15 @@ class Stack:
             self.stop()
             raise
         return self
+
+    def verifier_flags(self) -> list[str]:
+        """The flags the verifier starts with."""
+        flags = ["--model", self.target] if self.target else []
+        if self.gemv_rows is not None:
+            flags += ["--gemv-rows", str(self.gemv_rows)]
+        if self.float32_weights:
+            flags.append("--float32-weights")
+        return [*flags, "--dtype", self.dtype, *self.verifier_args]
 
     def _spawn(self, name: str, args: list[str]) -> None:
         self._flags[name] = args

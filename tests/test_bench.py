@@ -381,3 +381,19 @@ def test_the_drafts_share_is_drafting_offs_time_over_the_drafters_per_question()
     assert drafts_share(drafter, off) == pytest.approx(1.0)
     assert drafts_share({"questions": [{"question_id": 1, "spec_s": 4.0}]}, off) == 0.5
     assert drafts_share({"questions": []}, off) is None
+
+
+def test_the_in_process_loop_serves_the_target_as_the_stacks_verifier_does():
+    from coordinator.bench import verifier_config
+    from specd.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "--questions", "mt-bench", "--target", "m", "--dtype", "float32", "--gemv-rows", "0", "--verifier-args",
+         "--row-forwards on --kv-pool off --log-stats 1"]
+    )  # fmt: skip
+    config = verifier_config(args, "eagle3-k6")
+    assert (config.model, config.dtype, config.gemv_rows) == ("m", "float32", 0)
+    assert (config.row_forwards, config.kv_pool) == ("on", "off")
+    assert config.half_weights  # the verifier's default, as the service keeps them
+    args = build_parser().parse_args(["bench", "--questions", "mt-bench", "--float32-weights"])
+    assert not verifier_config(args, "none").half_weights
