@@ -41,6 +41,24 @@ class HeldOutCurve(list):
         return bool(self) and self[-1]["step"] == step
 
 
+def resume(trainer, checkpoint: Path, wanted: bool) -> HeldOutCurve:
+    """Go on from the checkpoint where wanted and there is one (saying so); the held-out curve
+    as it stood at the step the run goes on from."""
+    resumed = wanted and trainer.load_checkpoint(checkpoint)
+    if resumed:
+        print(f"resumed from {checkpoint} at step {trainer.step}", file=sys.stderr)
+    return HeldOutCurve(checkpoint, trainer.step if resumed else None)
+
+
+def write_summary(out: Path, summary: dict, held: list, curve: HeldOutCurve) -> dict:
+    """training.json: the run's summary, with the held-out curve where there was a held-out set."""
+    if held:
+        summary["held_out_conversations"] = len(held)
+        summary["held_out_curve"] = curve
+    (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
 def epoch_order(count: int, epochs: float, seed: int) -> np.ndarray:
     """Example indices for every step: one permutation per epoch, the same after a resume."""
     rng = np.random.default_rng(seed)

@@ -41,7 +41,7 @@ from drafter_svc.dflash.model import (
 )
 from drafter_svc.eagle3.model import default_capture_layers
 from drafter_svc.eagle3.train import TrainOptions, choose_draft_vocab, prepare_features
-from drafter_svc.training import HeldOutCurve, epoch_order, run_steps
+from drafter_svc.training import epoch_order, resume, run_steps, write_summary
 
 DEFAULT_LAYERS = 2  # decoder layers of a new drafter
 
@@ -334,12 +334,9 @@ def train(opts: DFlashOptions) -> dict:
     feats, held = split_held_out(feats, opts.held_out)
     trainer = DFlashTrainer(opts, loaded, feats, layer_ids)
     ckpt = opts.out / "checkpoint"
-    resumed = opts.resume and trainer.load_checkpoint(ckpt)
-    if resumed:
-        print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
+    curve = resume(trainer, ckpt, opts.resume)  # acceptance per checkpoint
     rng = np.random.default_rng(opts.seed + trainer.step)
     order = epoch_order(len(feats), opts.epochs, opts.seed)
-    curve = HeldOutCurve(ckpt, trainer.step if resumed else None)  # acceptance per checkpoint
 
     def evaluate():
         if held and not curve.at(trainer.step):
@@ -384,8 +381,4 @@ def train(opts: DFlashOptions) -> dict:
         "final_loss": float(np.mean(losses)) if losses else None,
         "tau_estimate": float(np.mean(taus)) if taus else None,
     }
-    if held:
-        summary["held_out_conversations"] = len(held)
-        summary["held_out_curve"] = curve
-    (opts.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    return write_summary(opts.out, summary, held, curve)

@@ -49,7 +49,7 @@ from drafter_svc.eagle3.model import (
     load_head,
     save_head,
 )
-from drafter_svc.training import HeldOutCurve, epoch_order, run_steps
+from drafter_svc.training import epoch_order, resume, run_steps, write_summary
 from specd.progress import Progress
 
 NEG = -1e9
@@ -506,11 +506,8 @@ def train(opts: TrainOptions) -> dict:
     feats, held = split_held_out(feats, opts.held_out)
     trainer = Trainer(opts, loaded, feats)
     ckpt = opts.out / "checkpoint"
-    resumed = opts.resume and trainer.load_checkpoint(ckpt)
-    if resumed:
-        print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
+    curve = resume(trainer, ckpt, opts.resume)  # agreement per checkpoint
     order = epoch_order(len(feats), opts.epochs, opts.seed)
-    curve = HeldOutCurve(ckpt, trainer.step if resumed else None)  # agreement per checkpoint
 
     def evaluate():
         if held and not curve.at(trainer.step):
@@ -562,8 +559,4 @@ def train(opts: TrainOptions) -> dict:
     }  # fmt: skip
     if recent_agree:
         summary["tau_estimate"] = round(1 + _chain_estimate(summary["final_agreement_per_pass"]), 3)
-    if held:
-        summary["held_out_conversations"] = len(held)
-        summary["held_out_curve"] = curve
-    (opts.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    return write_summary(opts.out, summary, held, curve)
