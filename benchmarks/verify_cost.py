@@ -58,7 +58,8 @@ def main() -> None:
     capture = () if args.no_rows else CAPTURE
     if args.accept:
         prompt = encode_chat(target.loaded.tokenizer, [{"role": "user", "content": LONG_REPLY}])
-        reply = greedy_reply(target, prompt, (args.calls + 3) * (1 + max(args.drafts)))
+        longest = max([*args.drafts, args.profile or 0])
+        reply = greedy_reply(target, prompt, (args.calls + 3) * (1 + longest))
     else:
         prompt = [1000 + i % 500 for i in range(args.prompt_tokens)]
     # a token the target all but never chooses: the drafts are rejected

@@ -449,17 +449,11 @@ def in_process_runner(args, name: str):
 
 
 def verifier_config(args, name: str):
-    """The settings of the verifier that drafter `name`'s stack starts: its flags read by the
-    verifier's own parser (flags of the service around it, such as --log-stats, ignored)."""
-    import argparse
+    """The settings of the verifier that drafter `name`'s stack starts, read from its flags as
+    `specd serve verifier` reads them."""
+    from specd.cli import service_config
 
-    from specd.options import add_flags, flag_values
-    from verifier_svc.config import VerifierConfig
-
-    parser = argparse.ArgumentParser(add_help=False)
-    add_flags(parser, VerifierConfig)
-    flags, _ = parser.parse_known_args(bench_stack(args, name, None).verifier_flags())
-    return VerifierConfig(**flag_values(flags, VerifierConfig))
+    return service_config("verifier", bench_stack(args, name, None).verifier_flags())
 
 
 def _spec_row(question, base: Baseline, spec, spec_s: float, temperature: float) -> dict:

@@ -207,6 +207,15 @@ def _common_service_fields(args) -> dict:
     }
 
 
+def service_config(name: str, flags: list[str]):
+    """The config `specd serve NAME FLAGS` runs with: its flags, and its --config table's
+    defaults. A flag the service refuses exits as the service would."""
+    config, _ = _service_config(_parse(["serve", name, *flags]))
+    if config is None:
+        raise SystemExit(2)
+    return config
+
+
 def _service_config(args):
     """The service's config and its serve coroutine; (None, None) after printing why not."""
     if args.service == "verifier":

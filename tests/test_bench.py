@@ -383,17 +383,28 @@ def test_the_drafts_share_is_drafting_offs_time_over_the_drafters_per_question()
     assert drafts_share({"questions": []}, off) is None
 
 
-def test_the_in_process_loop_serves_the_target_as_the_stacks_verifier_does():
+def test_the_in_process_loop_serves_the_target_as_the_stacks_verifier_does(tmp_path):
     from coordinator.bench import verifier_config
     from specd.cli import build_parser
 
+    flags = (
+        f"--row-forwards on --kv-pool off --port 0 --session-idle-timeout 5 --cache-dir {tmp_path}"
+    )
     args = build_parser().parse_args(
-        ["bench", "--questions", "mt-bench", "--target", "m", "--dtype", "float32", "--gemv-rows", "0", "--verifier-args",
-         "--row-forwards on --kv-pool off --log-stats 1"]
+        ["bench", "--questions", "mt-bench", "--target", "m", "--dtype", "float32",
+         "--gemv-rows", "0", "--verifier-args", flags]
     )  # fmt: skip
     config = verifier_config(args, "eagle3-k6")
     assert (config.model, config.dtype, config.gemv_rows) == ("m", "float32", 0)
     assert (config.row_forwards, config.kv_pool) == ("on", "off")
+    assert (config.cache_dir, config.session_idle_timeout_s) == (tmp_path, 5)
     assert config.half_weights  # the verifier's default, as the service keeps them
     args = build_parser().parse_args(["bench", "--questions", "mt-bench", "--float32-weights"])
     assert not verifier_config(args, "none").half_weights
+    # a deployment file's [verifier] table counts, as it does for the service
+    deployment = tmp_path / "specd.toml"
+    deployment.write_text('[verifier]\nrow-forwards = "off"\n')
+    args = build_parser().parse_args(
+        ["bench", "--questions", "mt-bench", "--verifier-args", f"--config {deployment}"]
+    )
+    assert verifier_config(args, "none").row_forwards == "off"
