@@ -11,8 +11,9 @@
 # clients  drafting off and n-gram at 1, 16 and 64 clients beside mlx-lm batched (issue 28)
 # drafters [SECONDS [DRAFTERS [in-process]]]  model drafters (default eagle3-k6) against
 #          drafting off and plain mlx-lm, every 4th MT-bench question; a stack's start with
-#          its warm-ups takes ~70 s, so name few; in-process runs the services in one process
-#          (one GPU context: whether the split costs the verify, run Y)
+#          its warm-ups takes ~70 s, so name few; in-process also runs each question's rounds
+#          in the bench's own process, the target served with the stack's verifier settings
+#          (one GPU context beside the services' two: whether the split costs the verify)
 # verify   what a verify of 1..16 tokens costs the engine, by path: the model's own forward or
 #          row by row, keeping the drafters' hidden rows or none, drafts rejected, then every
 #          draft kept (run Y: 13 ms for 7 tokens served, against 6 ms row by row in
