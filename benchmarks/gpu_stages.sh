@@ -14,6 +14,9 @@
 #          its warm-ups takes ~70 s, so name few; in-process also runs each question's rounds
 #          in the bench's own process, the target served with the stack's verifier settings
 #          (one GPU context beside the services' two: whether the split costs the verify)
+# heads    the EAGLE-3 head's chains, trees and extends on the GPU (MLX) against the host
+#          (numpy and specd's compiled kernels), per k (issue 26: a chain must cost well under
+#          a target step)
 # verify   what a verify of 1..16 tokens costs the engine, by path: the model's own forward or
 #          row by row, keeping the drafters' hidden rows or none, drafts rejected, then every
 #          draft kept (run Y: 13 ms for 7 tokens served, against 6 ms row by row in
@@ -43,6 +46,10 @@ set -uo pipefail
 mkdir -p ~/.cache/specd ~/res
 [ -f .gpu/kernels.tgz ] && tar -xzf .gpu/kernels.tgz -C ~/.cache/specd
 nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv,noheader
+# specd's compiled kernels for this host's Python (a checkout's build is for its own Python)
+python3 -c "import specd.cpu._row_kernels" 2> /dev/null \
+  || python3 setup.py -q build_ext --inplace > "$OUT/kernels-build.log" 2>&1 \
+  || echo "specd's kernels did not build here: $OUT/kernels-build.log"
 model=$SPECD_GPU_MODEL
 # distilled replies from an earlier machine: carry its $OUT/dd.gz.* parts as .gpu/dd.gz.*
 if [ ! -s ~/dd.jsonl ] && ls .gpu/dd.gz.* > /dev/null 2>&1; then
@@ -79,6 +86,9 @@ drafters)
   bench --questions mt-bench --every 4 --drafter "${3:-eagle3-k6},none" \
     ${4:+--in-process} --time-limit "${2:-300}" --json ~/res/drafters.json \
     >> "$OUT/drafters.log" 2>&1 ;;
+heads)
+  timeout 200 python3 benchmarks/eagle3_forwards.py --target "$model" --repeats 30 \
+    > "$OUT/heads.log" 2>&1 ;;
 verify)
   for rows in "" --no-rows; do
     for path in off on; do
@@ -137,7 +147,7 @@ eagle3)
   tar -czf "$OUT/eagle3-meta.tgz" -C "$out" config.json training.json ;;
 *)
   echo "usage: bash benchmarks/gpu_stages.sh" \
-    "parity|grounded|load|clients|drafters [SECONDS [DRAFTERS [in-process]]]|verify|pool|distill [SECONDS [DTYPE]]|selfprompts [SECONDS [DTYPE]]|dflash [DATA [SECONDS [RECORDS [LAYERS]]]]|eagle3 [DATA [SECONDS [RECORDS [MLP_WIDTH [DRAFT_VOCAB [EPOCHS]]]]]]" >&2
+    "parity|grounded|load|clients|drafters [SECONDS [DRAFTERS [in-process]]]|heads|verify|pool|distill [SECONDS [DTYPE]]|selfprompts [SECONDS [DTYPE]]|dflash [DATA [SECONDS [RECORDS [LAYERS]]]]|eagle3 [DATA [SECONDS [RECORDS [MLP_WIDTH [DRAFT_VOCAB [EPOCHS]]]]]]" >&2
   exit 2 ;;
 esac
 tar -czf "$OUT/results.tgz" -C ~ res /tmp/specd-bench-* 2>/dev/null

@@ -18,13 +18,14 @@ from coordinator.config import CoordinatorConfig
 from coordinator.rounds import leading_matches
 from specd.argtypes import int_between, non_negative_int, positive_float, positive_int
 
-# --drafter names -> drafter kind; "-tree" variants draft trees, the others chains; "-mlx"
-# variants run the head in MLX (--mlx-forwards); dflash-bN drafts blocks of N; a "-serial"
-# suffix turns drafting beside decode bursts off; a "-burstN" suffix (before -serial) decodes up to
-# N tokens a call when no drafts are wanted; any name but none ending in -kN drafts k = N every
-# round
+# --drafter names -> drafter kind; "-tree" variants draft trees, the others chains; "-mlx" and
+# "-host" variants run the head in MLX or on the host (--head-forwards); dflash-bN drafts blocks
+# of N; a "-serial" suffix turns drafting beside decode bursts off; a "-burstN" suffix (before
+# -serial) decodes up to N tokens a call when no drafts are wanted; any name but none ending in
+# -kN drafts k = N every round
 BENCH_DRAFTERS = {"ngram": "ngram", "eagle3": "eagle3", "eagle3-tree": "eagle3",
                   "eagle3-mlx": "eagle3", "eagle3-tree-mlx": "eagle3",
+                  "eagle3-host": "eagle3", "eagle3-tree-host": "eagle3",
                   "dflash": "dflash", "none": None}  # fmt: skip
 
 
@@ -86,8 +87,9 @@ def add_bench_args(p) -> None:
     p.add_argument(
         "--drafter",
         default="ngram",
-        help="comma-separated: ngram, eagle3 (chains), eagle3-tree, eagle3-mlx and "
-        "eagle3-tree-mlx (the head in MLX: --mlx-forwards), dflash, dflash-bN (blocks of N), "
+        help="comma-separated: ngram, eagle3 (chains), eagle3-tree, a -mlx or -host suffix "
+        "to either (the head's forwards in MLX or on the host: --head-forwards), dflash, "
+        "dflash-bN (blocks of N), "
         "none (the services without drafting: what the split costs); a -serial suffix "
         "(ngram-serial) makes every draft call before its verify (--no-draft-beside-decode); "
         "a -burstN suffix before it (none-burst16) sets that stack's --decode-burst; "
@@ -368,7 +370,7 @@ def _variant_options(args, name: str) -> dict:
         "tree_depth": args.tree_depth if tree else None,
         "tree_top_k": args.tree_top_k if tree else None,
         "block_size": int(name[len("dflash-b") :]) if name.startswith("dflash-b") else None,
-        "mlx_forwards": True if name.endswith("-mlx") else None,
+        "head_forwards": name.rpartition("-")[2] if name.endswith(("-mlx", "-host")) else None,
     }
 
 
@@ -380,7 +382,7 @@ _KIND_OPTIONS = {
         "tree_total_tokens",
         "tree_depth",
         "tree_top_k",
-        "mlx_forwards",
+        "head_forwards",
     ),  # fmt: skip
     "dflash": ("weights", "block_size"),
 }

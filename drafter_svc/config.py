@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from drafter_svc.dflash.proposer import DFlashOptions
-from drafter_svc.eagle3.proposer import Eagle3Options
+from drafter_svc.eagle3.proposer import HEAD_FORWARDS, Eagle3Options
 from drafter_svc.ngram import NgramConfig
 from specd.argtypes import non_negative_int
 from specd.options import option
@@ -64,7 +64,7 @@ def drafter_options(
     tree_top_k: int | None = None,
     block_size: int | None = None,
     draft_vocab: int | None = None,
-    mlx_forwards: bool | None = None,
+    head_forwards: str | None = None,
 ) -> dict:
     """The kind-specific parts of a DrafterConfig from command-line style options (None: the
     default); ValueError names the bad option."""
@@ -84,8 +84,10 @@ def drafter_options(
             setattr(ngram, name, value)
     if not 1 <= ngram.min_n <= ngram.max_n:
         raise ValueError("need 1 <= --ngram-min-n <= --ngram-max-n")
+    if head_forwards is not None and head_forwards not in HEAD_FORWARDS:
+        raise ValueError(f"--head-forwards must be one of {', '.join(HEAD_FORWARDS)}")
     eagle3 = Eagle3Options(
-        weights=weights, num_draft_tokens=num_draft_tokens or 0, cpu_forwards=not mlx_forwards
+        weights=weights, num_draft_tokens=num_draft_tokens or 0, forwards=head_forwards or "auto"
     )
     shape = (tree_total_tokens, tree_depth, tree_top_k)
     if any(v is not None and v < 0 for v in shape):

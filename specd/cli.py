@@ -49,7 +49,7 @@ KIND_ONLY_FLAGS = {  # drafter flags that mean something to some kinds only: ref
     "tree_top_k": ("eagle3",),
     "block_size": ("dflash",),
     "draft_vocab": ("dflash",),
-    "mlx_forwards": ("eagle3",),
+    "head_forwards": ("eagle3",),
 }
 
 
@@ -147,11 +147,11 @@ def _add_serve(sub) -> None:
         help="eagle3: draft trees of this many tokens by default (0: chains)",
     )
     d.add_argument(
-        "--mlx-forwards",
-        action="store_true",
-        default=None,
-        help="eagle3: run the head's chain forwards in MLX on a CPU too (default there: numpy "
-        "and the compiled kernels, several times faster; docs/history)",
+        "--head-forwards",
+        choices=("auto", "host", "mlx"),  # drafter_svc.eagle3.proposer.HEAD_FORWARDS
+        help="eagle3: where the head's forwards of a few rows run: host = numpy and the "
+        "compiled kernels on the CPU, mlx = MLX on its device; auto (default) = host where the "
+        "kernels are built (docs/options.md)",
     )
     d.add_argument("--tree-depth", type=int_between(1), help="eagle3: deepest tree path")
     d.add_argument(
@@ -241,7 +241,7 @@ def _service_config(args):
             options = drafter_options(
                 args.kind, args.num_draft_tokens, args.ngram_min_n, args.ngram_max_n,
                 args.weights, args.tree_total_tokens, args.tree_depth, args.tree_top_k,
-                args.block_size, args.draft_vocab, args.mlx_forwards,
+                args.block_size, args.draft_vocab, args.head_forwards,
             )  # fmt: skip
         except ValueError as exc:
             print(f"specd: {exc}", file=sys.stderr)

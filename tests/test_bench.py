@@ -184,7 +184,8 @@ def test_burst_variant_names_set_their_stacks_decode_burst():
     assert not _known("none-burst16-k2") and not _known("none-burst0") and not _known("ngram-burst")
 
 
-def test_mlx_variants_pass_the_switch_to_their_drafter():
+@pytest.mark.parametrize("where", ["mlx", "host"])
+def test_head_forwards_variants_pass_the_choice_to_their_drafter(where):
     from argparse import ArgumentParser
 
     from coordinator.bench import _drafter_args, add_bench_args, bench_kind
@@ -192,13 +193,13 @@ def test_mlx_variants_pass_the_switch_to_their_drafter():
     p = ArgumentParser()
     add_bench_args(p)
     args = p.parse_args(["--questions", "mt-bench"])
-    assert bench_kind("eagle3-tree-mlx") == "eagle3"
-    assert "--mlx-forwards" in _drafter_args(args, "eagle3-mlx")
-    tree_mlx = _drafter_args(args, "eagle3-tree-mlx")
-    assert (
-        "--mlx-forwards" in tree_mlx and tree_mlx[tree_mlx.index("--tree-total-tokens") + 1] != "0"
-    )
-    assert "--mlx-forwards" not in _drafter_args(args, "eagle3")
+    assert bench_kind(f"eagle3-tree-{where}-k4") == "eagle3"
+    chain = _drafter_args(args, f"eagle3-{where}-k6")
+    assert chain[chain.index("--head-forwards") + 1] == where
+    tree = _drafter_args(args, f"eagle3-tree-{where}")
+    assert tree[tree.index("--head-forwards") + 1] == where
+    assert tree[tree.index("--tree-total-tokens") + 1] != "0"
+    assert "--head-forwards" not in _drafter_args(args, "eagle3")
 
 
 def test_a_difference_is_explained_by_the_logits_and_their_rounding(tiny_model_dir):

@@ -15,6 +15,9 @@ from drafter_svc.proposal import Proposal, TreeShape, joined_rows
 
 # heads this package ships, each found by the target its config.json says it was made for
 SHIPPED_DIR = Path(__file__).resolve().parent / "heads"
+# where the head's forwards of a few rows run: numpy and specd's compiled kernels on the CPU, or
+# MLX on its device; auto: the host where the kernels are built
+HEAD_FORWARDS = ("auto", "host", "mlx")
 
 
 def head_config(directory: Path):
@@ -29,7 +32,7 @@ class Eagle3Options:
     num_draft_tokens: int = 0  # chain length; 0: from the head's config or 6
     max_draft_tokens: int = 16
     tree: TreeShape | None = None  # default shape; None: from the head's config; total 0: chain
-    cpu_forwards: bool = True  # chains on numpy and the compiled kernels where they can run
+    forwards: str = "auto"  # HEAD_FORWARDS: where the head's forwards of a few rows run
     extra: dict = field(default_factory=dict)
 
 
@@ -101,9 +104,12 @@ def load_eagle3(options: Eagle3Options, target_dir: Path, target_identity) -> Ea
     embedding = embedding.astype(mx.float32) if embedding is not None else target_embedding(
         target_dir)  # fmt: skip
     from drafter_svc.eagle3.cpu_head import CpuHead  # mlx-lm: not for drafters of other kinds
-    from specd.models.load import device_kind
 
-    # on a GPU MLX's own forwards are the fast ones
-    on_cpu = options.cpu_forwards and device_kind() == "cpu"
-    cpu_head = CpuHead.attach(head, embedding) if on_cpu else None
+    cpu_head = None if options.forwards == "mlx" else CpuHead.attach(head, embedding)
+    if cpu_head is None and options.forwards == "host":
+        raise ValueError(
+            "--head-forwards host: this head cannot run on the host here (specd's compiled "
+            "kernels are not built, or the head's size or RoPE is one they do not take); "
+            "use auto or mlx"
+        )
     return Eagle3Proposer(Eagle3Drafter(head, embedding, cpu_head), options, str(weights))
