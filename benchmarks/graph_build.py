@@ -20,6 +20,7 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from drafter_svc.eagle3.model import default_capture_layers
 from specd.models import rowwise
 from specd.models.capture import install_capture, install_tree_positions
 from specd.models.load import load_target
@@ -34,10 +35,10 @@ def plain_step(model):
     return step
 
 
-def served_step(target: Target):
+def served_step(target: Target, capture: tuple[int, ...] = ()):
     def step(token, cache):
-        logits, _ = target.forward(token, cache)
-        return _greedy_next(logits)
+        logits, rows = target.forward(token, cache, capture)
+        return _greedy_next(logits) if rows is None else (_greedy_next(logits), rows)
 
     return step
 
@@ -50,10 +51,10 @@ def build_ms(step, model, context: int, steps: int) -> float:
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        nxt = step(token, cache)
+        out = step(token, cache)
         times.append(time.perf_counter() - start)
-        mx.eval(nxt)
-        token = nxt
+        mx.eval(out)
+        token = out[0] if isinstance(out, tuple) else out
     return 1000 * statistics.median(times)
 
 
@@ -67,6 +68,7 @@ def variants(target_dir, dtype) -> dict:
         return plain_step(model), model
 
     served = Target(load_target(target_dir, dtype), gemv_rows=0, row_forwards=True)
+    capture = default_capture_layers(len(served.model.layers))  # what an EAGLE-3 drafter reads
     served.supports_trees(served.new_cache())  # as after a first tree verify
     return {
         "mlx-lm's model": wrapped(),
@@ -74,6 +76,7 @@ def variants(target_dir, dtype) -> dict:
         "row-by-row wrappers": wrapped(rowwise.install),
         "capture + tree RoPE": wrapped(lambda m: install_tree_positions(m, install_capture(m))),
         "as served (MLX forwards)": (served_step(served), served.model),
+        "as served, EAGLE-3's rows kept": (served_step(served, capture), served.model),
     }
 
 

@@ -110,8 +110,9 @@ def test_a_prefill_longer_than_max_rows_takes_the_models_own_attention(targets, 
 
 
 def test_decode_steps_run_the_models_own_modules_and_wrappers_come_back(targets):
-    """A one-token forward that keeps no rows runs unwrapped (no wrapper's Python call on a
-    launch-bound GPU); the next forward that needs them has every wrapper back."""
+    """A one-token forward runs unwrapped (no wrapper's Python call on a launch-bound GPU) but
+    for the capture of the layers it keeps; the next forward of several tokens has every
+    wrapper back."""
     from specd.models.capture import Bypass
 
     own, served = targets
@@ -132,6 +133,11 @@ def test_decode_steps_run_the_models_own_modules_and_wrappers_come_back(targets)
     assert wrappers() == 0 and rows is None
     assert mx.allclose(got, want, rtol=1e-5, atol=1e-4).item()
     want, want_rows = own.forward(step, caches[0], (0, 1))
-    got, rows = served.forward(step, caches[1], (0, 1))  # capture: wrapped again
+    got, rows = served.forward(step, caches[1], (0, 1))  # the two layers' capture only
+    assert wrappers() == 2
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-4).item()
+    assert mx.allclose(rows, want_rows, rtol=1e-5, atol=1e-4).item()
+    want, want_rows = own.forward(mx.array([17, 23]), caches[0], (0, 1))
+    got, rows = served.forward(mx.array([17, 23]), caches[1], (0, 1))
     assert wrappers() == installed
     assert mx.allclose(rows, want_rows, rtol=1e-5, atol=1e-4).item()

@@ -65,8 +65,8 @@ class MlxForward:
         return True
 
     def __call__(self, token_ids, cache, capture, tree=None):
-        # a decode step that keeps no rows runs the model's own modules, unwrapped
-        self.bypass.set(token_ids.size == 1 and not capture and tree is None)
+        # a decode step runs the model's own modules, wrapped only where it keeps rows
+        self.bypass.set(token_ids.size == 1 and tree is None, frozenset(capture))
         sink = self.sink
         if tree is not None:
             sees = tree.sees()

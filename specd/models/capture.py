@@ -102,27 +102,34 @@ def install_tree_positions(model: nn.Module, sink: CaptureSink) -> bool:
 
 
 class Bypass:
-    """Takes every wrapper (capture, tree RoPE, row-by-row) out of a model's forward and puts
-    them back. A one-token forward that keeps no layer output and verifies no tree needs none
-    of them, and on a launch-bound GPU their Python calls (about ten a layer) are host time
-    each decode step waits for (benchmarks/graph_build.py). The switch is sticky, so a run of
-    decode steps pays it once; wrappers are installed only with them in (`wrapped`)."""
+    """Takes the wrappers (capture, tree RoPE, row-by-row) out of a model's forward and puts
+    them back. A one-token forward that verifies no tree needs none of them but the capture of
+    the layers it keeps, and on a launch-bound GPU their Python calls (about ten a layer) are
+    host time each decode step waits for (benchmarks/graph_build.py). The switch is sticky, so
+    a run of decode steps pays it once; wrappers are installed only with them in (`wrapped`)."""
 
     WRAPPERS = (CapturingLayer, GroupedRoPE, RowLinear, ChunkedAttention)
 
     def __init__(self, model: nn.Module):
         self._model = model
         self._slots: list | None = None  # (parent, key, wrapper); found at the first switch
-        self.bare = False
+        self._state: tuple[bool, frozenset[int]] = (False, frozenset())
 
-    def set(self, bare: bool) -> None:
-        if bare == self.bare:
+    @property
+    def bare(self) -> bool:
+        return self._state[0]
+
+    def set(self, bare: bool, keep: frozenset[int] = frozenset()) -> None:
+        """bare: every wrapper out but the capture of the layers in `keep`; else all in."""
+        state = (bare, keep if bare else frozenset())
+        if state == self._state:
             return
         if self._slots is None:
             self._slots = self._find()
         for parent, key, wrapper in self._slots:
-            parent[key] = wrapper.inner if bare else wrapper
-        self.bare = bare
+            stays = not bare or (isinstance(wrapper, CapturingLayer) and wrapper._index in keep)
+            parent[key] = wrapper if stays else wrapper.inner
+        self._state = state
 
     def wrapped(self) -> None:
         """Put the wrappers back, for a caller about to install more (found again later)."""
