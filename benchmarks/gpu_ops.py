@@ -4,8 +4,10 @@ Times chains of dependent operations at the embedded model's sizes (hidden 576, 
 heads over 3 KV heads of 64, a 512-token cache) for T = 1, 2, 4, 8, 16 rows: weight products as
 MLX picks the kernel (`x @ W.T`), the same rows as a batch of one-row products
 (`x[:, None] @ W.T`), 4-bit products (`quantized_matmul`, both ways), and attention through
-`mx.fast.scaled_dot_product_attention` (causal for T > 1) against the same written out. Prints
-microseconds per operation, the median of several chains.
+`mx.fast.scaled_dot_product_attention` (causal for T > 1) against the same written out, and on
+CUDA specd's few-row kernel (specd.models.few_rows). Prints microseconds per operation, the
+median of several chains; then, on CUDA, whether the few-row kernel's rows equal one-row
+products bit for bit at the embedded model's product shapes (the logits' included).
 
     python benchmarks/gpu_ops.py [--dtype float32] [--rows 1 2 4 8 16] [--json OUT]
 """
@@ -19,7 +21,12 @@ import time
 
 import mlx.core as mx
 
+from specd.models import few_rows
+
 HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM, CONTEXT = 576, 1536, 9, 3, 64, 512
+VOCAB = 49152
+# (in, out) of the embedded model's products: q/o, k/v, gate/up, down, logits
+SHAPES = ((HIDDEN, HIDDEN), (HIDDEN, 192), (HIDDEN, MLP), (MLP, HIDDEN), (HIDDEN, VOCAB))
 
 
 def _per_op_us(step, x, links: int = 30, repeats: int = 15) -> float:
@@ -56,11 +63,32 @@ def products(dtype, rows: int) -> dict:
     def quantized_one_row_each(v):
         return quantized(v[:, None])[:, 0]
 
-    return {
-        name: _per_op_us(fn, x) / 2  # two products a link
-        for name, fn in (("matmul", plain), ("matmul_rowwise", one_row_each),
-                         ("qmm", quantized), ("qmm_rowwise", quantized_one_row_each))
-    }  # fmt: skip
+    def few(v):
+        return few_rows.product(few_rows.product(v, up), down)
+
+    variants = [("matmul", plain), ("matmul_rowwise", one_row_each),
+                ("qmm", quantized), ("qmm_rowwise", quantized_one_row_each)]  # fmt: skip
+    if few_rows.runs_here() and few_rows.fits(rows, x, up):
+        variants.append(("few_rows", few))
+    return {name: _per_op_us(fn, x) / 2 for name, fn in variants}  # two products a link
+
+
+def few_rows_exact(dtype, rows: int) -> tuple[int, int, float]:
+    """(rows equal bit for bit to one-row products, rows compared, max |difference|) over
+    SHAPES, for `rows` rows of the few-row kernel."""
+    equal = compared = 0
+    worst = 0.0
+    for cols, outputs in SHAPES:
+        weight = mx.random.normal((outputs, cols)).astype(dtype) * 0.02
+        x = mx.random.normal((rows, cols)).astype(dtype)
+        few = few_rows.product(x, weight)
+        alone = mx.concatenate([x[t : t + 1] @ weight.T for t in range(rows)])
+        mx.eval(few, alone)
+        same = mx.all(few == alone, axis=-1)
+        equal += int(mx.sum(same).item())
+        compared += rows
+        worst = max(worst, float(mx.max(mx.abs(few - alone)).item()))
+    return equal, compared, worst
 
 
 def attention(dtype, rows: int) -> dict:
@@ -100,6 +128,13 @@ def main() -> None:
             f"{args.dtype} T={rows:>2}: "
             + "  ".join(f"{k} {v:7.1f} us" for k, v in table[rows].items())
         )
+    if few_rows.runs_here():
+        for rows in args.rows:
+            if rows > 1:
+                equal, compared, worst = few_rows_exact(dtype, rows)
+                table[rows]["few_rows_equal_rows"] = [equal, compared]
+                print(f"few-row kernel T={rows:>2}: {equal}/{compared} rows equal to one-row "
+                      f"products bit for bit, max |difference| {worst:.3g}")  # fmt: skip
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"device": str(mx.default_device()), "dtype": args.dtype, "us": table}, f)

@@ -17,6 +17,10 @@
 # heads    the EAGLE-3 head's chains, trees and extends on the GPU (MLX) against the host
 #          (numpy and specd's compiled kernels), per k (issue 26: a chain must cost well under
 #          a target step)
+# rows     the few-row product kernel against MLX's products (gpu_ops.py: cost per op, rows
+#          equal to one-row products bit for bit), then forwards of N tokens against N decode
+#          steps, the model's own and row by row, at 512, 1020 and 2048 tokens of context
+#          (gpu_forwards.py: cost, max |dlogit|)
 # verify   what a verify of 1..16 tokens costs the engine, by path: the model's own forward or
 #          row by row, keeping the drafters' hidden rows or none, drafts rejected, then every
 #          draft kept (run Y: 13 ms for 7 tokens served, against 6 ms row by row in
@@ -89,6 +93,11 @@ drafters)
 heads)
   timeout 200 python3 benchmarks/eagle3_forwards.py --target "$model" --repeats 30 \
     > "$OUT/heads.log" 2>&1 ;;
+rows)
+  timeout 120 python3 benchmarks/gpu_ops.py --dtype float32 --rows 1 2 3 4 7 8 16 \
+    > "$OUT/rows.log" 2>&1
+  timeout 300 python3 benchmarks/gpu_forwards.py --model "$model" --dtypes float32 \
+    --contexts 512 1020 2048 --tokens 1 2 3 4 7 8 16 --repeats 15 >> "$OUT/rows.log" 2>&1 ;;
 verify)
   for rows in "" --no-rows; do
     for path in off on; do

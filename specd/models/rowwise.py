@@ -4,12 +4,14 @@ On MLX's CUDA backend a product with one input row runs as a matrix-vector kerne
 or more rows go to cuBLAS, about 2.5x the time at a small model's sizes; and attention runs
 fused for at most three query rows, unfused (about 5x) beyond. So a verify of k+1 tokens
 costs about two decode steps (docs/gpu.md, benchmarks/gpu_ops.py). Here each weight product of
-a few rows runs as a batch of matrix-vector products, the weight broadcast over the batch
-(read once per row from cache), and attention in causal chunks of three query rows: each row
-is computed by the kernels a decode step uses.
+a few rows, the logits' included, runs on CUDA as one kernel that sums every row as the
+matrix-vector kernel does (specd.models.few_rows; elsewhere as a batch of matrix-vector
+products, the weight broadcast over the batch), and attention runs in causal chunks of at most
+three query rows that MLX's one-row kernel covers: each row is computed as a decode step
+computes it.
 
-For Llama-family mlx-lm models with plain (unquantized) weights; the logits projection and
-anything else keep mlx-lm's own code.
+For Llama-family mlx-lm models with plain (unquantized) weights; anything else keeps mlx-lm's
+own code.
 """
 
 from __future__ import annotations
@@ -17,8 +19,13 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-DEFAULT_MAX_ROWS = 16  # past this a matrix product (weights read once) wins
+from specd.models import few_rows
+
+DEFAULT_MAX_ROWS = few_rows.MAX_ROWS  # past this a matrix product (weights read once) wins
 FUSED_QUERY_ROWS = 3  # MLX's CUDA attention fuses fewer than four query rows
+# MLX's one-row attention kernel splits its keys another way past this many: a chunk never
+# holds rows from both sides, so each row is summed as its decode step sums it
+TWO_PASS_KEYS = 1024
 LINEARS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
     "mlp": ("gate_proj", "up_proj", "down_proj"),
@@ -29,29 +36,52 @@ class RowLinear(nn.Module):
     """A Linear whose input of 2..max_rows rows is multiplied one row at a time, in one
     batched matrix-vector product."""
 
-    def __init__(self, inner: nn.Linear, max_rows: int):
+    def __init__(self, inner: nn.Linear, max_rows: int, cuda_only: bool = False):
         super().__init__()
         self.inner = inner
         self._max_rows = max_rows
+        self._cuda_only = cuda_only  # elsewhere the model's own product
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1]
-        if not 1 < rows <= self._max_rows:
+        if not 1 < rows <= self._max_rows or (self._cuda_only and not few_rows.runs_here()):
             return self.inner(x)
-        weight = self.inner.weight  # [out, in]
-        columns = x.reshape(rows, x.shape[-1], 1)
-        out = mx.matmul(mx.broadcast_to(weight, (rows, *weight.shape)), columns)
-        out = out.reshape(*x.shape[:-1], weight.shape[0])
+        out = _few_rows_product(x, self.inner.weight, rows)
         if "bias" in self.inner:
             out = out + self.inner.bias
         return out
 
 
+class RowEmbedding(nn.Embedding):
+    """A tied embedding whose logits projection of 2..max_rows rows runs on CUDA as RowLinear's
+    products do (elsewhere as the model's own)."""
+
+    def __init__(self, inner: nn.Embedding, max_rows: int):
+        nn.Module.__init__(self)
+        self.weight = inner.weight
+        self._max_rows = max_rows
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        rows = x.size // x.shape[-1]
+        if not 1 < rows <= self._max_rows or not few_rows.runs_here():
+            return super().as_linear(x)
+        return _few_rows_product(x, self.weight, rows)
+
+
+def _few_rows_product(x: mx.array, weight: mx.array, rows: int) -> mx.array:
+    """x [..., in] times weight [out, in] transposed, for 2..max_rows rows."""
+    if few_rows.runs_here() and few_rows.fits(rows, x, weight):
+        return few_rows.product(x, weight)
+    columns = x.reshape(rows, x.shape[-1], 1)
+    out = mx.matmul(mx.broadcast_to(weight, (rows, *weight.shape)), columns)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
 class ChunkedAttention(nn.Module):
-    """mlx-lm's Llama attention, with 4..max_rows query rows under a causal mask attended in
-    chunks small enough for the fused kernel. Array masks (draft trees) and longer inputs (a
-    prefill: hundreds of chunks would cost several times the unfused kernel) take the model's
-    own path."""
+    """mlx-lm's Llama attention, with 2..max_rows query rows under a causal mask attended in
+    chunks the fused one-row kernel takes (`chunk_bounds`). Array masks (draft trees) and
+    longer inputs (a prefill: hundreds of chunks would cost several times the unfused kernel)
+    take the model's own path."""
 
     def __init__(self, inner: nn.Module, max_rows: int):
         super().__init__()
@@ -75,7 +105,7 @@ class ChunkedAttention(nn.Module):
 
     def chunks(self, rows: int) -> bool:
         """Whether `rows` query rows are attended in chunks (else the model's own call)."""
-        return FUSED_QUERY_ROWS < rows <= self._max_rows
+        return 1 < rows <= self._max_rows
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, rows: int) -> mx.array:
         """Causal attention of the last `rows` positions [1, heads, rows, D] to the cache's
@@ -83,8 +113,7 @@ class ChunkedAttention(nn.Module):
         scale = self.inner.scale
         base = keys.shape[2] - rows
         parts = []
-        for start in range(0, rows, FUSED_QUERY_ROWS):
-            stop = min(start + FUSED_QUERY_ROWS, rows)
+        for start, stop in chunk_bounds(base, rows):
             # "causal" aligns the chunk's last query with the last key given
             parts.append(
                 mx.fast.scaled_dot_product_attention(
@@ -95,7 +124,22 @@ class ChunkedAttention(nn.Module):
                     mask="causal",
                 )
             )
-        return mx.concatenate(parts, axis=2)
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
+def chunk_bounds(base: int, rows: int) -> list[tuple[int, int]]:
+    """Chunks [start, stop) of at most FUSED_QUERY_ROWS of the `rows` queries after `base`
+    cached tokens (query r sees base + r + 1 keys), none holding queries that see at most
+    TWO_PASS_KEYS keys beside ones that see more."""
+    split = TWO_PASS_KEYS - base  # the first query seeing more keys than that
+    bounds, start = [], 0
+    while start < rows:
+        stop = min(start + FUSED_QUERY_ROWS, rows)
+        if start < split < stop:
+            stop = split
+        bounds.append((start, stop))
+        start = stop
+    return bounds
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
@@ -132,4 +176,17 @@ def install(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> bool:
                     setattr(module, name, RowLinear(linear, max_rows))
         if not isinstance(layer.self_attn, ChunkedAttention):
             layer.self_attn = ChunkedAttention(layer.self_attn, max_rows)
+    _install_logits(model, max_rows)
     return True
+
+
+def _install_logits(model: nn.Module, max_rows: int) -> None:
+    """The logits projection of a few rows as the decoder's products (mlx-lm's Model: a tied
+    embedding's `as_linear`, or a plain `lm_head`)."""
+    inner = getattr(model, "model", None)
+    embedding = getattr(inner, "embed_tokens", None)
+    if type(embedding) is nn.Embedding:
+        inner.embed_tokens = RowEmbedding(embedding, max_rows)
+    head = getattr(model, "lm_head", None)
+    if type(head) is nn.Linear:
+        model.lm_head = RowLinear(head, max_rows, cuda_only=True)

@@ -1,0 +1,148 @@
+"""Weight products of a few rows on MLX's CUDA backend, each row summed exactly as a decode
+step's matrix-vector kernel sums it.
+
+MLX multiplies one row by a weight with its own matrix-vector kernel (~10 us at a small
+model's sizes, launch-bound) and two or more rows with cuBLAS (~26 us), whose sums also run in
+another order. Here one kernel takes 2..MAX_ROWS rows: a warp per output column, each lane
+summing the same columns in the same order as MLX's kernel (`gemv_impl` in
+mlx/backend/cuda/gemms/gemv.cu: lane j takes `per_lane` columns from `per_lane * j`, strides of
+32 * per_lane, then a warp reduction), for every row at once. A verify of k+1 tokens then costs
+about one decode step's products, and each of its rows is the number a decode step computes
+(benchmarks/few_rows_check.py checks both on a GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 16
+_WARPS_PER_BLOCK = 8
+
+_HEADER = "#include <cooperative_groups/reduce.h>\n"
+
+# x: [rows, K], w: [N, K] -> out: [rows, N]; T (dtype) and PER_LANE (1, 2 or 4) are template
+# arguments, MAX_ROWS a constant so the row sums stay in registers
+_SOURCE = f"""
+    constexpr int MAX_ROWS = {MAX_ROWS};
+    const int rows = x_shape[0];
+    const int cols = w_shape[1];
+    const int outputs = w_shape[0];
+    auto block = cg::this_thread_block();
+    auto warp = cg::tiled_partition<32>(block);
+    const int n = blockIdx.y * {_WARPS_PER_BLOCK} + threadIdx.y;
+    if (n >= outputs) {{
+        return;  // a whole warp: n is the same across its lanes
+    }}
+    float sums[MAX_ROWS];
+    #pragma unroll
+    for (int t = 0; t < MAX_ROWS; ++t) {{
+        sums[t] = 0.0f;
+    }}
+    const T* weight_row = w + static_cast<int64_t>(n) * cols;
+    for (int col = PER_LANE * warp.thread_rank(); col < cols; col += 32 * PER_LANE) {{
+        float weights[PER_LANE];
+        #pragma unroll
+        for (int j = 0; j < PER_LANE; ++j) {{
+            weights[j] = static_cast<float>(weight_row[col + j]);
+        }}
+        #pragma unroll
+        for (int t = 0; t < MAX_ROWS; ++t) {{
+            if (t < rows) {{
+                const T* x_row = x + static_cast<int64_t>(t) * cols + col;
+                #pragma unroll
+                for (int j = 0; j < PER_LANE; ++j) {{
+                    sums[t] += weights[j] * static_cast<float>(x_row[j]);
+                }}
+            }}
+        }}
+    }}
+    #pragma unroll
+    for (int t = 0; t < MAX_ROWS; ++t) {{
+        if (t < rows) {{
+            float total = cg::reduce(warp, sums[t], cg::plus<float>());
+            if (warp.thread_rank() == 0) {{
+                out[static_cast<int64_t>(t) * outputs + n] = static_cast<T>(total);
+            }}
+        }}
+    }}
+"""
+
+_kernel = None
+_works: bool | None = None  # the first use's check on this device
+
+
+def runs_here() -> bool:
+    """Whether the kernel runs here: the default device is a CUDA GPU (the kernel exists
+    nowhere else) and the kernel built and matched MLX's products at its first use."""
+    global _works
+    cuda = getattr(mx, "cuda", None)
+    if not (cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu):
+        return False
+    if _works is None:
+        _works = _first_use_check()
+    return _works
+
+
+def _first_use_check() -> bool:
+    """Build the kernel and compare a small product with MLX's; on any failure the products
+    stay MLX's, with the reason logged once."""
+    try:
+        weight = mx.random.normal((40, 192), key=mx.random.key(0))
+        x = mx.random.normal((3, 192), key=mx.random.key(1))
+        got, want = product(x, weight), x @ weight.T
+        mx.eval(got, want)
+        if mx.allclose(got, want, rtol=1e-5, atol=1e-5).item():
+            return True
+        log.warning("few-row products disagree with MLX's here; using MLX's own")
+    except Exception as error:  # a kernel that does not build must not stop the verifier
+        log.warning("few-row products unavailable here (%s); using MLX's own", error)
+    return False
+
+
+def per_lane(cols: int) -> int:
+    """The columns a lane reads at once, as MLX's matrix-vector kernel picks them (its inputs
+    are aligned here: whole rows of freshly allocated arrays)."""
+    if cols % 128 == 0:
+        return 4
+    if cols % 64 == 0:
+        return 2
+    return 1
+
+
+def fits(rows: int, x: mx.array, weight: mx.array) -> bool:
+    return (
+        1 < rows <= MAX_ROWS
+        and weight.ndim == 2
+        and x.dtype == weight.dtype
+        and weight.dtype in (mx.float32, mx.float16, mx.bfloat16)
+    )
+
+
+def product(x: mx.array, weight: mx.array) -> mx.array:
+    """x [..., K] (2..MAX_ROWS rows in all) times weight [N, K] transposed: [..., N]."""
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="specd_few_rows",
+            input_names=["x", "w"],
+            output_names=["out"],
+            source=_SOURCE,
+            header=_HEADER,
+        )
+    cols = x.shape[-1]
+    rows = x.size // cols
+    outputs = weight.shape[0]
+    blocks = -(-outputs // _WARPS_PER_BLOCK)
+    (out,) = _kernel(
+        inputs=[x.reshape(rows, cols), weight],
+        template=[("T", weight.dtype), ("PER_LANE", per_lane(cols))],
+        grid=(32, blocks * _WARPS_PER_BLOCK, 1),
+        threadgroup=(32, _WARPS_PER_BLOCK, 1),
+        output_shapes=[(rows, outputs)],
+        output_dtypes=[weight.dtype],
+    )
+    return out.reshape(*x.shape[:-1], outputs)

@@ -1,0 +1,103 @@
+"""The few-row products (specd.models.few_rows) and where rowwise forwards send them.
+
+The kernel itself runs only on MLX's CUDA backend (benchmarks/gpu_ops.py checks its rows bit
+for bit against one-row products there); here: which products reach it, its launch shape, and
+the attention chunks that keep each row on the kernel its decode step uses."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from test_engine import PROMPT
+from test_rowwise import targets  # noqa: F401  (fixture)
+
+from specd.models import few_rows, rowwise
+from specd.models.load import load_target
+
+
+@pytest.mark.parametrize("base", [0, 5, 1000, 1013, 1020, 1021, 1022, 1023, 1024, 1025, 3000])
+@pytest.mark.parametrize("rows", range(2, rowwise.DEFAULT_MAX_ROWS + 1))
+def test_attention_chunks_never_mix_the_one_and_two_pass_kernels(base, rows):
+    bounds = rowwise.chunk_bounds(base, rows)
+    assert bounds[0][0] == 0 and bounds[-1][1] == rows
+    for (_, stop), (start, _) in zip(bounds, bounds[1:], strict=False):
+        assert stop == start
+    for start, stop in bounds:
+        assert 0 < stop - start <= rowwise.FUSED_QUERY_ROWS
+        # query r sees base + r + 1 keys; the chunk's call sees base + stop
+        first_side = base + start + 1 <= rowwise.TWO_PASS_KEYS
+        assert first_side == (base + stop <= rowwise.TWO_PASS_KEYS), (start, stop)
+
+
+def test_lanes_read_columns_as_mlx_matrix_vector_kernel_does():
+    assert [few_rows.per_lane(c) for c in (576, 1536, 192, 100, 64, 128)] == [2, 4, 2, 1, 2, 4]
+
+
+def test_fits_only_a_few_rows_of_float_weights():
+    w = mx.zeros((8, 64))
+    assert few_rows.fits(2, mx.zeros((2, 64)), w)
+    assert few_rows.fits(few_rows.MAX_ROWS, mx.zeros((few_rows.MAX_ROWS, 64)), w)
+    assert not few_rows.fits(1, mx.zeros((1, 64)), w)
+    assert not few_rows.fits(few_rows.MAX_ROWS + 1, mx.zeros((few_rows.MAX_ROWS + 1, 64)), w)
+    assert not few_rows.fits(2, mx.zeros((2, 64), dtype=mx.float16), w)
+    assert not few_rows.fits(2, mx.zeros((2, 64), dtype=mx.int32), mx.zeros((8, 64), mx.int32))
+
+
+def test_not_on_a_cpu():
+    assert not few_rows.runs_here()
+
+
+def test_a_verify_sends_every_product_and_its_logits_to_the_kernel_where_it_runs(
+    targets,  # noqa: F811
+    monkeypatch,
+):
+    """With the kernel there (stood in for by the product it computes), a forward of n tokens
+    sends each layer's seven products and the logits projection through it, one call each,
+    and a decode step none."""
+    own, served = targets
+    calls = []
+
+    def standing_in(x, weight):
+        calls.append((x.size // x.shape[-1], tuple(weight.shape)))
+        return x @ weight.T
+
+    monkeypatch.setattr(few_rows, "runs_here", lambda: True)
+    monkeypatch.setattr(few_rows, "product", standing_in)
+    layers = len(served.model.layers)
+    vocab = served.model.model.embed_tokens.weight.shape[0]
+    block = mx.array([(7 * i + 5) % 90 + 3 for i in range(5)])
+    results = []
+    for target in (own, served):
+        cache = target.new_cache()
+        target.forward(mx.array(PROMPT), cache)
+        calls.clear()
+        results.append(target.forward(block, cache)[0])
+        mx.eval(results[-1])
+    assert len(calls) == 7 * layers + 1
+    assert all(rows == 5 for rows, _ in calls)
+    assert calls[-1][1][0] == vocab  # the tied embedding's logits
+    assert mx.allclose(results[0], results[1], rtol=1e-5, atol=1e-4).item()
+    calls.clear()
+    served.forward(mx.array([17]), cache)
+    assert calls == []
+
+
+def test_install_wraps_a_tied_embeddings_logits_or_a_plain_head(tiny_model_dir):
+    model = load_target(str(tiny_model_dir), dtype="float32").model
+    embedding = model.model.embed_tokens
+    assert rowwise.install(model)
+    if model.args.tie_word_embeddings:
+        wrapped = model.model.embed_tokens
+        assert isinstance(wrapped, rowwise.RowEmbedding) and wrapped.weight is embedding.weight
+        x = mx.random.normal((1, 4, embedding.weight.shape[1]))
+        # no CUDA here: the model's own projection
+        assert mx.array_equal(wrapped.as_linear(x), embedding.as_linear(x)).item()
+        ids = mx.array([[1, 2, 3]])
+        assert mx.array_equal(wrapped(ids), embedding(ids)).item()
+    else:
+        assert isinstance(model.lm_head, rowwise.RowLinear)
+    head = nn.Linear(8, 16, bias=False)
+    wrapped_head = rowwise.RowLinear(head, 16, cuda_only=True)
+    x = mx.random.normal((3, 8))
+    assert mx.array_equal(wrapped_head(x), head(x)).item()
