@@ -101,3 +101,53 @@ def test_install_wraps_a_tied_embeddings_logits_or_a_plain_head(tiny_model_dir):
     wrapped_head = rowwise.RowLinear(head, 16, cuda_only=True)
     x = mx.random.normal((3, 8))
     assert mx.array_equal(wrapped_head(x), head(x)).item()
+
+
+def test_where_the_kernel_runs_q_k_v_and_gate_up_are_one_product_each(
+    tiny_model_dir, targets, monkeypatch  # noqa: F811
+):
+    """Installed where the kernel runs, each layer's q, k and v weights (and gate and up) are
+    views of one joined weight: the same numbers, no memory added, and a verify makes four
+    kernel calls a layer (q/k/v, o, gate/up, down) where it made seven."""
+    from mlx.utils import tree_flatten
+
+    from verifier_svc.engine import Target
+
+    own = targets[0]
+    calls = []
+
+    def standing_in(x, weight):
+        calls.append(tuple(weight.shape))
+        return x @ weight.T
+
+    monkeypatch.setattr(few_rows, "runs_here", lambda: True)
+    monkeypatch.setattr(few_rows, "product", standing_in)
+    loaded = load_target(str(tiny_model_dir), dtype="float32")
+    before = {k: mx.array(v) for k, v in tree_flatten(loaded.model.parameters())}
+    joined = Target(loaded, gemv_rows=0, row_forwards=True)
+    after = dict(tree_flatten(joined.model.parameters()))
+    assert sum(v.nbytes for v in after.values()) == sum(v.nbytes for v in before.values())
+    renamed = {k.replace(".inner", ""): v for k, v in after.items()}
+    assert set(renamed) == set(before)
+    assert all(mx.array_equal(renamed[k], before[k]).item() for k in before)
+
+    layers = len(joined.model.layers)
+    block = mx.array([(7 * i + 5) % 90 + 3 for i in range(6)])
+    results = []
+    for target in (own, joined):
+        cache = target.new_cache()
+        target.forward(mx.array(PROMPT), cache)
+        calls.clear()
+        results.append(target.forward(block, cache)[0])
+        mx.eval(results[-1])
+    assert len(calls) == 4 * layers + 1
+    attn = joined.model.layers[0].inner.self_attn.inner
+    mlp = joined.model.layers[0].inner.mlp.inner
+    qkv = sum(_weight(m).shape[0] for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+    gate_up = _weight(mlp.gate_proj).shape[0] + _weight(mlp.up_proj).shape[0]
+    assert calls[0][0] == qkv and calls[2][0] == gate_up
+    assert mx.allclose(results[0], results[1], rtol=1e-5, atol=1e-4).item()
+
+
+def _weight(module: nn.Module) -> mx.array:
+    return getattr(module, "inner", module).weight

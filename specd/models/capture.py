@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from specd.models.rowwise import ChunkedAttention, RowLinear
+from specd.models.rowwise import ChunkedAttention, RowLinear, RowMLP
 
 
 class CaptureSink:
@@ -108,7 +108,7 @@ class Bypass:
     host time each decode step waits for (benchmarks/graph_build.py). The switch is sticky, so
     a run of decode steps pays it once; wrappers are installed only with them in (`wrapped`)."""
 
-    WRAPPERS = (CapturingLayer, GroupedRoPE, RowLinear, ChunkedAttention)
+    WRAPPERS = (CapturingLayer, GroupedRoPE, RowLinear, ChunkedAttention, RowMLP)
 
     def __init__(self, model: nn.Module):
         self._model = model

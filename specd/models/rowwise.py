@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
 
 from specd.models import few_rows
 
@@ -68,6 +69,73 @@ class RowEmbedding(nn.Embedding):
         return _few_rows_product(x, self.weight, rows)
 
 
+class Joined:
+    """Products that share their input as one weight [sum of outputs, in] for the few-row
+    kernel (one launch for q, k and v; one for gate and up). Each Linear's weight becomes a
+    view of it, so the model's own one-row products read the same numbers and no memory is
+    added."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        self.weight = mx.concatenate([linear.weight for linear in linears])
+        mx.eval(self.weight)
+        self.spans, start = [], 0
+        for linear in linears:
+            stop = start + linear.weight.shape[0]
+            linear.weight = self.weight[start:stop]
+            self.spans.append((start, stop))
+            start = stop
+        mx.eval([linear.weight for linear in linears])
+
+    @staticmethod
+    def of(linears: list[nn.Linear]) -> Joined | None:
+        """Joined where the kernel runs and the products take it (no bias, a float weight)."""
+        if not few_rows.runs_here() or any("bias" in linear for linear in linears):
+            return None
+        weight = linears[0].weight
+        if weight.dtype not in few_rows.DTYPES:
+            return None
+        return Joined(linears)
+
+    def products(self, x: mx.array) -> list[mx.array]:
+        out = few_rows.product(x, self.weight)
+        return [out[..., start:stop] for start, stop in self.spans]
+
+
+class RowMLP(nn.Module):
+    """mlx-lm's Llama MLP whose gate and up products of 2..max_rows rows run as one few-row
+    product (`Joined`) where the kernel runs; elsewhere, and for other row counts, its own."""
+
+    def __init__(self, inner: nn.Module, max_rows: int):
+        super().__init__()
+        self.inner = inner
+        self._max_rows = max_rows
+        self._gate_up: Joined | None = None
+
+    def __getattr__(self, key):
+        # code that reads the MLP's products (gate_proj, ...) finds the wrapped MLP's
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            if "inner" not in self:
+                raise
+            return getattr(self["inner"], key)
+
+    def join(self) -> None:
+        if self._gate_up is None:
+            self._gate_up = Joined.of([_linear(self.inner.gate_proj), _linear(self.inner.up_proj)])
+
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = x.size // x.shape[-1]
+        if self._gate_up is None or not 1 < rows <= self._max_rows or not few_rows.runs_here():
+            return self.inner(x)
+        gate, up = self._gate_up.products(x)
+        return self.inner.down_proj(swiglu(gate, up))  # as the model's MLP combines them
+
+
+def _linear(module: nn.Module) -> nn.Linear:
+    return module.inner if isinstance(module, RowLinear) else module
+
+
 def _few_rows_product(x: mx.array, weight: mx.array, rows: int) -> mx.array:
     """x [..., in] times weight [out, in] transposed, for 2..max_rows rows."""
     if few_rows.runs_here() and few_rows.fits(rows, x, weight):
@@ -87,6 +155,12 @@ class ChunkedAttention(nn.Module):
         super().__init__()
         self.inner = inner
         self._max_rows = max_rows
+        self._qkv: Joined | None = None
+
+    def join(self) -> None:
+        if self._qkv is None:
+            a = self.inner
+            self._qkv = Joined.of([_linear(a.q_proj), _linear(a.k_proj), _linear(a.v_proj)])
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         batch, rows, _ = x.shape
@@ -94,9 +168,13 @@ class ChunkedAttention(nn.Module):
         if not self.chunks(rows) or batch != 1 or cache is None or not causal:
             return self.inner(x, mask=mask, cache=cache)
         a = self.inner
-        queries = a.q_proj(x).reshape(1, rows, a.n_heads, -1).transpose(0, 2, 1, 3)
-        keys = a.k_proj(x).reshape(1, rows, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        values = a.v_proj(x).reshape(1, rows, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if self._qkv is not None and few_rows.runs_here():
+            queries, keys, values = self._qkv.products(x)
+        else:
+            queries, keys, values = a.q_proj(x), a.k_proj(x), a.v_proj(x)
+        queries = queries.reshape(1, rows, a.n_heads, -1).transpose(0, 2, 1, 3)
+        keys = keys.reshape(1, rows, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        values = values.reshape(1, rows, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
         queries = a.rope(queries, offset=cache.offset)
         keys = a.rope(keys, offset=cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
@@ -143,7 +221,7 @@ def chunk_bounds(base: int, rows: int) -> list[tuple[int, int]]:
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
-    return module.inner if isinstance(module, ChunkedAttention) else module
+    return module.inner if isinstance(module, (ChunkedAttention, RowMLP)) else module
 
 
 def supports(model: nn.Module) -> bool:
@@ -176,6 +254,10 @@ def install(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> bool:
                     setattr(module, name, RowLinear(linear, max_rows))
         if not isinstance(layer.self_attn, ChunkedAttention):
             layer.self_attn = ChunkedAttention(layer.self_attn, max_rows)
+        if not isinstance(layer.mlp, RowMLP):
+            layer.mlp = RowMLP(layer.mlp, max_rows)
+        layer.self_attn.join()
+        layer.mlp.join()
     _install_logits(model, max_rows)
     return True
 
