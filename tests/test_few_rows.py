@@ -104,7 +104,9 @@ def test_install_wraps_a_tied_embeddings_logits_or_a_plain_head(tiny_model_dir):
 
 
 def test_where_the_kernel_runs_q_k_v_and_gate_up_are_one_product_each(
-    tiny_model_dir, targets, monkeypatch  # noqa: F811
+    tiny_model_dir,
+    targets,  # noqa: F811
+    monkeypatch,
 ):
     """Installed where the kernel runs, each layer's q, k and v weights (and gate and up) are
     views of one joined weight: the same numbers, no memory added, and a verify makes four
