@@ -9,9 +9,12 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from drafter_svc.proposal import Proposal
 
+PICKS = ("earliest", "latest")  # which earlier occurrence of the suffix gives the drafts
 
-def propose_ngram(tokens, k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to k tokens that followed the earliest earlier occurrence of the longest suffix n-gram.
+
+def propose_ngram(tokens, k: int, min_n: int, max_n: int, pick: str = "earliest") -> list[int]:
+    """Up to k tokens that followed an earlier occurrence (the earliest or the latest, `pick`)
+    of the longest suffix n-gram.
 
     Tries n from max_n down to min_n; an occurrence may overlap the suffix but not be it.
     Returns fewer than k tokens when the match sits near the end of the context, and
@@ -27,7 +30,7 @@ def propose_ngram(tokens, k: int, min_n: int, max_n: int) -> list[int]:
         windows = sliding_window_view(context[: n_ctx - 1], n)  # [n_ctx - n, n]
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
-            start = int(hits[0]) + n
+            start = int(hits[0] if pick == "earliest" else hits[-1]) + n
             return context[start : start + k].tolist()
     return []
 

@@ -32,6 +32,7 @@ def test_prefers_longest_ngram_over_earliest_short_match():
 def test_takes_earliest_occurrence():
     tokens = [1, 2, 10, 1, 2, 20, 1, 2]
     assert propose_ngram(tokens, 1, 2, 2) == [10]
+    assert propose_ngram(tokens, 1, 2, 2, pick="latest") == [20]  # benchmarks/ngram_replay.py
 
 
 def test_fewer_tokens_when_context_ends_and_overlap_allowed():
