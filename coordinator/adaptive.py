@@ -204,6 +204,12 @@ class AdaptiveK:
     k_max: int
     probe_every: int = 8  # rounds at k = 0 before drafting is tried again
     probe_every_max: int = 64  # the wait after many rejected probes in a row
+    # a rejected probe doubles the wait only while the acceptance estimate is below this
+    # share of the break-even acceptance: a chain drafter near break-even (the EAGLE-3 head on
+    # this CPU, right about half the time against ~0.42) keeps probing every probe_every
+    # rounds, so a dip of its noisy estimate does not keep it from drafting for 64 rounds at
+    # a time; one far below (the same head on an H200, where break-even is ~0.75) backs off
+    hopeless_below: float = 0.8
     # drafts in such a probe: one, since on a CPU a verify of 3 tokens costs ~2.2x a decode
     # step and of 2 tokens ~1.2x (docs/history, 2026-12-01)
     probe_tokens: int = 1
@@ -314,11 +320,38 @@ class AdaptiveK:
         self.rounds_with_drafts = self.rounds_with_drafts + 1 if asked else 0
         if drafted == 0:
             return  # nothing proposed (e.g. no n-gram match) says nothing about acceptance
-        if accepted:
-            self.probe_wait = self.probe_every
-        elif self.probing:
-            self.probe_wait = min(2 * (self.probe_wait or self.probe_every), self.probe_every_max)
         rejected = 1 if accepted < drafted else 0
         self.successes = self.successes * self.decay + accepted
         self.trials = self.trials * self.decay + accepted + rejected
         self.costs.acceptance.observe(accepted, rejected)
+        if accepted:
+            self.probe_wait = self.probe_every
+        elif self.probing and self._hopeless():
+            self.probe_wait = min(2 * (self.probe_wait or self.probe_every), self.probe_every_max)
+
+    def _hopeless(self) -> bool:
+        """Whether a wholly rejected probe should lengthen the wait: always for trees; for
+        chains while acceptance is well below break-even."""
+        if self.tree is not None:
+            return True
+        return self.acceptance < self.hopeless_below * self.break_even()
+
+    def break_even(self) -> float:
+        """The least acceptance at which drafting some k (1..k_max) beats plain decoding at
+        the current prices; 1.0 where none would."""
+
+        def pays(acceptance: float) -> bool:
+            plain = 1.0 / self.costs.verify.predict(1)
+            for k in range(1, self.k_max + 1):
+                seconds = self.costs.draft.predict(k) + self.costs.verify.predict(k + 1)
+                if expected_tokens(k, acceptance) / seconds > plain:
+                    return True
+            return False
+
+        low, high = 0.0, 0.999
+        if not pays(high):
+            return 1.0
+        for _ in range(20):
+            middle = (low + high) / 2
+            low, high = (low, middle) if pays(middle) else (middle, high)
+        return high

@@ -152,6 +152,37 @@ def test_rejected_probes_back_off_and_an_accepted_one_resets():
     assert rounds_until_probe() == 7  # the wait is back to probe_every
 
 
+def test_break_even_is_where_drafting_starts_to_pay():
+    k = chooser(0.5)
+    even = k.break_even()
+    assert 0.05 < even < 0.5
+    for acceptance, drafts in ((even * 0.97, False), (even * 1.03, True)):
+        k.successes, k.trials = acceptance * 50, 50.0
+        assert (k.choose(100) > 0) == drafts
+    dear = chooser(0.5)
+    for n in range(2, 10):  # a verify of several tokens dearer than what drafts could save
+        for _ in range(2):
+            dear.costs.verify.observe(n, 10.0)
+            dear.costs.verify.observe(1, 0.057)  # a plain step's price kept fresh
+    assert dear.break_even() == 1.0
+
+
+def test_a_drafter_near_break_even_keeps_probing_after_a_rejected_probe():
+    """The EAGLE-3 head on this CPU is right about half the time, near break-even: a rejected
+    probe there must not stretch the wait to 64 rounds, as it does for a hopeless drafter."""
+    k = chooser(0.5)
+    k.successes, k.trials = 0.85 * k.break_even() * 50, 50.0  # just below break-even
+    waits = []
+    for _ in range(3):
+        waited = 0
+        while k.choose(100) == 0:
+            k.observe(0, 0, 0)
+            waited += 1
+        waits.append(waited)
+        k.observe(k.probe_tokens, k.probe_tokens, 0)
+    assert waits == [8, 8, 8]
+
+
 def test_empty_proposals_do_not_count_as_rejections():
     k = chooser(0.5)
     before = k.acceptance
