@@ -153,3 +153,28 @@ def test_where_the_kernel_runs_q_k_v_and_gate_up_are_one_product_each(
 
 def _weight(module: nn.Module) -> mx.array:
     return getattr(module, "inner", module).weight
+
+
+def test_joined_products_fall_back_where_the_kernel_does_not_fit(tiny_model_dir, monkeypatch):
+    """Rows of another dtype than the joined weight (or one row) take the separate products."""
+    calls = []
+
+    def standing_in(x, weight):
+        calls.append(weight.shape[0])
+        return x @ weight.T
+
+    monkeypatch.setattr(few_rows, "runs_here", lambda: True)
+    monkeypatch.setattr(few_rows, "product", standing_in)
+    model = load_target(str(tiny_model_dir), dtype="float32").model
+    assert rowwise.install(model)
+    mlp = model.layers[0].mlp
+    gate, up = mlp.inner.gate_proj.inner.weight, mlp.inner.up_proj.inner.weight
+    x = mx.random.normal((1, 3, gate.shape[1]))
+    mx.eval(mlp(x))
+    assert calls[0] == gate.shape[0] + up.shape[0]  # gate and up as one product
+    calls.clear()
+    mx.eval(mlp(x.astype(mx.float16)))
+    assert gate.shape[0] + up.shape[0] not in calls  # float16 rows: the model's own products
+    calls.clear()
+    mx.eval(mlp(x[:, :1]))
+    assert calls == []  # one row: a decode step's own products

@@ -96,6 +96,10 @@ class Joined:
             return None
         return Joined(linears)
 
+    def takes(self, x: mx.array, rows: int, max_rows: int) -> bool:
+        """Whether `rows` rows of x go through the kernel here."""
+        return rows <= max_rows and few_rows.runs_here() and few_rows.fits(rows, x, self.weight)
+
     def products(self, x: mx.array) -> list[mx.array]:
         out = few_rows.product(x, self.weight)
         return [out[..., start:stop] for start, stop in self.spans]
@@ -126,7 +130,7 @@ class RowMLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.size // x.shape[-1]
-        if self._gate_up is None or not 1 < rows <= self._max_rows or not few_rows.runs_here():
+        if not (self._gate_up is not None and self._gate_up.takes(x, rows, self._max_rows)):
             return self.inner(x)
         gate, up = self._gate_up.products(x)
         return self.inner.down_proj(swiglu(gate, up))  # as the model's MLP combines them
@@ -168,7 +172,7 @@ class ChunkedAttention(nn.Module):
         if not self.chunks(rows) or batch != 1 or cache is None or not causal:
             return self.inner(x, mask=mask, cache=cache)
         a = self.inner
-        if self._qkv is not None and few_rows.runs_here():
+        if self._qkv is not None and self._qkv.takes(x, rows, self._max_rows):
             queries, keys, values = self._qkv.products(x)
         else:
             queries, keys, values = a.q_proj(x), a.k_proj(x), a.v_proj(x)
