@@ -87,7 +87,10 @@ clients)
     --verifier-args "--log-stats 1" --json ~/res/clients.json > "$OUT/clients.log" 2>&1
   grep -r "greedy forwards" /tmp/specd-bench-* > "$OUT/clients-load.log" 2>/dev/null ;;
 drafters)
-  bench --questions mt-bench --every 4 --drafter "${3:-eagle3-k6},none" \
+  # float32 pinned: the drafters' rows compare across runs, and a verify of a few tokens is
+  # exact there (row forwards); dtype auto chose the model as stored in one run of run AD,
+  # whose kernels the carried archive lacked
+  bench --dtype float32 --questions mt-bench --every 4 --drafter "${3:-eagle3-k6},none" \
     ${4:+--in-process} --time-limit "${2:-300}" --json ~/res/drafters.json \
     >> "$OUT/drafters.log" 2>&1 ;;
 heads)
