@@ -16,6 +16,33 @@ from specd.models import few_rows, rowwise
 from specd.models.load import load_target
 
 
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list[tuple[int, tuple[int, ...]]]:
+    """The kernel made to run here, stood in for by the product it computes: (rows, weight
+    shape) of each call."""
+    calls = []
+
+    def standing_in(x, weight):
+        calls.append((x.size // x.shape[-1], tuple(weight.shape)))
+        return x @ weight.T
+
+    monkeypatch.setattr(few_rows, "runs_here", lambda: True)
+    monkeypatch.setattr(few_rows, "product", standing_in)
+    return calls
+
+
+def _verify_logits(pair, block: mx.array, calls: list) -> list[mx.array]:
+    """Each target's logits for `block` after the prompt; `calls` holds the last one's."""
+    results = []
+    for target in pair:
+        cache = target.new_cache()
+        target.forward(mx.array(PROMPT), cache)
+        calls.clear()
+        results.append(target.forward(block, cache)[0])
+        mx.eval(results[-1])
+    return results
+
+
 @pytest.mark.parametrize("base", [0, 5, 1000, 1013, 1020, 1021, 1022, 1023, 1024, 1025, 3000])
 @pytest.mark.parametrize("rows", range(2, rowwise.DEFAULT_MAX_ROWS + 1))
 def test_attention_chunks_never_mix_the_one_and_two_pass_kernels(base, rows):
@@ -50,34 +77,24 @@ def test_not_on_a_cpu():
 
 def test_a_verify_sends_every_product_and_its_logits_to_the_kernel_where_it_runs(
     targets,  # noqa: F811
-    monkeypatch,
+    kernel_calls,
 ):
     """With the kernel there (stood in for by the product it computes), a forward of n tokens
     sends each layer's seven products and the logits projection through it, one call each,
     and a decode step none."""
     own, served = targets
-    calls = []
-
-    def standing_in(x, weight):
-        calls.append((x.size // x.shape[-1], tuple(weight.shape)))
-        return x @ weight.T
-
-    monkeypatch.setattr(few_rows, "runs_here", lambda: True)
-    monkeypatch.setattr(few_rows, "product", standing_in)
+    calls = kernel_calls
     layers = len(served.model.layers)
     vocab = served.model.model.embed_tokens.weight.shape[0]
     block = mx.array([(7 * i + 5) % 90 + 3 for i in range(5)])
-    results = []
-    for target in (own, served):
-        cache = target.new_cache()
-        target.forward(mx.array(PROMPT), cache)
-        calls.clear()
-        results.append(target.forward(block, cache)[0])
-        mx.eval(results[-1])
+    results = _verify_logits((own, served), block, calls)
     assert len(calls) == 7 * layers + 1
     assert all(rows == 5 for rows, _ in calls)
     assert calls[-1][1][0] == vocab  # the tied embedding's logits
     assert mx.allclose(results[0], results[1], rtol=1e-5, atol=1e-4).item()
+    calls.clear()
+    cache = served.new_cache()
+    served.forward(mx.array(PROMPT), cache)
     calls.clear()
     served.forward(mx.array([17]), cache)
     assert calls == []
@@ -106,7 +123,7 @@ def test_install_wraps_a_tied_embeddings_logits_or_a_plain_head(tiny_model_dir):
 def test_where_the_kernel_runs_q_k_v_and_gate_up_are_one_product_each(
     tiny_model_dir,
     targets,  # noqa: F811
-    monkeypatch,
+    kernel_calls,
 ):
     """Installed where the kernel runs, each layer's q, k and v weights (and gate and up) are
     views of one joined weight: the same numbers, no memory added, and a verify makes four
@@ -116,14 +133,7 @@ def test_where_the_kernel_runs_q_k_v_and_gate_up_are_one_product_each(
     from verifier_svc.engine import Target
 
     own = targets[0]
-    calls = []
-
-    def standing_in(x, weight):
-        calls.append(tuple(weight.shape))
-        return x @ weight.T
-
-    monkeypatch.setattr(few_rows, "runs_here", lambda: True)
-    monkeypatch.setattr(few_rows, "product", standing_in)
+    calls = kernel_calls
     loaded = load_target(str(tiny_model_dir), dtype="float32")
     before = {k: mx.array(v) for k, v in tree_flatten(loaded.model.parameters())}
     joined = Target(loaded, gemv_rows=0, row_forwards=True)
@@ -135,19 +145,13 @@ def test_where_the_kernel_runs_q_k_v_and_gate_up_are_one_product_each(
 
     layers = len(joined.model.layers)
     block = mx.array([(7 * i + 5) % 90 + 3 for i in range(6)])
-    results = []
-    for target in (own, joined):
-        cache = target.new_cache()
-        target.forward(mx.array(PROMPT), cache)
-        calls.clear()
-        results.append(target.forward(block, cache)[0])
-        mx.eval(results[-1])
+    results = _verify_logits((own, joined), block, calls)
     assert len(calls) == 4 * layers + 1
     attn = joined.model.layers[0].inner.self_attn.inner
     mlp = joined.model.layers[0].inner.mlp.inner
     qkv = sum(_weight(m).shape[0] for m in (attn.q_proj, attn.k_proj, attn.v_proj))
     gate_up = _weight(mlp.gate_proj).shape[0] + _weight(mlp.up_proj).shape[0]
-    assert calls[0][0] == qkv and calls[2][0] == gate_up
+    assert calls[0][1][0] == qkv and calls[2][1][0] == gate_up
     assert mx.allclose(results[0], results[1], rtol=1e-5, atol=1e-4).item()
 
 
@@ -155,26 +159,20 @@ def _weight(module: nn.Module) -> mx.array:
     return getattr(module, "inner", module).weight
 
 
-def test_joined_products_fall_back_where_the_kernel_does_not_fit(tiny_model_dir, monkeypatch):
+def test_joined_products_fall_back_where_the_kernel_does_not_fit(tiny_model_dir, kernel_calls):
     """Rows of another dtype than the joined weight (or one row) take the separate products."""
-    calls = []
-
-    def standing_in(x, weight):
-        calls.append(weight.shape[0])
-        return x @ weight.T
-
-    monkeypatch.setattr(few_rows, "runs_here", lambda: True)
-    monkeypatch.setattr(few_rows, "product", standing_in)
+    calls = kernel_calls
     model = load_target(str(tiny_model_dir), dtype="float32").model
     assert rowwise.install(model)
     mlp = model.layers[0].mlp
     gate, up = mlp.inner.gate_proj.inner.weight, mlp.inner.up_proj.inner.weight
+    joined = gate.shape[0] + up.shape[0]
     x = mx.random.normal((1, 3, gate.shape[1]))
     mx.eval(mlp(x))
-    assert calls[0] == gate.shape[0] + up.shape[0]  # gate and up as one product
+    assert calls[0][1][0] == joined  # gate and up as one product
     calls.clear()
     mx.eval(mlp(x.astype(mx.float16)))
-    assert gate.shape[0] + up.shape[0] not in calls  # float16 rows: the model's own products
+    assert joined not in [shape[0] for _, shape in calls]  # float16 rows: the model's own
     calls.clear()
     mx.eval(mlp(x[:, :1]))
     assert calls == []  # one row: a decode step's own products

@@ -34,8 +34,9 @@ LINEARS = {
 
 
 class RowLinear(nn.Module):
-    """A Linear whose input of 2..max_rows rows is multiplied one row at a time, in one
-    batched matrix-vector product."""
+    """A Linear whose input of 2..max_rows rows is multiplied as one-row products are: on CUDA
+    by the few-row kernel, elsewhere as one batched matrix-vector product (cuda_only: there
+    the model's own product)."""
 
     def __init__(self, inner: nn.Linear, max_rows: int, cuda_only: bool = False):
         super().__init__()
