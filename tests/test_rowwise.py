@@ -45,18 +45,26 @@ def test_row_forwards_equal_the_models_own(targets, n):
 
 
 def test_rounds_with_row_forwards_equal_plain_greedy(targets):
-    target = targets[1]
-    n = 60
+    out, reference, _ = mixed_rounds(targets[1], seed=3, longest_chain=12)
+    assert out[: len(reference)] == reference[: len(out)]
+
+
+def mixed_rounds(target, seed: int, longest_chain: int, n: int = 60):
+    """Rounds of random kinds on `target` after PROMPT: chains of the target's own greedy
+    tokens (half of them with one token changed), trees holding its path, decode bursts.
+    Returns (committed tokens, plain greedy's, the kinds run)."""
     reference = plain_greedy(target, PROMPT, n)
-    rng = random.Random(3)
+    rng = random.Random(seed)
     vocab = target.identity.vocab_size
     session = prefill(target, PROMPT).session
     out = [session.last_token]
+    kinds = []
     while len(out) < n and not session.finished:
         done = len(out)
         kind = rng.choice(["chain", "tree", "burst"])
+        kinds.append(kind)
         if kind == "chain":
-            drafts = reference[done : done + rng.randint(1, 12)]
+            drafts = reference[done : done + rng.randint(1, longest_chain)]
             if drafts and rng.random() < 0.5:
                 drafts[rng.randrange(len(drafts))] = rng.randrange(vocab)
             r = verify(target, session, drafts)
@@ -69,7 +77,7 @@ def test_rounds_with_row_forwards_equal_plain_greedy(targets):
         else:
             r = decode(target, session, rng.randint(2, 6), look_ahead=True)
         out.extend(r.committed)
-    assert out[: len(reference)] == reference[: len(out)]
+    return out, reference, kinds
 
 
 def test_quantized_targets_keep_their_own_forward(quantized_dir):  # noqa: F811

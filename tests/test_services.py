@@ -204,13 +204,17 @@ def test_verifier_plain_steps_decode_in_one_call(verifier_stub, plain):
 
 
 def test_look_ahead_keeps_greedy_identity_through_services(tiny_model_dir, plain, tmp_path):
-    """--look-ahead and --row-forwards on with MLX forwards (the GPU defaults): plain bursts
-    leave a forward queued, which drafted rounds, one-token rounds and the next burst take up."""
+    """--look-ahead, --row-forwards and --compiled-forwards on with MLX forwards (the GPU
+    defaults): plain bursts leave a forward queued, which drafted rounds, one-token rounds and
+    the next burst take up."""
     eos = set(plain.identity.eos_token_ids)
     with Stack(
         target=str(tiny_model_dir),
         drafter="ngram",
-        verifier_args=["--look-ahead", "on", "--row-forwards", "on", "--gemv-rows", "0"],
+        verifier_args=[
+            *("--look-ahead", "on", "--row-forwards", "on", "--compiled-forwards", "on"),
+            *("--gemv-rows", "0"),
+        ],
         coordinator_args=["--decode-burst", "3"],
         startup_timeout_s=120,
         log_dir=tmp_path,

@@ -94,6 +94,15 @@ class VerifierConfig:
         "on on a GPU",
         choices=GPU_MODES,
     )
+    compiled_forwards: str = option(
+        "auto",
+        "run forwards of 1-16 tokens with the work between two attentions (products, norms, "
+        "MLP, RoPE) as one compiled MLX function a layer, the same kernels in the same order, "
+        "so the same numbers (Llama-family models with unquantized weights): on a GPU, where "
+        "Python's building of the graph bounds a small model's step, decode steps and "
+        "verifies cost less; auto = on on a GPU",
+        choices=GPU_MODES,
+    )
     kv_pool: str = option(
         "auto",
         "keep every session's KV cache in one pool, so the greedy rounds of sessions ready at "

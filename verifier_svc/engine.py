@@ -27,12 +27,19 @@ from specd.cpu.half import float32_copy_bytes, stored_half
 from specd.cpu.llama import DEFAULT_MAX_ROWS as CPU_MAX_ROWS
 from specd.cpu.llama import CpuLlama, Segment
 from specd.cpu.row_products import compiled as row_kernels_compiled
-from specd.models import rowwise
+from specd.models import compiled, rowwise
 from specd.models.capture import install_capture, install_tree_positions
+from specd.models.compiled import CompiledForward
 from specd.models.load import LoadedTarget, device_kind, resolve_dtype
 from specd.platform import limit_numpy_blas_threads
 from verifier_svc.accept import accept_greedy
-from verifier_svc.forwards import CpuKernelForward, Forward, MlxForward, TreeLayout
+from verifier_svc.forwards import (
+    CompiledMlxForward,
+    CpuKernelForward,
+    Forward,
+    MlxForward,
+    TreeLayout,
+)
 from verifier_svc.kv_pool import KVPool, PooledCache
 from verifier_svc.sampling import SamplingConfig, accept_sampled, sample, target_distribution
 from verifier_svc.tree import (
@@ -66,6 +73,7 @@ class Target:
         loaded: LoadedTarget,
         gemv_rows: int | None = None,
         row_forwards: bool = False,
+        compiled_forwards: bool = False,
         kv_pool: bool = False,
         pool_alone: bool = True,
     ):
@@ -75,6 +83,8 @@ class Target:
         Weights the target was loaded keeping as float16 (`half_weights_pay`) are read so.
         row_forwards: forwards of a few tokens computed row by row as decode steps compute
         them (specd.models.rowwise), where the architecture allows.
+        compiled_forwards: forwards of 1-16 tokens with the work between attentions compiled
+        (specd.models.compiled), where the architecture allows.
         kv_pool: sessions' caches in one pool and their greedy rounds batched
         (verifier_svc.kv_pool), where MLX's forward takes many sessions. pool_alone: False
         keeps a session opened while no other is open out of the pool (`new_cache`)."""
@@ -108,6 +118,9 @@ class Target:
         # the seam: every forward goes to the first of these that fits (verifier_svc.forwards)
         self._mlx = MlxForward(self.model, self._sink)
         self.forwards: list[Forward] = [self._mlx]
+        self.compiled_forwards = compiled_forwards and compiled.supports(self.model)
+        if self.compiled_forwards:
+            self.forwards.insert(0, CompiledMlxForward(CompiledForward(self.model), self._mlx))
         if cpu_layers is not None:
             self.forwards.insert(0, CpuKernelForward(cpu_layers))
         self._tree_ready: bool | None = None
@@ -192,7 +205,8 @@ class Target:
         return self.cpu_layers is not None or (self.row_forwards and self._mlx.takes_many())
 
     def on_mlx(self, tokens: int, cache: list) -> bool:
-        return self._backend(tokens, cache) is self._mlx
+        """Whether MLX runs this forward (the CPU kernels' numbers differ from its)."""
+        return not isinstance(self._backend(tokens, cache), CpuKernelForward)
 
     def layer_by_layer(self, token_ids: mx.array, cache: list, capture: tuple[int, ...] = ()):
         """A generator: the forward of token_ids a layer per `next()`; returns the rows."""

@@ -4,7 +4,8 @@ A backend appends `token_ids` [T] at the end of `cache` and returns (logits [T, 
 layers' outputs [T, L*H] or None); a tree verify passes its layout. `Target` chooses its
 backends once, when it is built, in order of preference, and each call takes the first that
 fits: on a CPU with a float32 Llama-family target the CPU kernels for forwards of a few tokens,
-MLX for the rest; everywhere else MLX alone.
+MLX for the rest; on a GPU forwards of 1-16 tokens with the work between attentions compiled
+(`CompiledMlxForward`), MLX for the rest; everywhere else MLX alone.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache
 
 from specd.cpu.llama import CpuLlama, Segment
 from specd.models.capture import Bypass, CaptureSink, CapturingLayer
+from specd.models.compiled import MAX_ROWS as COMPILED_MAX_ROWS
+from specd.models.compiled import CompiledForward
 from specd.models.rowwise import ChunkedAttention
 from verifier_svc.kv_pool import PooledStep, batched_attention
 from verifier_svc.tree import ancestor_mask, depths, rope_groups
@@ -213,6 +217,27 @@ def _attention_many(attn: nn.Module, x: mx.array, spans: list[int], caches: list
             out = scaled_dot_product_attention(q, k, v, cache=cache, scale=own.scale, mask=mask)
         parts.append(out.transpose(0, 2, 1, 3).reshape(1, rows, -1))
     return own.o_proj(mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0])
+
+
+class CompiledMlxForward:
+    """Forwards of 1-16 tokens at the end of mlx-lm KV caches with the work between two
+    attentions compiled (specd.models.compiled): the same kernels as the model's own, so the
+    same numbers, built by Python in a fraction of the time. Trees go to the model's own."""
+
+    queues = True
+
+    def __init__(self, compiled: CompiledForward, fallback: MlxForward):
+        self.compiled, self.fallback = compiled, fallback
+
+    def fits(self, tokens: int, cache: list) -> bool:
+        return 1 <= tokens <= COMPILED_MAX_ROWS and all(type(c) is KVCache for c in cache)
+
+    def __call__(self, token_ids, cache, capture, tree=None):
+        if tree is not None:
+            return self.fallback(token_ids, cache, capture, tree)
+        logits, kept = self.compiled.forward(token_ids, cache, frozenset(capture))
+        rows = mx.concatenate([kept[i] for i in capture], axis=-1) if capture else None
+        return logits, rows
 
 
 class CpuKernelForward:

@@ -105,6 +105,7 @@ def target_for(config: VerifierConfig) -> Target:
         loaded,
         config.gemv_rows,
         row_forwards=on_gpu(config.row_forwards, "row-forwards"),
+        compiled_forwards=on_gpu(config.compiled_forwards, "compiled-forwards"),
         kv_pool=on_gpu(config.kv_pool, "kv-pool"),
         pool_alone=config.kv_pool == "on",
     )

@@ -1,0 +1,207 @@
+"""A Llama-family forward whose work between two attentions runs as one compiled function.
+
+On a GPU a forward of the embedded model is bound by the host: Python builds ~60 operations a
+layer for a verify of a few rows, ~6 µs each, and the device launches each (docs/gpu.md, run
+AD). Here everything from one layer's attention output to the next layer's rotated queries and
+keys (output product, residual, norm, MLP, residual, norm, q/k/v product, RoPE) is one function
+under `mx.compile`, traced once per row count and reused for every layer: Python builds one call
+and a few attention operations a layer, and the device runs the fused elementwise kernels.
+
+The same primitives run as in mlx-lm's forward, in the same order: one row through MLX's
+matrix-vector product, 2..16 rows through the few-row kernel (specd.models.few_rows) where it
+runs, attention through `specd.models.rowwise.chunk_bounds`' chunks. On an H200 a forward of
+1-16 tokens equals mlx-lm's decode steps bit for bit, and a decode step is built in ~1 ms
+instead of ~2.2 (benchmarks/gpu_forwards.py, variant `compiled`; docs/gpu.md, run AE). On a
+CPU the joined q/k/v and gate/up products may go to another BLAS kernel than separate ones,
+so there the numbers are the model's up to float32 rounding.
+
+Only mlx-lm's Llama models with plain weights and no biases take this path (`supports`); the
+KV cache is mlx-lm's own, so trimming and rollback are unchanged.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+
+from specd.models import few_rows
+from specd.models.capture import CapturingLayer
+from specd.models.rowwise import ChunkedAttention, Joined, RowLinear, RowMLP, chunk_bounds
+
+MAX_ROWS = few_rows.MAX_ROWS  # beyond, the model's own forward (a prefill)
+
+
+def _product(x: mx.array, weight: mx.array) -> mx.array:
+    """x [rows, K] times weight [N, K] transposed, as the model's Linear or the few-row kernel."""
+    rows = x.shape[0]
+    if rows > 1 and few_rows.runs_here() and few_rows.fits(rows, x, weight):
+        return few_rows.product(x, weight)
+    return x @ weight.T
+
+
+class _Shape:
+    """The attention's geometry, fixed for the model (static in every trace)."""
+
+    def __init__(self, attn: nn.Module, eps: float):
+        self.heads = attn.n_heads
+        self.kv_heads = attn.n_kv_heads
+        self.head_dim = _bare(attn.q_proj).weight.shape[0] // attn.n_heads
+        self.eps = eps
+        self.rope = attn.rope
+        self.scale = attn.scale
+
+
+def _rotated(shape: _Shape, x, offset, norm_w, qkv_w):
+    """The next layer's rotated queries and keys, and its values, from its input x [rows, H]."""
+    rows = x.shape[0]
+    qkv = _product(mx.fast.rms_norm(x, norm_w, shape.eps), qkv_w)
+    nq = shape.heads * shape.head_dim
+    nk = shape.kv_heads * shape.head_dim
+    q = qkv[:, :nq].reshape(1, rows, shape.heads, -1).transpose(0, 2, 1, 3)
+    k = qkv[:, nq : nq + nk].reshape(1, rows, shape.kv_heads, -1).transpose(0, 2, 1, 3)
+    v = qkv[:, nq + nk :].reshape(1, rows, shape.kv_heads, -1).transpose(0, 2, 1, 3)
+    return shape.rope(q, offset=offset), shape.rope(k, offset=offset), v
+
+
+def _finish_layer(shape: _Shape, h, attn_parts, o_w, post_w, gate_up_w, down_w):
+    """h after a layer, given its attention output in chunks [1, heads, chunk, D]."""
+    attn = attn_parts[0] if len(attn_parts) == 1 else mx.concatenate(attn_parts, axis=2)
+    rows = h.shape[0]
+    h = h + _product(attn.transpose(0, 2, 1, 3).reshape(rows, -1), o_w)
+    gate_up = _product(mx.fast.rms_norm(h, post_w, shape.eps), gate_up_w)
+    width = gate_up.shape[-1] // 2
+    return h + _product(swiglu(gate_up[:, :width], gate_up[:, width:]), down_w)
+
+
+class CompiledForward:
+    """Forwards of 1..MAX_ROWS new tokens of one sequence at the end of mlx-lm KV caches, with
+    the decoder layers' outputs wanted by a caller (an EAGLE-3 head's rows). The model's
+    wrappers (capture, row by row) are looked through: this reads their weights."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        inner = model.model
+        self.layers = inner.layers  # what mlx-lm's make_prompt_cache counts
+        self.embed = inner.embed_tokens
+        layers = [_bare(layer) for layer in inner.layers]
+        first = _bare(layers[0].self_attn)
+        self.shape = _Shape(first, layers[0].input_layernorm.eps)
+        self.final_norm = inner.norm.weight
+        head = _bare(model["lm_head"]) if "lm_head" in model else None
+        self.logits_w = head.weight if head is not None else inner.embed_tokens.weight
+        self.weights = [_layer_weights(layer) for layer in layers]
+        few_rows.runs_here()  # its first-use check evaluates, which a trace may not
+        shape = self.shape
+        self._first = mx.compile(partial(_rotated, shape))
+        self._middle = mx.compile(partial(_middle, shape))
+        self._last = mx.compile(partial(_last, shape))
+
+    def forward(
+        self, token_ids: mx.array, cache: list, capture: frozenset[int] = frozenset()
+    ) -> tuple[mx.array, dict[int, mx.array]]:
+        """token_ids [T] appended at the end of `cache`: (logits [T, V], {layer: output [T, H]}
+        for the layers in `capture`). Lazy, as the model's own call."""
+        rows = token_ids.shape[0]
+        h = self.embed(token_ids)
+        offset = mx.array(cache[0].offset, dtype=mx.int32)
+        w = self.weights
+        kept = {}
+        q, k, v = self._first(h, offset, w[0]["in"], w[0]["qkv"])
+        for i, layer_cache in enumerate(cache):
+            base = layer_cache.offset
+            keys, values = layer_cache.update_and_fetch(k, v)
+            parts = self._attend(q, keys, values, base, rows)
+            tail = (w[i]["o"], w[i]["post"], w[i]["gate_up"], w[i]["down"])
+            if i + 1 < len(w):
+                h, q, k, v = self._middle(h, parts, offset, *tail, w[i + 1]["in"], w[i + 1]["qkv"])
+            else:
+                h, logits = self._last(h, parts, *tail, self.final_norm, self.logits_w)
+            if i in capture:
+                kept[i] = h
+        return logits, kept
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        """As the model's own call (logits [1, T, V]); what this does not take goes to it."""
+        if cache is None or inputs.ndim != 2 or inputs.shape[0] != 1:
+            return self.model(inputs, cache=cache)
+        if not 1 <= inputs.shape[1] <= MAX_ROWS:
+            return self.model(inputs, cache=cache)
+        return self.forward(inputs[0], cache)[0][None]
+
+    def _attend(self, q, keys, values, base: int, rows: int) -> list[mx.array]:
+        """Attention of the rows in the chunks a decode step's kernel takes (rowwise)."""
+        sdpa = mx.fast.scaled_dot_product_attention
+        scale = self.shape.scale
+        if rows == 1:
+            return [sdpa(q, keys, values, scale=scale)]
+        parts = []
+        for start, stop in chunk_bounds(base, rows):
+            seen = base + stop
+            k, v = (keys, values) if stop == rows else (keys[:, :, :seen], values[:, :, :seen])
+            parts.append(sdpa(q[:, :, start:stop], k, v, scale=scale, mask="causal"))
+        return parts
+
+
+def _middle(shape, h, attn_parts, offset, o_w, post_w, gate_up_w, down_w, in_w, qkv_w):
+    h = _finish_layer(shape, h, attn_parts, o_w, post_w, gate_up_w, down_w)
+    return (h, *_rotated(shape, h, offset, in_w, qkv_w))
+
+
+def _last(shape, h, attn_parts, o_w, post_w, gate_up_w, down_w, norm_w, logits_w):
+    h = _finish_layer(shape, h, attn_parts, o_w, post_w, gate_up_w, down_w)
+    return h, _product(mx.fast.rms_norm(h, norm_w, shape.eps), logits_w)
+
+
+_WRAPPERS = (CapturingLayer, ChunkedAttention, RowMLP, RowLinear)
+
+
+def _bare(module: nn.Module) -> nn.Module:
+    while isinstance(module, _WRAPPERS):
+        module = module.inner
+    return module
+
+
+def _layer_weights(layer: nn.Module) -> dict[str, mx.array]:
+    """A layer's weights, q/k/v and gate/up joined: the joins row by row already made where
+    rowwise is installed, else new ones whose views replace the Linears' weights (no copy
+    stays)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = getattr(attn, "_qkv", None)
+    if qkv is None:
+        a = _bare(attn)
+        qkv = Joined([_bare(a.q_proj), _bare(a.k_proj), _bare(a.v_proj)])
+    gate_up = getattr(mlp, "_gate_up", None)
+    if gate_up is None:
+        m = _bare(mlp)
+        gate_up = Joined([_bare(m.gate_proj), _bare(m.up_proj)])
+    a, m = _bare(attn), _bare(mlp)
+    return {
+        "in": layer.input_layernorm.weight,
+        "qkv": qkv.weight,
+        "o": _bare(a.o_proj).weight,
+        "post": layer.post_attention_layernorm.weight,
+        "gate_up": gate_up.weight,
+        "down": _bare(m.down_proj).weight,
+    }
+
+
+def supports(model: nn.Module) -> bool:
+    """mlx-lm Llama layers (no sliding window) with plain Linear products and no biases."""
+    inner = getattr(model, "model", None)
+    if inner is None or type(inner).__module__ != "mlx_lm.models.llama":
+        return False
+    if getattr(inner, "swa_idx", None) is not None:
+        return False
+    for layer in inner.layers:
+        layer = _bare(layer)
+        attn, mlp = _bare(layer.self_attn), _bare(layer.mlp)
+        if type(attn).__module__ != "mlx_lm.models.llama":
+            return False
+        products = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+        products += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if any(type(_bare(p)) is not nn.Linear or "bias" in _bare(p) for p in products):
+            return False
+    return True

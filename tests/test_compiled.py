@@ -1,0 +1,115 @@
+"""Compiled forwards (specd.models.compiled) on a tiny random target: the model's own logits and
+captured rows, the backend the verifier picks, and rounds that commit plain greedy's tokens."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from test_engine import PROMPT
+from test_half import quantized_dir  # noqa: F401  (fixture)
+from test_rowwise import mixed_rounds
+
+from specd.models import compiled
+from specd.models.load import load_target
+from verifier_svc.engine import Target
+from verifier_svc.forwards import CompiledMlxForward, MlxForward
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_model_dir):
+    """(the model's own forwards, compiled forwards), both in MLX."""
+    own = Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0)
+    fast = Target(
+        load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0, compiled_forwards=True
+    )
+    assert fast.compiled_forwards and not own.compiled_forwards
+    return own, fast
+
+
+def _block(n: int) -> mx.array:
+    return mx.array([(7 * i + 5) % 90 + 3 for i in range(n)])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 16])
+def test_compiled_forwards_equal_the_models_own(targets, n):
+    layers = (0, 1)
+    results = []
+    for target in targets:
+        cache = target.new_cache()
+        target.forward(mx.array(PROMPT), cache, layers)
+        logits, rows = target.forward(_block(n), cache, layers)
+        assert cache[0].offset == len(PROMPT) + n
+        results.append((logits, rows))
+    (own_logits, own_rows), (got_logits, got_rows) = results
+    _same(got_logits, own_logits)
+    assert mx.allclose(got_rows, own_rows, rtol=1e-5, atol=1e-4).item()
+
+
+def _same(got: mx.array, want: mx.array) -> None:
+    """The model's own logits and choices up to float32 rounding: on a CPU, BLAS may sum a
+    joined q/k/v product with another kernel than three separate ones (on a GPU MLX's
+    matrix-vector kernel sums each output alike; benchmarks/gpu_forwards.py checks bit for
+    bit)."""
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-4).item()
+    assert mx.array_equal(mx.argmax(got, -1), mx.argmax(want, -1)).item()
+
+
+def test_chunks_around_two_pass_keys_equal_the_models_own(tiny_model_dir):
+    """Verifies whose rows straddle the 1,024 keys where attention changes kernels."""
+    loaded = load_target(str(tiny_model_dir), dtype="float32")
+    model = loaded.model
+    fast = compiled.CompiledForward(model)
+    cache = make_prompt_cache(model)
+    model(mx.array([[(5 * i) % 90 + 3 for i in range(1020)]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    for n in (3, 7):
+        want = model(_block(n)[None], cache=cache)
+        trim_prompt_cache(cache, n)
+        got = fast(_block(n)[None], cache=cache)
+        trim_prompt_cache(cache, n)
+        _same(got, want)
+
+
+def test_backends_by_size_and_tree(targets):
+    target = targets[1]
+    cache = target.new_cache()
+    assert isinstance(target._backend(1, cache), CompiledMlxForward)
+    assert isinstance(target._backend(16, cache), CompiledMlxForward)
+    assert isinstance(target._backend(17, cache), MlxForward)  # a prefill: the model's own
+    assert target.forwards_queue and target.on_mlx(4, cache)
+
+
+def test_rounds_with_compiled_forwards_equal_plain_greedy(targets):
+    """Chains and bursts through the compiled forwards, trees through the model's own."""
+    out, reference, kinds = mixed_rounds(targets[1], seed=5, longest_chain=15)
+    assert {"chain", "tree", "burst"} <= set(kinds)
+    assert out[: len(reference)] == reference[: len(out)]
+
+
+def test_quantized_targets_keep_their_own_forward(quantized_dir):  # noqa: F811
+    loaded = load_target(str(quantized_dir), dtype="native")
+    assert not compiled.supports(loaded.model)
+    target = Target(loaded, gemv_rows=0, compiled_forwards=True)
+    assert not target.compiled_forwards
+    assert not any(isinstance(f, CompiledMlxForward) for f in target.forwards)
+
+
+def test_row_forwards_and_compiled_share_the_joined_weights(tiny_model_dir):
+    """With both on, the compiled forward reads the joins the row forwards made: no copy."""
+    target = Target(
+        load_target(str(tiny_model_dir), dtype="float32"),
+        gemv_rows=0,
+        row_forwards=True,
+        compiled_forwards=True,
+    )
+    backend = target.forwards[0]
+    assert isinstance(backend, CompiledMlxForward)
+    layer = target.model.model.layers[0].inner
+    weights = backend.compiled.weights[0]
+    attn = layer.self_attn
+    joined = attn._qkv.weight if attn._qkv is not None else None
+    if joined is not None:  # joins exist only where the few-row kernel runs (CUDA)
+        assert weights["qkv"] is joined
+    q = compiled._bare(compiled._bare(attn).q_proj).weight
+    assert mx.array_equal(weights["qkv"][: q.shape[0]], q).item()
