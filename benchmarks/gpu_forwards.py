@@ -13,7 +13,9 @@ host-device round trip) and the launch cost per kernel (a chain of small kernels
 
 Variant rowwise: the same model with specd.models.rowwise installed (a few tokens computed as
 decode steps compute them); beside its cost, how far a forward of N tokens is from N decode
-steps (max |dlogit| and greedy choices that differ), for both variants.
+steps (max |dlogit| and greedy choices that differ), for both variants. Variant compiled:
+specd.models.compiled's forward (the work between attentions under mx.compile), its rows
+against its own steps and against mlx-lm's.
 
 On a GPU this is what adaptive k needs to know: how much a verify of k+1 tokens costs over a
 decode step. Runs on a CPU too (slowly).
@@ -28,7 +30,7 @@ import time
 
 import mlx.core as mx
 
-from specd.models import rowwise
+from specd.models import compiled, rowwise
 from specd.models.load import device_kind, load_target
 
 
@@ -102,16 +104,18 @@ def forward_costs(model, context: int, sizes: list[int], repeats: int) -> dict:
     return out
 
 
-def rows_against_steps(model, context: int, sizes: list[int]) -> dict:
+def rows_against_steps(model, context: int, sizes: list[int], stepper=None) -> dict:
     """Per size N: a forward of N tokens at the end of `context` against N decode steps over
-    the same tokens: max |dlogit|, and how many greedy choices differ."""
+    the same tokens (by `stepper`, default the model): max |dlogit|, and how many greedy
+    choices differ."""
+    stepper = stepper or model
     cache = _prefilled(model, context)
     out = {}
     for n in sizes:
         block = mx.array([(29 * i + 11) % 1000 + 100 for i in range(n)])
         steps = []
         for i in range(n):
-            steps.append(model(block[None, i : i + 1], cache=cache)[0])
+            steps.append(stepper(block[None, i : i + 1], cache=cache)[0])
         steps = mx.concatenate(steps)
         mx.eval(steps)
         _trim(cache, context)
@@ -179,14 +183,25 @@ def main() -> None:
             if variant == "rowwise" and not rowwise.install(loaded.model):
                 print(f"{loaded.dtype}: rowwise does not apply to this model; skipped")
                 continue
+            if variant == "compiled" and not compiled.supports(loaded.model):
+                print(f"{loaded.dtype}: compiled does not apply to this model; skipped")
+                continue
+            model = compiled.CompiledForward(loaded.model) if variant == "compiled" else None
+            model = model or loaded.model
             name = f"{loaded.dtype}/{variant}"
             entry = {"contexts": {}, "decode": {}, "rows_vs_steps": {}}
             for context in args.contexts:
-                costs = forward_costs(loaded.model, context, args.tokens, args.repeats)
+                costs = forward_costs(model, context, args.tokens, args.repeats)
                 entry["contexts"][context] = costs
-                entry["decode"][context] = decode_rates(loaded.model, context, args.decode_steps)
-                exact = rows_against_steps(loaded.model, context, args.tokens[1:])
+                entry["decode"][context] = decode_rates(model, context, args.decode_steps)
+                exact = rows_against_steps(model, context, args.tokens)
                 entry["rows_vs_steps"][context] = exact
+                if variant == "compiled":
+                    against = rows_against_steps(model, context, args.tokens, loaded.model)
+                    entry.setdefault("rows_vs_mlx_lm_steps", {})[context] = against
+                    print(f"{name:>16} ctx {context:>5}: N tokens vs N mlx-lm steps  " + "  ".join(
+                        f"{n}:{e['max_dlogit']:.2g} ({e['choices_differ']})"
+                        for n, e in against.items()))  # fmt: skip
                 one = costs[args.tokens[0]]["ms"]
                 cells = "  ".join(
                     f"{n}:{c['ms']:.2f} ({c['ms'] / one:.2f}x, build {c['build_ms']:.2f})"
@@ -202,7 +217,7 @@ def main() -> None:
                           f"{n}:{e['max_dlogit']:.2g} ({e['choices_differ']})"
                           for n, e in exact.items()))  # fmt: skip
             result["dtypes"][name] = entry
-            del loaded
+            del loaded, model
             mx.clear_cache()
     if args.json_out:
         with open(args.json_out, "w") as f:

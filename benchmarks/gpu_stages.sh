@@ -21,6 +21,9 @@
 #          equal to one-row products bit for bit), then forwards of N tokens against N decode
 #          steps, the model's own and row by row, at 512, 1020 and 2048 tokens of context
 #          (gpu_forwards.py: cost, max |dlogit|)
+# compiled forwards of N tokens at 512 and 2048 tokens of context: the model's own, row by
+#          row, and specd.models.compiled's (the work between attentions under mx.compile):
+#          cost, build time, decode rate, rows against decode steps (gpu_forwards.py)
 # verify   what a verify of 1..16 tokens costs the engine, by path: the model's own forward or
 #          row by row, keeping the drafters' hidden rows or none, drafts rejected, then every
 #          draft kept (run Y: 13 ms for 7 tokens served, against 6 ms row by row in
@@ -101,6 +104,10 @@ rows)
     > "$OUT/rows.log" 2>&1
   timeout 300 python3 benchmarks/gpu_forwards.py --model "$model" --dtypes float32 \
     --contexts 512 1020 2048 --tokens 1 2 3 4 7 8 16 --repeats 15 >> "$OUT/rows.log" 2>&1 ;;
+compiled)
+  timeout 420 python3 benchmarks/gpu_forwards.py --model "$model" --dtypes float32 \
+    --contexts 512 2048 --tokens 1 2 3 4 7 8 16 --repeats 15 \
+    --variants mlx-lm rowwise compiled --json "$OUT/compiled.json" > "$OUT/compiled.log" 2>&1 ;;
 verify)
   for rows in "" --no-rows; do
     for path in off on; do
@@ -159,7 +166,7 @@ eagle3)
   tar -czf "$OUT/eagle3-meta.tgz" -C "$out" config.json training.json ;;
 *)
   echo "usage: bash benchmarks/gpu_stages.sh" \
-    "parity|grounded|load|clients|drafters [SECONDS [DRAFTERS [in-process]]]|heads|verify|pool|distill [SECONDS [DTYPE]]|selfprompts [SECONDS [DTYPE]]|dflash [DATA [SECONDS [RECORDS [LAYERS]]]]|eagle3 [DATA [SECONDS [RECORDS [MLP_WIDTH [DRAFT_VOCAB [EPOCHS]]]]]]" >&2
+    "parity|grounded|load|clients|compiled|drafters [SECONDS [DRAFTERS [in-process]]]|heads|verify|pool|distill [SECONDS [DTYPE]]|selfprompts [SECONDS [DTYPE]]|dflash [DATA [SECONDS [RECORDS [LAYERS]]]]|eagle3 [DATA [SECONDS [RECORDS [MLP_WIDTH [DRAFT_VOCAB [EPOCHS]]]]]]" >&2
   exit 2 ;;
 esac
 tar -czf "$OUT/results.tgz" -C ~ res /tmp/specd-bench-* 2>/dev/null
