@@ -69,7 +69,7 @@ class Eagle3Drafter:
         attn = head.midlayer.self_attn
         self.kv_shape = (attn.n_kv, attn.head_dim)
         self.d2t = np.asarray(head.d2t).astype(np.int64)
-        self._d2t: mx.array | None = None  # on the device, for chains drafted there
+        self._steps = None  # a chain step's compiled halves, made at the first chain in MLX
         self.t2d = np.full(self.cfg.vocab_size, -1, dtype=np.int64)
         self.t2d[np.arange(len(self.d2t)) + self.d2t] = np.arange(len(self.d2t))
         self.row_width = len(self.cfg.capture_layers) * self.cfg.feature_size
@@ -170,31 +170,61 @@ class Eagle3Drafter:
     def _chain_on_device(self, state: Eagle3State, k: int, after: list[int]) -> Proposal:
         """The chain as one MLX graph: each draft's argmax feeds the next step where it is
         computed, and Python waits once, for all k, instead of after every step (on a GPU a
-        wait per step costs more than the step)."""
-        if self._d2t is None:
-            self._d2t = mx.array(self.d2t)
+        wait per step costs more than the step). A step's work before and after its attention
+        is one compiled call each (`_compiled_step`), so Python builds a few operations a step
+        instead of ~40."""
+        step_in, step_out = self._compiled_step()
         keys, values = _mlx_past(state)
         position = state.entries
         hidden = mx.array(state.last_hidden[None])  # [1, H]
+        scale = self.head.midlayer.self_attn.scale
 
-        def feed(target_id: mx.array) -> mx.array:
+        def feed(emb: mx.array) -> tuple[mx.array, mx.array, mx.array]:
             nonlocal keys, values, position
-            emb = self.embedding[target_id][None]
-            out, (k_new, v_new) = self.head.step(emb, hidden[None], position, (keys, values), None)
+            q, k_new, v_new, residual = step_in(emb, hidden, mx.array(position, dtype=mx.int32))
             keys = mx.concatenate([keys, k_new], axis=2)
             values = mx.concatenate([values, v_new], axis=2)
             position += 1
-            return out[0]
+            return step_out(mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale),
+                            residual)  # fmt: skip
 
+        _, draft, emb = step_out(None, None, hidden)  # the first draft, from the last row
         for token in after:
-            hidden = feed(mx.array([token]))
-        drafts = []
-        while True:
-            drafts.append(mx.argmax(self.head.logits(hidden), axis=-1))  # a draft-vocab id
-            if len(drafts) == k:
-                break
-            hidden = feed(drafts[-1] + self._d2t[drafts[-1]])
+            hidden, draft, emb = feed(self.embedding[mx.array([token])][None])
+        drafts = [draft]
+        while len(drafts) < k:
+            hidden, draft, emb = feed(emb)
+            drafts.append(draft)
         return Proposal(self._to_target(mx.concatenate(drafts).tolist()))
+
+    def _compiled_step(self):
+        """(step_in, step_out), compiled once: step_in(emb [1,1,H], feature [1,H], position)
+        -> (q, k, v, residual); step_out(attention [1,nh,1,D], residual) -> (hidden [1,H], the
+        draft-vocab argmax [1], its target embedding [1,1,H]); step_out(None, None, hidden)
+        reads the draft off a given hidden row."""
+        if self._steps is None:
+            head, d2t = self.head, mx.array(self.d2t)
+            mid, attn = head.midlayer, head.midlayer.self_attn
+
+            def step_in(emb, feature, position):
+                x, residual = mid.inputs(emb, feature[None])
+                return (*attn.project(x, position), residual)
+
+            def read(hidden):
+                draft = mx.argmax(head.logits(hidden), axis=-1)
+                return hidden, draft, self.embedding[draft + d2t[draft]][None]
+
+            def step_out(out, residual):
+                out = attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, 1, -1))
+                return read(mid.finish(out, residual)[0])
+
+            compiled_in, compiled_out, compiled_read = map(mx.compile, (step_in, step_out, read))
+
+            def step_out_or_read(out, residual, hidden=None):
+                return compiled_read(hidden) if out is None else compiled_out(out, residual)
+
+            self._steps = (compiled_in, step_out_or_read)
+        return self._steps
 
     def _levels(self, state: Eagle3State, most: int) -> _CpuLevels | _MlxLevels:
         """Where a proposal's drafted entries go: `most` of them at the most."""
