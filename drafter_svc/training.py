@@ -51,11 +51,13 @@ def resume(trainer, checkpoint: Path, wanted: bool) -> HeldOutCurve:
 
 
 def write_summary(out: Path, summary: dict, held: list, curve: HeldOutCurve) -> dict:
-    """training.json: the run's summary, with the held-out curve where there was a held-out set."""
+    """training.json (written whole): the run's summary, with the held-out curve where there
+    was a held-out set."""
     if held:
         summary["held_out_conversations"] = len(held)
         summary["held_out_curve"] = curve
-    (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    text = json.dumps(summary, indent=2) + "\n"
+    write_whole(out / "training.json", lambda path: path.write_text(text))
     return summary
 
 
