@@ -22,7 +22,8 @@ from specd.argtypes import int_between, non_negative_int, positive_float, positi
 # "-host" variants run the head in MLX or on the host (--head-forwards); dflash-bN drafts blocks
 # of N; a "-serial" suffix turns drafting beside decode bursts off; a "-burstN" suffix (before
 # -serial) decodes up to N tokens a call when no drafts are wanted; any name but none ending in
-# -kN drafts k = N every round
+# -kN drafts k = N every round; an EAGLE-3 name ending in -pNN (before the rest) ends its chains
+# before a draft the head gives less than NN % (--draft-p-min): "eagle3-host-p50-k6"
 BENCH_DRAFTERS = {"ngram": "ngram", "eagle3": "eagle3", "eagle3-tree": "eagle3",
                   "eagle3-mlx": "eagle3", "eagle3-tree-mlx": "eagle3",
                   "eagle3-host": "eagle3", "eagle3-tree-host": "eagle3",
@@ -61,9 +62,18 @@ def decode_burst_for(args, name: str) -> int:
 
 
 def _drafter_name(name: str) -> str:
-    """The name without its coordinator and request suffixes: "eagle3-mlx" of
-    "eagle3-mlx-burst8-serial-k2"."""
-    return _split_burst(name)[0]
+    """The name without its drafter option, coordinator and request suffixes: "eagle3-mlx" of
+    "eagle3-mlx-p50-burst8-serial-k2"."""
+    return _without_p_min(_split_burst(name)[0])[0]
+
+
+_P_MIN_SUFFIX = re.compile(r"(eagle3.*)-p([0-9]{1,2})")
+
+
+def _without_p_min(name: str) -> tuple[str, float | None]:
+    """("eagle3-host", 0.5) for "eagle3-host-p50"."""
+    match = _P_MIN_SUFFIX.fullmatch(name)
+    return (match[1], int(match[2]) / 100) if match else (name, None)
 
 
 def bench_kind(name: str) -> str | None:
@@ -358,6 +368,7 @@ def _known(name: str) -> bool:
 
 def _variant_options(args, name: str) -> dict:
     """Options of bench drafter `name` as `specd serve drafter` flags take them."""
+    p_min = _without_p_min(_split_burst(name)[0])[1]
     name = _drafter_name(name)  # the request pins k (see run_bench)
     tree = "-tree" in name
     return {
@@ -371,6 +382,7 @@ def _variant_options(args, name: str) -> dict:
         "tree_top_k": args.tree_top_k if tree else None,
         "block_size": int(name[len("dflash-b") :]) if name.startswith("dflash-b") else None,
         "head_forwards": name.rpartition("-")[2] if name.endswith(("-mlx", "-host")) else None,
+        "draft_p_min": p_min,
     }
 
 
@@ -383,6 +395,7 @@ _KIND_OPTIONS = {
         "tree_depth",
         "tree_top_k",
         "head_forwards",
+        "draft_p_min",
     ),  # fmt: skip
     "dflash": ("weights", "block_size"),
 }

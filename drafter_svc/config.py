@@ -65,6 +65,7 @@ def drafter_options(
     block_size: int | None = None,
     draft_vocab: int | None = None,
     head_forwards: str | None = None,
+    draft_p_min: float | None = None,
 ) -> dict:
     """The kind-specific parts of a DrafterConfig from command-line style options (None: the
     default); ValueError names the bad option."""
@@ -86,8 +87,13 @@ def drafter_options(
         raise ValueError("need 1 <= --ngram-min-n <= --ngram-max-n")
     if head_forwards is not None and head_forwards not in HEAD_FORWARDS:
         raise ValueError(f"--head-forwards must be one of {', '.join(HEAD_FORWARDS)}")
+    if draft_p_min is not None and not 0 <= draft_p_min < 1:
+        raise ValueError("--draft-p-min must be >= 0 and < 1")
     eagle3 = Eagle3Options(
-        weights=weights, num_draft_tokens=num_draft_tokens or 0, forwards=head_forwards or "auto"
+        weights=weights,
+        num_draft_tokens=num_draft_tokens or 0,
+        forwards=head_forwards or "auto",
+        draft_p_min=draft_p_min or 0.0,
     )
     shape = (tree_total_tokens, tree_depth, tree_top_k)
     if any(v is not None and v < 0 for v in shape):

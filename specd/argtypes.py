@@ -57,6 +57,14 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def probability_below_one(text: str) -> float:
+    """A probability a draft may need: 0 <= p < 1 (1 would refuse every draft after the first)."""
+    value = _finite(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 0 and < 1, got {text}")
+    return value
+
+
 def _finite(text: str) -> float:
     try:
         value = float(text)

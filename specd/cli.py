@@ -21,6 +21,7 @@ from specd.argtypes import (
     non_negative_int,
     port,
     positive_float,
+    probability_below_one,
 )
 from specd.options import add_flags, flag_values
 from specd.platform import ensure_fast_blas
@@ -50,6 +51,7 @@ KIND_ONLY_FLAGS = {  # drafter flags that mean something to some kinds only: ref
     "block_size": ("dflash",),
     "draft_vocab": ("dflash",),
     "head_forwards": ("eagle3",),
+    "draft_p_min": ("eagle3",),
 }
 
 
@@ -153,6 +155,13 @@ def _add_serve(sub) -> None:
         "compiled kernels on the CPU, mlx = MLX on its device; auto (default) = host where the "
         "kernels are built (docs/options.md)",
     )
+    d.add_argument(
+        "--draft-p-min",
+        type=probability_below_one,
+        help="eagle3: a chain ends before a draft, after the first, that the head gives a "
+        "probability below P (as llama.cpp's --draft-p-min; default 0: every draft k asks). "
+        "Unsure drafts are rarely kept, and each costs the verify a row (docs/options.md)",
+    )
     d.add_argument("--tree-depth", type=int_between(1), help="eagle3: deepest tree path")
     d.add_argument(
         "--tree-top-k", type=int_between(1), help="eagle3: children per expanded tree node"
@@ -241,7 +250,7 @@ def _service_config(args):
             options = drafter_options(
                 args.kind, args.num_draft_tokens, args.ngram_min_n, args.ngram_max_n,
                 args.weights, args.tree_total_tokens, args.tree_depth, args.tree_top_k,
-                args.block_size, args.draft_vocab, args.head_forwards,
+                args.block_size, args.draft_vocab, args.head_forwards, args.draft_p_min,
             )  # fmt: skip
         except ValueError as exc:
             print(f"specd: {exc}", file=sys.stderr)

@@ -202,6 +202,23 @@ def test_head_forwards_variants_pass_the_choice_to_their_drafter(where):
     assert "--head-forwards" not in _drafter_args(args, "eagle3")
 
 
+def test_p_min_variants_pass_the_threshold_to_their_drafter():
+    from argparse import ArgumentParser
+
+    from coordinator.bench import _drafter_args, add_bench_args, bench_kind, pinned_k
+
+    p = ArgumentParser()
+    add_bench_args(p)
+    args = p.parse_args(["--questions", "mt-bench"])
+    assert bench_kind("eagle3-host-p50-k6") == "eagle3" and pinned_k("eagle3-p40-k3")[1] == 3
+    chain = _drafter_args(args, "eagle3-host-p50-k6")
+    assert chain[chain.index("--draft-p-min") + 1] == "0.5"
+    assert chain[chain.index("--head-forwards") + 1] == "host"
+    assert "--draft-p-min" not in _drafter_args(args, "eagle3-k6")
+    with pytest.raises(KeyError):
+        bench_kind("ngram-p50")  # a threshold of the EAGLE-3 head's only
+
+
 def test_a_difference_is_explained_by_the_logits_and_their_rounding(tiny_model_dir):
     import mlx.core as mx
     import numpy as np

@@ -179,6 +179,46 @@ def test_drafting_past_speculative_ids_continues_the_chain(make_drafter):
     assert state.entries == 7 and state.tokens == tokens[:8]  # nothing of it is kept
 
 
+def _chain_and_probabilities(head, embedding, state, k: int):
+    """The chain of k drafted step by step with the head's own modules, and the probability
+    the head gave each draft."""
+    keys, values = mx.array(state.keys[None]), mx.array(state.values[None])
+    hidden, position, d2t = mx.array(state.last_hidden), state.entries, np.array(head.d2t)
+    ids, probs = [], []
+    for _ in range(k):
+        logits = head.logits(hidden)
+        best = int(mx.argmax(logits).item())
+        probs.append(float(mx.softmax(logits, axis=-1, precise=True)[best].item()))
+        ids.append(best + int(d2t[best]))
+        emb = embedding[mx.array([ids[-1]])][None]
+        out, (k_new, v_new) = head.step(emb, hidden[None, None], position, (keys, values), None)
+        keys = mx.concatenate([keys, k_new], axis=2)
+        values = mx.concatenate([values, v_new], axis=2)
+        hidden, position = out[0, -1], position + 1
+    return ids, probs
+
+
+def test_a_chain_ends_before_a_draft_the_head_is_unsure_of(make_drafter):
+    head = tiny_head()
+    head.update({"lm_head": {"weight": head.lm_head.weight / 6}})  # probabilities of all sizes
+    mx.eval(head.parameters())
+    embedding, rows, tokens = sample_inputs(t=10)
+    drafter = make_drafter(head, embedding)
+    state = drafter.open(tokens[:8], rows[:7])
+    ids, probs = _chain_and_probabilities(head, embedding, state, 6)
+    assert drafter.chain(state, 6).ids == ids
+    assert drafter.chain(state, 6, p_min=0.0).ids == ids
+    cuts = set()
+    for p_min in sorted({round(p, 4) for p in probs[1:]} | {0.999}):
+        if not 0 < p_min < 1:
+            continue
+        cut = next((j for j in range(1, 6) if probs[j] < p_min), 6)
+        assert drafter.chain(state, 6, p_min=p_min).ids == ids[:cut], (p_min, probs)
+        cuts.add(cut)
+    assert len(cuts) > 1  # the thresholds cut the chain at different drafts
+    assert len(drafter.chain(state, 6, p_min=0.999).ids) >= 1  # the first draft always goes
+
+
 def test_tree_with_one_child_per_node_is_the_chain(make_drafter):
     head = tiny_head()
     embedding, rows, tokens = sample_inputs(t=10)

@@ -140,14 +140,18 @@ class Eagle3Drafter:
         d = np.asarray(draft_ids, dtype=np.int64)
         return (d + self.d2t[d]).tolist()
 
-    def chain(self, state: Eagle3State, k: int, after: list[int] = ()) -> Proposal:
+    def chain(
+        self, state: Eagle3State, k: int, after: list[int] = (), p_min: float = 0.0
+    ) -> Proposal:
         """k drafts past the committed context, or past `after`: speculative tokens not yet
         verified, which have no target rows, so each is fed with the head's own output as
-        its feature, as a chain's drafts are."""
+        its feature, as a chain's drafts are. p_min: the chain ends before a draft after the
+        first to which the head gives a probability below it (a draft it is unsure of is
+        rarely kept, and each costs the verify a row)."""
         if not self.ready(state) or k <= 0:
             return Proposal([])
         if self.cpu_head is None:
-            return self._chain_on_device(state, k, after)
+            return self._chain_on_device(state, k, after, p_min)
         levels = self._levels(state, len(after) + k)
         position = state.entries  # of the first drafted entry
         hidden = state.last_hidden[None]
@@ -162,12 +166,18 @@ class Eagle3Drafter:
             hidden = feed(token)
         ids: list[int] = []
         while True:
-            ids.append(int(np.argmax(levels.logits(hidden)[0])))
+            logits = levels.logits(hidden)[0]
+            best = int(np.argmax(logits))
+            if ids and p_min > 0 and _top_probability(logits, best) < p_min:
+                return Proposal(self._to_target(ids))
+            ids.append(best)
             if len(ids) == k:
                 return Proposal(self._to_target(ids))
             hidden = feed(self._to_target(ids[-1:])[0])
 
-    def _chain_on_device(self, state: Eagle3State, k: int, after: list[int]) -> Proposal:
+    def _chain_on_device(
+        self, state: Eagle3State, k: int, after: list[int], p_min: float
+    ) -> Proposal:
         """The chain as one MLX graph: each draft's argmax feeds the next step where it is
         computed, and Python waits once, for all k, instead of after every step (on a GPU a
         wait per step costs more than the step). A step's work before and after its attention
@@ -188,20 +198,25 @@ class Eagle3Drafter:
             return step_out(mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale),
                             residual)  # fmt: skip
 
-        _, draft, emb = step_out(None, None, hidden)  # the first draft, from the last row
+        _, draft, emb, prob = step_out(None, None, hidden)  # the first draft, from the last row
         for token in after:
-            hidden, draft, emb = feed(self.embedding[mx.array([token])][None])
-        drafts = [draft]
+            hidden, draft, emb, prob = feed(self.embedding[mx.array([token])][None])
+        drafts, probs = [draft], [prob]
         while len(drafts) < k:
-            hidden, draft, emb = feed(emb)
+            hidden, draft, emb, prob = feed(emb)
             drafts.append(draft)
-        return Proposal(self._to_target(mx.concatenate(drafts).tolist()))
+            probs.append(prob)
+        ids = mx.concatenate(drafts).tolist()
+        if p_min > 0:  # the whole chain is one graph: trimmed once it is read
+            unsure = [j for j, p in enumerate(mx.concatenate(probs).tolist()) if j and p < p_min]
+            ids = ids[: unsure[0]] if unsure else ids
+        return Proposal(self._to_target(ids))
 
     def _compiled_step(self):
         """(step_in, step_out), compiled once: step_in(emb [1,1,H], feature [1,H], position)
         -> (q, k, v, residual); step_out(attention [1,nh,1,D], residual) -> (hidden [1,H], the
-        draft-vocab argmax [1], its target embedding [1,1,H]); step_out(None, None, hidden)
-        reads the draft off a given hidden row."""
+        draft-vocab argmax [1], its target embedding [1,1,H], the head's probability for it
+        [1]); step_out(None, None, hidden) reads the draft off a given hidden row."""
         if self._steps is None:
             head, d2t = self.head, mx.array(self.d2t)
             mid, attn = head.midlayer, head.midlayer.self_attn
@@ -211,8 +226,10 @@ class Eagle3Drafter:
                 return (*attn.project(x, position), residual)
 
             def read(hidden):
-                draft = mx.argmax(head.logits(hidden), axis=-1)
-                return hidden, draft, self.embedding[draft + d2t[draft]][None]
+                logits = head.logits(hidden)
+                draft = mx.argmax(logits, axis=-1)
+                prob = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1))
+                return hidden, draft, self.embedding[draft + d2t[draft]][None], prob
 
             def step_out(out, residual):
                 out = attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, 1, -1))
@@ -359,6 +376,11 @@ class _CpuLevels:
         logits = self.logits(hidden)
         top = logits.max(axis=-1, keepdims=True)
         return logits - (top + np.log(np.exp(logits - top).sum(axis=-1, keepdims=True)))
+
+
+def _top_probability(logits: np.ndarray, best: int) -> float:
+    """The softmax probability of logits[best] (its largest entry)."""
+    return float(1.0 / np.exp(logits.astype(np.float64) - float(logits[best])).sum())
 
 
 def _mlx_past(state: Eagle3State) -> tuple[mx.array, mx.array] | None:

@@ -33,6 +33,7 @@ class Eagle3Options:
     max_draft_tokens: int = 16
     tree: TreeShape | None = None  # default shape; None: from the head's config; total 0: chain
     forwards: str = "auto"  # HEAD_FORWARDS: where the head's forwards of a few rows run
+    draft_p_min: float = 0.0  # a chain ends before a later draft the head gives less than this
     extra: dict = field(default_factory=dict)
 
 
@@ -57,6 +58,7 @@ class Eagle3Proposer:
                 top_k=int(tree_cfg.get("top_k", 4)),
             )
         self.source = source
+        self.p_min = options.draft_p_min
 
     def open(self, context_ids: list[int], hidden_rows=None) -> Eagle3State:
         return self.drafter.open(list(context_ids), joined_rows(hidden_rows))
@@ -70,7 +72,7 @@ class Eagle3Proposer:
         block a round drafts ahead while its verify runs."""
         shape = self.default_tree if tree is None else tree
         if speculative:
-            return self.drafter.chain(state, k, list(speculative))
+            return self.drafter.chain(state, k, list(speculative), self.p_min)
         if shape.total_tokens > 0:
             depth = min(shape.depth, k) if shape.depth else k
             if shape.total_tokens == 1 or shape.top_k == 1:  # one child per node: a chain
@@ -80,7 +82,7 @@ class Eagle3Proposer:
                 TreeShape(shape.total_tokens, min(depth, self.max_draft_tokens),
                           shape.top_k or self.default_tree.top_k or 4),
             )  # fmt: skip
-        return self.drafter.chain(state, k)
+        return self.drafter.chain(state, k, p_min=self.p_min)
 
     def params(self) -> dict[str, str]:
         t = self.default_tree
@@ -89,6 +91,7 @@ class Eagle3Proposer:
             "capture_layers": ",".join(map(str, self.capture_layers)),
             "draft_vocab": str(self.drafter.cfg.draft_vocab_size),
             "chain_forwards": "numpy" if self.drafter.cpu_head is not None else "mlx",
+            "draft_p_min": str(self.p_min),
             "tree": f"total={t.total_tokens} depth={t.depth} top_k={t.top_k}"
             if t.total_tokens > 0 else "chain",
         }  # fmt: skip
