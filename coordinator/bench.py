@@ -22,8 +22,9 @@ from specd.argtypes import int_between, non_negative_int, positive_float, positi
 # "-host" variants run the head in MLX or on the host (--head-forwards); dflash-bN drafts blocks
 # of N; a "-serial" suffix turns drafting beside decode bursts off; a "-burstN" suffix (before
 # -serial) decodes up to N tokens a call when no drafts are wanted; any name but none ending in
-# -kN drafts k = N every round; an EAGLE-3 name ending in -pNN (before the rest) ends its chains
-# before a draft the head gives less than NN % (--draft-p-min): "eagle3-host-p50-k6"
+# -kN drafts k = N every round; "-pNN" after an EAGLE-3 chain name (eagle3, eagle3-mlx,
+# eagle3-host), two digits, ends its chains before a draft the head gives less than NN %
+# (--draft-p-min): "eagle3-host-p50-k6"
 BENCH_DRAFTERS = {"ngram": "ngram", "eagle3": "eagle3", "eagle3-tree": "eagle3",
                   "eagle3-mlx": "eagle3", "eagle3-tree-mlx": "eagle3",
                   "eagle3-host": "eagle3", "eagle3-tree-host": "eagle3",
@@ -67,7 +68,7 @@ def _drafter_name(name: str) -> str:
     return _without_p_min(_split_burst(name)[0])[0]
 
 
-_P_MIN_SUFFIX = re.compile(r"(eagle3.*)-p([0-9]{1,2})")
+_P_MIN_SUFFIX = re.compile(r"(eagle3|eagle3-mlx|eagle3-host)-p([0-9]{2})")
 
 
 def _without_p_min(name: str) -> tuple[str, float | None]:
@@ -100,6 +101,8 @@ def add_bench_args(p) -> None:
         help="comma-separated: ngram, eagle3 (chains), eagle3-tree, a -mlx or -host suffix "
         "to either (the head's forwards in MLX or on the host: --head-forwards), dflash, "
         "dflash-bN (blocks of N), "
+        "a -pNN suffix to an EAGLE-3 chain name (eagle3-host-p50) to end chains before a "
+        "draft the head gives under NN %% (--draft-p-min), "
         "none (the services without drafting: what the split costs); a -serial suffix "
         "(ngram-serial) makes every draft call before its verify (--no-draft-beside-decode); "
         "a -burstN suffix before it (none-burst16) sets that stack's --decode-burst; "

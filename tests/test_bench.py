@@ -215,8 +215,9 @@ def test_p_min_variants_pass_the_threshold_to_their_drafter():
     assert chain[chain.index("--draft-p-min") + 1] == "0.5"
     assert chain[chain.index("--head-forwards") + 1] == "host"
     assert "--draft-p-min" not in _drafter_args(args, "eagle3-k6")
-    with pytest.raises(KeyError):
-        bench_kind("ngram-p50")  # a threshold of the EAGLE-3 head's only
+    for name in ("ngram-p50", "eagle3-tree-p50", "eagle3-p5", "eagle3-p100", "eagle3-p"):
+        with pytest.raises(KeyError):  # chains of the EAGLE-3 head only, two digits
+            bench_kind(name)
 
 
 def test_a_difference_is_explained_by_the_logits_and_their_rounding(tiny_model_dir):

@@ -71,13 +71,15 @@ def test_chunks_around_two_pass_keys_equal_the_models_own(tiny_model_dir):
         _same(got, want)
 
 
-def test_backends_by_size_and_tree(targets):
+def test_backends_by_size(targets):
     target = targets[1]
     cache = target.new_cache()
     assert isinstance(target._backend(1, cache), CompiledMlxForward)
     assert isinstance(target._backend(16, cache), CompiledMlxForward)
     assert isinstance(target._backend(17, cache), MlxForward)  # a prefill: the model's own
-    assert target.forwards_queue and target.on_mlx(4, cache)
+    # a prefill's short last chunk is not run a layer at a time: its kernels are the compiled
+    # forward's, as an unsliced prefill's would be
+    assert target.forwards_queue and not target.on_mlx(4, cache) and target.on_mlx(17, cache)
 
 
 def test_rounds_with_compiled_forwards_equal_plain_greedy(targets):
@@ -95,21 +97,23 @@ def test_quantized_targets_keep_their_own_forward(quantized_dir):  # noqa: F811
     assert not any(isinstance(f, CompiledMlxForward) for f in target.forwards)
 
 
-def test_row_forwards_and_compiled_share_the_joined_weights(tiny_model_dir):
-    """With both on, the compiled forward reads the joins the row forwards made: no copy."""
-    target = Target(
-        load_target(str(tiny_model_dir), dtype="float32"),
-        gemv_rows=0,
-        row_forwards=True,
-        compiled_forwards=True,
-    )
-    backend = target.forwards[0]
-    assert isinstance(backend, CompiledMlxForward)
-    layer = target.model.model.layers[0].inner
-    weights = backend.compiled.weights[0]
-    attn = layer.self_attn
-    joined = attn._qkv.weight if attn._qkv is not None else None
-    if joined is not None:  # joins exist only where the few-row kernel runs (CUDA)
-        assert weights["qkv"] is joined
-    q = compiled._bare(compiled._bare(attn).q_proj).weight
-    assert mx.array_equal(weights["qkv"][: q.shape[0]], q).item()
+def test_the_joined_weights_hold_the_models_products_in_order(tiny_model_dir):
+    """q, k, v and gate, up joined as the compiled forward reads them, row forwards on or off
+    (with them on, on CUDA, the joins are the row forwards' own)."""
+    for rows in (False, True):
+        target = Target(
+            load_target(str(tiny_model_dir), dtype="float32"),
+            gemv_rows=0,
+            row_forwards=rows,
+            compiled_forwards=True,
+        )
+        backend = target.forwards[0]
+        assert isinstance(backend, CompiledMlxForward)
+        for index, layer in enumerate(target.model.model.layers):
+            weights = backend.compiled.weights[index]
+            attn, mlp = compiled._bare(layer.self_attn), compiled._bare(layer.mlp)
+            qkv = [compiled._bare(getattr(attn, f"{n}_proj")).weight for n in "qkv"]
+            gate_up = [compiled._bare(getattr(mlp, f"{n}_proj")).weight for n in ("gate", "up")]
+            assert mx.array_equal(weights["qkv"], mx.concatenate(qkv)).item()
+            assert mx.array_equal(weights["gate_up"], mx.concatenate(gate_up)).item()
+            assert weights["o"] is compiled._bare(attn.o_proj).weight

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import mlx.core as mx
@@ -209,7 +210,9 @@ def test_a_chain_ends_before_a_draft_the_head_is_unsure_of(make_drafter):
     assert drafter.chain(state, 6).ids == ids
     assert drafter.chain(state, 6, p_min=0.0).ids == ids
     cuts = set()
-    for p_min in sorted({round(p, 4) for p in probs[1:]} | {0.999}):
+    # thresholds halfway between the probabilities, clear of their float32 rounding
+    levels = sorted({0.0, *probs[1:], 1.0})
+    for p_min in [(a + b) / 2 for a, b in itertools.pairwise(levels) if b - a > 1e-4]:
         if not 0 < p_min < 1:
             continue
         cut = next((j for j in range(1, 6) if probs[j] < p_min), 6)

@@ -97,10 +97,11 @@ class VerifierConfig:
     compiled_forwards: str = option(
         "auto",
         "run forwards of 1-16 tokens with the work between two attentions (products, norms, "
-        "MLP, RoPE) as one compiled MLX function a layer, the same kernels in the same order, "
-        "so the same numbers (Llama-family models with unquantized weights): on a GPU, where "
-        "Python's building of the graph bounds a small model's step, decode steps and "
-        "verifies cost less; auto = on on a GPU",
+        "MLP, RoPE) as one compiled MLX function a layer, each row on a decode step's "
+        "kernels, so on CUDA equal to the decode steps bit for bit (elsewhere up to float32 "
+        "rounding; Llama-family models with unquantized weights, no biases, no sliding "
+        "window): on a GPU, where Python's building of the graph bounds a small model's step, "
+        "decode steps and verifies cost less; auto = on on a GPU",
         choices=GPU_MODES,
     )
     kv_pool: str = option(

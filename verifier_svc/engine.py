@@ -205,8 +205,10 @@ class Target:
         return self.cpu_layers is not None or (self.row_forwards and self._mlx.takes_many())
 
     def on_mlx(self, tokens: int, cache: list) -> bool:
-        """Whether MLX runs this forward (the CPU kernels' numbers differ from its)."""
-        return not isinstance(self._backend(tokens, cache), CpuKernelForward)
+        """Whether the model's own MLX forward runs this (a prefill's chunk may then run a
+        layer at a time with the same numbers; the CPU kernels' and the compiled forward's
+        kernels are others)."""
+        return self._backend(tokens, cache) is self._mlx
 
     def layer_by_layer(self, token_ids: mx.array, cache: list, capture: tuple[int, ...] = ()):
         """A generator: the forward of token_ids a layer per `next()`; returns the rows."""

@@ -221,8 +221,9 @@ def _attention_many(attn: nn.Module, x: mx.array, spans: list[int], caches: list
 
 class CompiledMlxForward:
     """Forwards of 1-16 tokens at the end of mlx-lm KV caches with the work between two
-    attentions compiled (specd.models.compiled): the same kernels as the model's own, so the
-    same numbers, built by Python in a fraction of the time. Trees go to the model's own."""
+    attentions compiled (specd.models.compiled): each row on a decode step's kernels, so on
+    CUDA the decode steps' numbers bit for bit, built by Python in a fraction of the time.
+    Trees go to the model's own."""
 
     queues = True
 

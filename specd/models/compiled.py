@@ -189,11 +189,16 @@ def _layer_weights(layer: nn.Module) -> dict[str, mx.array]:
 
 
 def supports(model: nn.Module) -> bool:
-    """mlx-lm Llama layers (no sliding window) with plain Linear products and no biases."""
+    """mlx-lm Llama layers (no sliding window) with plain Linear products and no biases, a
+    plain embedding and logits head."""
     inner = getattr(model, "model", None)
     if inner is None or type(inner).__module__ != "mlx_lm.models.llama":
         return False
     if getattr(inner, "swa_idx", None) is not None:
+        return False
+    if not isinstance(inner.embed_tokens, nn.Embedding):  # not QuantizedEmbedding
+        return False
+    if "lm_head" in model and type(_bare(model["lm_head"])) is not nn.Linear:
         return False
     for layer in inner.layers:
         layer = _bare(layer)
