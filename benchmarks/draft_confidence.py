@@ -24,6 +24,7 @@ import numpy as np
 from coordinator.bench import plain_decode
 from drafter_svc.config import DrafterConfig, drafter_options
 from drafter_svc.data import Example, TargetFeatures
+from drafter_svc.eagle3.draft import top_probability
 from drafter_svc.server import make_proposer
 from specd.datasets import load_questions
 from specd.models.load import load_target
@@ -36,10 +37,10 @@ def chain_with_probs(drafter, state, k: int) -> tuple[list[int], list[float]]:
     position, hidden = state.entries, state.last_hidden[None]
     ids, probs = [], []
     while True:
-        logits = levels.logits(hidden)[0].astype(np.float64)
+        logits = levels.logits(hidden)[0]
         best = int(np.argmax(logits))
         ids.append(best)
-        probs.append(float(1.0 / np.exp(logits - logits[best]).sum()))
+        probs.append(top_probability(logits, best))
         if len(ids) == k:
             return drafter._to_target(ids), probs
         hidden = levels.forward(drafter._to_target(ids[-1:]), hidden, position, None)

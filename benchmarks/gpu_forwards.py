@@ -186,8 +186,9 @@ def main() -> None:
             if variant == "compiled" and not compiled.supports(loaded.model):
                 print(f"{loaded.dtype}: compiled does not apply to this model; skipped")
                 continue
-            model = compiled.CompiledForward(loaded.model) if variant == "compiled" else None
-            model = model or loaded.model
+            model = loaded.model
+            if variant == "compiled":
+                model = compiled.CompiledForward(model)
             name = f"{loaded.dtype}/{variant}"
             entry = {"contexts": {}, "decode": {}, "rows_vs_steps": {}}
             for context in args.contexts:

@@ -168,7 +168,7 @@ class Eagle3Drafter:
         while True:
             logits = levels.logits(hidden)[0]
             best = int(np.argmax(logits))
-            if ids and p_min > 0 and _top_probability(logits, best) < p_min:
+            if ids and p_min > 0 and top_probability(logits, best) < p_min:
                 return Proposal(self._to_target(ids))
             ids.append(best)
             if len(ids) == k:
@@ -183,7 +183,7 @@ class Eagle3Drafter:
         wait per step costs more than the step). A step's work before and after its attention
         is one compiled call each (`_compiled_step`), so Python builds a few operations a step
         instead of ~40."""
-        step_in, step_out = self._compiled_step()
+        step_in, step_out, read = self._compiled_step()
         keys, values = _mlx_past(state)
         position = state.entries
         hidden = mx.array(state.last_hidden[None])  # [1, H]
@@ -198,7 +198,8 @@ class Eagle3Drafter:
             return step_out(mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale),
                             residual)  # fmt: skip
 
-        _, draft, emb, prob = step_out(None, None, hidden)  # the first draft, from the last row
+        if not after:
+            hidden, draft, emb, prob = read(hidden)  # the first draft, from the last row
         for token in after:
             hidden, draft, emb, prob = feed(self.embedding[mx.array([token])][None])
         drafts, probs = [draft], [prob]
@@ -213,10 +214,10 @@ class Eagle3Drafter:
         return Proposal(self._to_target(ids))
 
     def _compiled_step(self):
-        """(step_in, step_out), compiled once: step_in(emb [1,1,H], feature [1,H], position)
-        -> (q, k, v, residual); step_out(attention [1,nh,1,D], residual) -> (hidden [1,H], the
-        draft-vocab argmax [1], its target embedding [1,1,H], the head's probability for it
-        [1]); step_out(None, None, hidden) reads the draft off a given hidden row."""
+        """(step_in, step_out, read), compiled once: step_in(emb [1,1,H], feature [1,H],
+        position) -> (q, k, v, residual); step_out(attention [1,nh,1,D], residual) -> read of
+        the step's hidden row; read(hidden [1,H]) -> (hidden, the draft-vocab argmax [1], its
+        target embedding [1,1,H], the head's probability for it [1])."""
         if self._steps is None:
             head, d2t = self.head, mx.array(self.d2t)
             mid, attn = head.midlayer, head.midlayer.self_attn
@@ -235,12 +236,7 @@ class Eagle3Drafter:
                 out = attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, 1, -1))
                 return read(mid.finish(out, residual)[0])
 
-            compiled_in, compiled_out, compiled_read = map(mx.compile, (step_in, step_out, read))
-
-            def step_out_or_read(out, residual, hidden=None):
-                return compiled_read(hidden) if out is None else compiled_out(out, residual)
-
-            self._steps = (compiled_in, step_out_or_read)
+            self._steps = tuple(map(mx.compile, (step_in, step_out, read)))
         return self._steps
 
     def _levels(self, state: Eagle3State, most: int) -> _CpuLevels | _MlxLevels:
@@ -378,7 +374,7 @@ class _CpuLevels:
         return logits - (top + np.log(np.exp(logits - top).sum(axis=-1, keepdims=True)))
 
 
-def _top_probability(logits: np.ndarray, best: int) -> float:
+def top_probability(logits: np.ndarray, best: int) -> float:
     """The softmax probability of logits[best] (its largest entry)."""
     return float(1.0 / np.exp(logits.astype(np.float64) - float(logits[best])).sum())
 

@@ -28,8 +28,8 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from specd.models import few_rows
-from specd.models.capture import CapturingLayer
-from specd.models.rowwise import ChunkedAttention, Joined, RowLinear, RowMLP, chunk_bounds
+from specd.models.capture import Bypass
+from specd.models.rowwise import Joined, chunk_bounds
 
 MAX_ROWS = few_rows.MAX_ROWS  # beyond, the model's own forward (a prefill)
 
@@ -155,11 +155,9 @@ def _last(shape, h, attn_parts, o_w, post_w, gate_up_w, down_w, norm_w, logits_w
     return h, _product(mx.fast.rms_norm(h, norm_w, shape.eps), logits_w)
 
 
-_WRAPPERS = (CapturingLayer, ChunkedAttention, RowMLP, RowLinear)
-
-
 def _bare(module: nn.Module) -> nn.Module:
-    while isinstance(module, _WRAPPERS):
+    """The module under specd's wrappers (capture, row by row)."""
+    while isinstance(module, Bypass.WRAPPERS):
         module = module.inner
     return module
 
