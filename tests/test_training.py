@@ -811,3 +811,42 @@ def test_a_checkpoint_killed_mid_write_still_resumes(tmp_path, monkeypatch):
         "optimizer.safetensors",
         "state.json",
     ]
+
+
+def test_dflash_step_cut_into_groups_updates_as_one_packed_context(
+    tiny_model_dir, data, tmp_path, monkeypatch
+):
+    """A step's conversations packed in several contexts (to bound the attention scores) give
+    the update one context gives: the groups' gradients summed by their weights."""
+    from mlx.utils import tree_flatten
+
+    import drafter_svc.dflash.train as dflash_train
+    from specd.models.load import load_target
+
+    opts = DFlashOptions(target=str(tiny_model_dir), out=tmp_path / "d", conversations=6,
+                         max_len=64, block_size=4, layers=1, anchors=4, warmup=1, data=data,
+                         batch_size=6, lr=1e-2)  # fmt: skip
+    loaded = load_target(opts.target, "float32")
+    layers = (0, 1)
+    feats = dflash_train.prepare_features(
+        dflash_train.TrainOptions(target=opts.target, out=opts.out, conversations=6,
+                                  max_len=64, data=data), loaded, layers)  # fmt: skip
+
+    def one_step():
+        mx.random.seed(0)
+        trainer = dflash_train.DFlashTrainer(opts, loaded, feats, layers)
+        before = {k: np.array(v) for k, v in tree_flatten(trainer.model.parameters())}
+        loss, tau = trainer.train_step(feats, np.random.default_rng(3))
+        after = {k: np.array(v) for k, v in tree_flatten(trainer.model.parameters())}
+        return trainer, loss, tau, before, after
+
+    whole, loss, tau, before, after = one_step()
+    assert len(whole.groups(feats)) == 1
+    assert max(np.abs(after[k] - before[k]).max() for k in after) > 1e-4  # it did learn
+    monkeypatch.setattr(dflash_train, "MAX_SCORES_PER_GROUP", 1)  # one conversation a group
+    cut, cut_loss, cut_tau, cut_before, cut_after = one_step()
+    assert len(cut.groups(feats)) == len(feats)
+    assert cut_loss == pytest.approx(loss, rel=1e-5) and cut_tau == pytest.approx(tau)
+    for key, value in after.items():
+        np.testing.assert_array_equal(cut_before[key], before[key])
+        np.testing.assert_allclose(cut_after[key], value, atol=1e-5)

@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from drafter_svc.checkpoints import (
     load_training_state,
@@ -44,6 +44,8 @@ from drafter_svc.eagle3.train import TrainOptions, choose_draft_vocab, prepare_f
 from drafter_svc.training import epoch_order, resume, run_steps, write_summary
 
 DEFAULT_LAYERS = 2  # decoder layers of a new drafter
+# attention scores (blocks x heads x block x context) of one packed context, at most
+MAX_SCORES_PER_GROUP = 1 << 28
 
 
 @dataclass
@@ -274,20 +276,55 @@ class DFlashTrainer:
                   weights)  # fmt: skip
         return inputs, valid, greedy
 
+    def groups(self, fs: list[Features]) -> list[list[Features]]:
+        """`fs` cut into runs packed one context each: every block attends over its whole
+        packed context, so the scores grow with blocks times context; a bound keeps them
+        small (32 long conversations in one context overran a GPU's 32-bit indices)."""
+        heads, bs = self.cfg.num_attention_heads, self.opts.block_size
+        out, tokens, blocks = [], 0, 0
+        for f in fs:
+            t, m = tokens + len(f.ids), blocks + self.opts.anchors
+            if out and out[-1] and m * heads * bs * (t + bs) > MAX_SCORES_PER_GROUP:
+                out.append([])
+                t, m = len(f.ids), self.opts.anchors
+            if not out:
+                out.append([])
+            out[-1].append(f)
+            tokens, blocks = t, m
+        return out
+
     def train_step(self, fs: list[Features], rng) -> tuple[float, float] | None:
-        """One step over the blocks of `fs`, packed into one context."""
-        packed = self._packed(fs, rng)
-        if packed is None:
-            self.step += 1
+        """One update over the blocks of `fs`: each group's gradient of its weighted mean
+        loss, summed by the groups' weights, is the gradient of the whole step's mean."""
+        total, weight = None, 0.0
+        loss_sum, drafts, valids, greedies = 0.0, [], [], []
+        for group in self.groups(fs):
+            packed = self._packed(group, rng)
+            if packed is None:
+                continue
+            inputs, valid, greedy = packed
+            (loss, logits), grads = self.loss_and_grad(*inputs)
+            w = inputs[-1].sum()
+            scaled = tree_map(lambda g, w=w: g * w, grads)
+            total = scaled if total is None else tree_map(mx.add, total, scaled)
+            draft = mx.argmax(logits, axis=-1)
+            mx.eval(total, loss, w, draft)
+            weight += float(w)
+            loss_sum += float(loss) * float(w)
+            drafts.append(np.array(draft))
+            valids.append(valid)
+            greedies.append(greedy)
+        self.step += 1
+        if total is None:
             return None
-        inputs, valid, greedy = packed
-        (loss, logits), grads = self.loss_and_grad(*inputs)
+        grads = tree_map(lambda g: g / max(weight, 1e-6), total)
         grads, _ = optim.clip_grad_norm(grads, self.opts.grad_clip)
         self.optimizer.update(self.model, grads)
-        draft = mx.argmax(logits, axis=-1)
-        mx.eval(self.model.parameters(), self.optimizer.state, loss, draft)
-        self.step += 1
-        return float(loss), _accepted_in_a_row(np.array(draft), greedy, valid)
+        mx.eval(self.model.parameters(), self.optimizer.state)
+        accepted = _accepted_in_a_row(
+            np.concatenate(drafts), np.concatenate(greedies), np.concatenate(valids)
+        )
+        return loss_sum / max(weight, 1e-6), accepted
 
     def acceptance(self, held: list[Features]) -> float:
         """Drafts accepted in a row per block, plus one, on conversations it does not train
@@ -295,8 +332,9 @@ class DFlashTrainer:
         rng = np.random.default_rng(self.opts.seed)
         runs, blocks = 0.0, 0
         size = max(1, self.opts.batch_size)
-        for start in range(0, len(held), size):
-            packed = self._packed(held[start : start + size], rng)
+        groups = [g for s in range(0, len(held), size) for g in self.groups(held[s : s + size])]
+        for group in groups:
+            packed = self._packed(group, rng)
             if packed is None:
                 continue
             inputs, valid, greedy = packed
