@@ -64,11 +64,11 @@ def test_kv_cache_bytes_and_the_kv_memory_limit(tiny_model_dir, tmp_path):
     from specd.service import channel_options
     from specd.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
-    metrics_port = free_ports(1)[0]
+    metrics_port, port = free_ports(2)  # together, so the service's port is not the same
     # a limit of one byte: the first session passes it, the second is refused
     flags = ["--model", str(tiny_model_dir), "--metrics-port", str(metrics_port),
              "--max-kv-memory", "1"]  # fmt: skip
-    verifier = spawn("verifier", flags, log_dir=tmp_path)
+    verifier = spawn("verifier", flags, port=port, log_dir=tmp_path)
     try:
         verifier.wait_healthy(120)
         with grpc.insecure_channel(verifier.address, options=channel_options()) as channel:
