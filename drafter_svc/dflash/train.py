@@ -281,16 +281,15 @@ class DFlashTrainer:
         packed context, so the scores grow with blocks times context; a bound keeps them
         small (32 long conversations in one context overran a GPU's 32-bit indices)."""
         heads, bs = self.cfg.num_attention_heads, self.opts.block_size
-        out, tokens, blocks = [], 0, 0
+        out: list[list[Features]] = []
+        tokens = 0
         for f in fs:
-            t, m = tokens + len(f.ids), blocks + self.opts.anchors
-            if out and out[-1] and m * heads * bs * (t + bs) > MAX_SCORES_PER_GROUP:
+            blocks = (len(out[-1]) + 1) * self.opts.anchors if out else 0
+            if not out or blocks * heads * bs * (tokens + len(f.ids) + bs) > MAX_SCORES_PER_GROUP:
                 out.append([])
-                t, m = len(f.ids), self.opts.anchors
-            if not out:
-                out.append([])
+                tokens = 0
             out[-1].append(f)
-            tokens, blocks = t, m
+            tokens += len(f.ids)
         return out
 
     def train_step(self, fs: list[Features], rng) -> tuple[float, float] | None:
