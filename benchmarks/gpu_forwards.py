@@ -15,7 +15,8 @@ Variant rowwise: the same model with specd.models.rowwise installed (a few token
 decode steps compute them); beside its cost, how far a forward of N tokens is from N decode
 steps (max |dlogit| and greedy choices that differ), for both variants. Variant compiled:
 specd.models.compiled's forward (the work between attentions under mx.compile), its rows
-against its own steps and against mlx-lm's.
+against its own steps and against mlx-lm's; variant compiled-chunked: the same with attention
+in MLX's chunks of three rows instead of specd.models.row_attention's one launch.
 
 On a GPU this is what adaptive k needs to know: how much a verify of k+1 tokens costs over a
 decode step. Runs on a CPU too (slowly).
@@ -183,12 +184,13 @@ def main() -> None:
             if variant == "rowwise" and not rowwise.install(loaded.model):
                 print(f"{loaded.dtype}: rowwise does not apply to this model; skipped")
                 continue
-            if variant == "compiled" and not compiled.supports(loaded.model):
+            fused = variant.startswith("compiled")
+            if fused and not compiled.supports(loaded.model):
                 print(f"{loaded.dtype}: compiled does not apply to this model; skipped")
                 continue
             model = loaded.model
-            if variant == "compiled":
-                model = compiled.CompiledForward(model)
+            if fused:
+                model = compiled.CompiledForward(model, one_launch_attention=variant == "compiled")
             name = f"{loaded.dtype}/{variant}"
             entry = {"contexts": {}, "decode": {}, "rows_vs_steps": {}}
             for context in args.contexts:
@@ -197,7 +199,7 @@ def main() -> None:
                 entry["decode"][context] = decode_rates(model, context, args.decode_steps)
                 exact = rows_against_steps(model, context, args.tokens)
                 entry["rows_vs_steps"][context] = exact
-                if variant == "compiled":
+                if fused:
                     against = rows_against_steps(model, context, args.tokens, loaded.model)
                     entry.setdefault("rows_vs_mlx_lm_steps", {})[context] = against
                     print(f"{name:>16} ctx {context:>5}: N tokens vs N mlx-lm steps  " + "  ".join(

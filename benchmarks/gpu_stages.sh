@@ -21,9 +21,10 @@
 #          equal to one-row products bit for bit), then forwards of N tokens against N decode
 #          steps, the model's own and row by row, at 512, 1020 and 2048 tokens of context
 #          (gpu_forwards.py: cost, max |dlogit|)
-# compiled forwards of N tokens at 512 and 2048 tokens of context: the model's own, row by
-#          row, and specd.models.compiled's (the work between attentions under mx.compile):
-#          cost, build time, decode rate, rows against decode steps (gpu_forwards.py)
+# compiled forwards of N tokens at 512 and 900 tokens of context: the model's own and
+#          specd.models.compiled's (the work between attentions under mx.compile), its
+#          attention in MLX's chunks of three rows and in one launch (row_attention): cost,
+#          build time, decode rate, rows against decode steps (gpu_forwards.py)
 # verify   what a verify of 1..16 tokens costs the engine, by path: the model's own forward or
 #          row by row, keeping the drafters' hidden rows or none, drafts rejected, then every
 #          draft kept (run Y: 13 ms for 7 tokens served, against 6 ms row by row in
@@ -106,8 +107,8 @@ rows)
     --contexts 512 1020 2048 --tokens 1 2 3 4 7 8 16 --repeats 15 >> "$OUT/rows.log" 2>&1 ;;
 compiled)
   timeout 420 python3 benchmarks/gpu_forwards.py --model "$model" --dtypes float32 \
-    --contexts 512 2048 --tokens 1 2 3 4 7 8 16 --repeats 15 \
-    --variants mlx-lm rowwise compiled --json "$OUT/compiled.json" > "$OUT/compiled.log" 2>&1 ;;
+    --contexts 512 900 --tokens 1 2 3 4 7 8 16 --repeats 15 \
+    --variants mlx-lm compiled-chunked compiled --json "$OUT/compiled.json" > "$OUT/compiled.log" 2>&1 ;;
 verify)
   for rows in "" --no-rows; do
     for path in off on; do

@@ -10,7 +10,7 @@ from test_engine import PROMPT
 from test_half import quantized_dir  # noqa: F401  (fixture)
 from test_rowwise import mixed_rounds
 
-from specd.models import compiled
+from specd.models import compiled, row_attention
 from specd.models.load import load_target
 from verifier_svc.engine import Target
 from verifier_svc.forwards import CompiledMlxForward, MlxForward
@@ -117,3 +117,23 @@ def test_the_joined_weights_hold_the_models_products_in_order(tiny_model_dir):
             assert mx.array_equal(weights["qkv"], mx.concatenate(qkv)).item()
             assert mx.array_equal(weights["gate_up"], mx.concatenate(gate_up)).item()
             assert weights["o"] is compiled._bare(attn.o_proj).weight
+
+
+def test_row_attention_takes_only_rows_its_kernel_sums_as_decode_steps():
+    """One launch for 2..16 float32 rows whose decode steps all run MLX's one-pass kernel;
+    anything else stays in chunks. The kernel itself is CUDA's: here it never runs."""
+
+    def q(rows, dtype=mx.float32, head_dim=64):
+        return mx.zeros((1, 9, rows, head_dim), dtype=dtype)
+
+    keys = mx.zeros((1, 3, 8, 64))
+    assert row_attention.fits(q(2), keys, base=0)
+    assert row_attention.fits(q(16), keys, base=1008)  # the last row sees 1,024 keys
+    assert not row_attention.fits(q(16), keys, base=1009)  # it would see 1,025: two passes
+    assert not row_attention.fits(q(1), keys, base=10)  # a decode step: MLX's own
+    assert not row_attention.fits(q(17), keys, base=10)
+    assert not row_attention.fits(q(4, mx.float16), keys.astype(mx.float16), base=10)
+    assert not row_attention.fits(q(4, head_dim=32), keys, base=10)
+    cuda = getattr(mx, "cuda", None)
+    if cuda is None or not cuda.is_available():
+        assert not row_attention.runs_here()

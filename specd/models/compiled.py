@@ -9,7 +9,8 @@ and a few attention operations a layer, and the device runs the fused elementwis
 
 The same primitives run as in mlx-lm's forward, in the same order: one row through MLX's
 matrix-vector product, 2..16 rows through the few-row kernel (specd.models.few_rows) where it
-runs, attention through `specd.models.rowwise.chunk_bounds`' chunks. On an H200 a forward of
+runs, attention of 2..16 rows in one launch of specd.models.row_attention where it runs, else
+through `specd.models.rowwise.chunk_bounds`' chunks. On an H200 a forward of
 1-16 tokens equals mlx-lm's decode steps bit for bit, and a decode step is built in ~1 ms
 instead of ~2.2 (benchmarks/gpu_forwards.py, variant `compiled`; docs/gpu.md, run AE). On a
 CPU the joined q/k/v and gate/up products may go to another BLAS kernel than separate ones,
@@ -27,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
-from specd.models import few_rows
+from specd.models import few_rows, row_attention
 from specd.models.capture import Bypass
 from specd.models.rowwise import Joined, chunk_bounds
 
@@ -81,8 +82,10 @@ class CompiledForward:
     the decoder layers' outputs wanted by a caller (an EAGLE-3 head's rows). The model's
     wrappers (capture, row by row) are looked through: this reads their weights."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, one_launch_attention: bool = True):
         self.model = model
+        # every query row's attention in one kernel where it runs, not chunks of three
+        self.one_launch_attention = one_launch_attention
         inner = model.model
         self.layers = inner.layers  # what mlx-lm's make_prompt_cache counts
         self.embed = inner.embed_tokens
@@ -94,6 +97,8 @@ class CompiledForward:
         self.logits_w = head.weight if head is not None else inner.embed_tokens.weight
         self.weights = [_layer_weights(layer) for layer in layers]
         few_rows.runs_here()  # its first-use check evaluates, which a trace may not
+        if one_launch_attention:
+            row_attention.runs_here()
         shape = self.shape
         self._first = mx.compile(partial(_rotated, shape))
         self._middle = mx.compile(partial(_middle, shape))
@@ -137,6 +142,12 @@ class CompiledForward:
         scale = self.shape.scale
         if rows == 1:
             return [sdpa(q, keys, values, scale=scale)]
+        if (
+            self.one_launch_attention
+            and row_attention.fits(q, keys, base)
+            and row_attention.runs_here()
+        ):
+            return [row_attention.attend(q, keys, values, scale)]
         parts = []
         for start, stop in chunk_bounds(base, rows):
             seen = base + stop
