@@ -4,10 +4,12 @@ Times chains of dependent operations at the embedded model's sizes (hidden 576, 
 heads over 3 KV heads of 64, a 512-token cache) for T = 1, 2, 4, 8, 16 rows: weight products as
 MLX picks the kernel (`x @ W.T`), the same rows as a batch of one-row products
 (`x[:, None] @ W.T`), 4-bit products (`quantized_matmul`, both ways), and attention through
-`mx.fast.scaled_dot_product_attention` (causal for T > 1) against the same written out, and on
-CUDA specd's few-row kernel (specd.models.few_rows). Prints microseconds per operation, the
-median of several chains; then, on CUDA, whether the few-row kernel's rows equal one-row
-products bit for bit at the embedded model's product shapes (the logits' included).
+`mx.fast.scaled_dot_product_attention` (causal for T > 1) against the same written out and
+specd.models.row_attention's one launch; on CUDA specd's few-row kernel
+(specd.models.few_rows), and the plain and few-row products also as chains under mx.compile
+(no Python per operation). Prints microseconds per operation, the median of several chains;
+then, on CUDA, whether the few-row kernel's rows equal one-row products bit for bit at the
+embedded model's product shapes (the logits' included).
 
     python benchmarks/gpu_ops.py [--dtype float32] [--rows 1 2 4 8 16] [--json OUT]
 """
@@ -21,7 +23,7 @@ import time
 
 import mlx.core as mx
 
-from specd.models import few_rows
+from specd.models import few_rows, row_attention
 
 HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM, CONTEXT = 576, 1536, 9, 3, 64, 512
 VOCAB = 49152
@@ -41,6 +43,25 @@ def _per_op_us(step, x, links: int = 30, repeats: int = 15) -> float:
         mx.eval(y)
         samples.append((time.perf_counter() - start) / links)
     return round(1e6 * statistics.median(samples), 1)
+
+
+def _per_op_us_compiled(step, x, links: int = 30, repeats: int = 15) -> float:
+    """As _per_op_us with the chain under mx.compile: no Python builds the links, so what is
+    left is MLX's evaluation of each operation and the device's work."""
+    chain = mx.compile(lambda v: _chain(step, v, links))
+    mx.eval(chain(x))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(chain(x))
+        samples.append((time.perf_counter() - start) / links)
+    return round(1e6 * statistics.median(samples), 1)
+
+
+def _chain(step, v, links: int):
+    for _ in range(links):
+        v = step(v)
+    return v
 
 
 def products(dtype, rows: int) -> dict:
@@ -70,7 +91,11 @@ def products(dtype, rows: int) -> dict:
                 ("qmm", quantized), ("qmm_rowwise", quantized_one_row_each)]  # fmt: skip
     if few_rows.runs_here() and few_rows.fits(rows, x, up):
         variants.append(("few_rows", few))
-    return {name: _per_op_us(fn, x) / 2 for name, fn in variants}  # two products a link
+    times = {name: _per_op_us(fn, x) / 2 for name, fn in variants}  # two products a link
+    compiled = [("matmul", plain)] + [v for v in variants if v[0].startswith("few_rows")]
+    for name, fn in compiled:
+        times[f"{name}_compiled"] = _per_op_us_compiled(fn, x) / 2
+    return times
 
 
 def few_rows_exact(dtype, rows: int) -> tuple[int, int, float]:
@@ -111,7 +136,14 @@ def attention(dtype, rows: int) -> dict:
         p = mx.softmax(s, axis=-1, precise=True).reshape(1, KV_HEADS, -1, CONTEXT + rows)
         return (p @ values).reshape(1, HEADS, rows, HEAD_DIM)
 
-    return {"sdpa": _per_op_us(fused, q), "sdpa_written": _per_op_us(written, q)}
+    times = {"sdpa": _per_op_us(fused, q), "sdpa_written": _per_op_us(written, q)}
+    if row_attention.runs_here() and row_attention.fits(q, keys, CONTEXT):
+
+        def one_launch(v):
+            return row_attention.attend(v, keys, values, scale)
+
+        times["row_attention"] = _per_op_us(one_launch, q)
+    return times
 
 
 def main() -> None:

@@ -8,7 +8,8 @@ summing the same columns in the same order as MLX's kernel (`gemv_impl` in
 mlx/backend/cuda/gemms/gemv.cu: lane j takes `per_lane` columns from `per_lane * j`, strides of
 32 * per_lane, then a warp reduction), for every row at once, so each row of a verify is the
 number a decode step computes. `benchmarks/gpu_ops.py` checks the rows bit for bit on a GPU and
-times the kernel; on an H200 it costs about what cuBLAS does (docs/gpu.md, run AD).
+times the kernel: on an H200, in compiled chains, 8-31 us for 2-16 rows against 6-9 for one
+row's product (docs/gpu.md, run AG).
 """
 
 from __future__ import annotations
@@ -26,51 +27,62 @@ _WARPS_PER_BLOCK = 8
 _HEADER = "#include <cooperative_groups/reduce.h>\n"
 
 # x: [rows, K], w: [N, K] -> out: [rows, N]; T (dtype) and PER_LANE (1, 2 or 4) are template
-# arguments, MAX_ROWS a constant so the row sums stay in registers
-_SOURCE = f"""
-    constexpr int MAX_ROWS = {MAX_ROWS};
-    const int rows = x_shape[0];
-    const int cols = w_shape[1];
-    const int outputs = w_shape[0];
-    auto block = cg::this_thread_block();
-    auto warp = cg::tiled_partition<32>(block);
+# arguments. The row count is a compile-time constant (sums in registers, no per-row branches)
+# and each lane reads its PER_LANE columns in one vector load, as MLX's kernel reads them. One
+# function per row count, all in one kernel that switches on the rows: MLX compiles a custom
+# kernel in every process without a disk cache, so one build a dtype and lane width, not one a
+# row count.
+_HEADER_ROWS = (
+    _HEADER
+    + f"""
+template <typename T, int PER_LANE, int ROWS>
+__device__ void specd_rows_product(const T* x, const T* w, T* out, int cols, int outputs) {{
+    struct alignas(sizeof(T) * PER_LANE) Pack {{
+        T v[PER_LANE];
+    }};
+    namespace cg = cooperative_groups;
+    auto warp = cg::tiled_partition<32>(cg::this_thread_block());
     const int n = blockIdx.y * {_WARPS_PER_BLOCK} + threadIdx.y;
     if (n >= outputs) {{
         return;  // a whole warp: n is the same across its lanes
     }}
-    float sums[MAX_ROWS];
+    float sums[ROWS];
     #pragma unroll
-    for (int t = 0; t < MAX_ROWS; ++t) {{
+    for (int t = 0; t < ROWS; ++t) {{
         sums[t] = 0.0f;
     }}
     const T* weight_row = w + static_cast<int64_t>(n) * cols;
     for (int col = PER_LANE * warp.thread_rank(); col < cols; col += 32 * PER_LANE) {{
-        float weights[PER_LANE];
+        const Pack weights = *reinterpret_cast<const Pack*>(weight_row + col);
         #pragma unroll
-        for (int j = 0; j < PER_LANE; ++j) {{
-            weights[j] = static_cast<float>(weight_row[col + j]);
-        }}
-        #pragma unroll
-        for (int t = 0; t < MAX_ROWS; ++t) {{
-            if (t < rows) {{
-                const T* x_row = x + static_cast<int64_t>(t) * cols + col;
-                #pragma unroll
-                for (int j = 0; j < PER_LANE; ++j) {{
-                    sums[t] += weights[j] * static_cast<float>(x_row[j]);
-                }}
+        for (int t = 0; t < ROWS; ++t) {{
+            const T* x_at = x + static_cast<int64_t>(t) * cols + col;
+            const Pack xs = *reinterpret_cast<const Pack*>(x_at);
+            #pragma unroll
+            for (int j = 0; j < PER_LANE; ++j) {{
+                sums[t] += static_cast<float>(weights.v[j]) * static_cast<float>(xs.v[j]);
             }}
         }}
     }}
     #pragma unroll
-    for (int t = 0; t < MAX_ROWS; ++t) {{
-        if (t < rows) {{
-            float total = cg::reduce(warp, sums[t], cg::plus<float>());
-            if (warp.thread_rank() == 0) {{
-                out[static_cast<int64_t>(t) * outputs + n] = static_cast<T>(total);
-            }}
+    for (int t = 0; t < ROWS; ++t) {{
+        float total = cg::reduce(warp, sums[t], cg::plus<float>());
+        if (warp.thread_rank() == 0) {{
+            out[static_cast<int64_t>(t) * outputs + n] = static_cast<T>(total);
         }}
     }}
+}}
 """
+)
+_SOURCE = (
+    "    switch (x_shape[0]) {\n"
+    + "".join(
+        f"    case {rows}: specd_rows_product<T, PER_LANE, {rows}>"
+        "(x, w, out, w_shape[1], w_shape[0]); break;\n"
+        for rows in range(2, MAX_ROWS + 1)
+    )
+    + "    }\n"
+)
 
 _kernel = None
 _works: bool | None = None  # the first use's check on this device
@@ -80,12 +92,17 @@ def runs_here() -> bool:
     """Whether the kernel runs here: the default device is a CUDA GPU (the kernel exists
     nowhere else) and the kernel built and matched MLX's products at its first use."""
     global _works
-    cuda = getattr(mx, "cuda", None)
-    if not (cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu):
+    if not on_cuda():
         return False
     if _works is None:
         _works = _first_use_check()
     return _works
+
+
+def on_cuda() -> bool:
+    """Whether MLX's default device is a CUDA GPU, where specd's own kernels may run."""
+    cuda = getattr(mx, "cuda", None)
+    return cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
 
 
 def _first_use_check() -> bool:
@@ -133,7 +150,7 @@ def product(x: mx.array, weight: mx.array) -> mx.array:
             input_names=["x", "w"],
             output_names=["out"],
             source=_SOURCE,
-            header=_HEADER,
+            header=_HEADER_ROWS,
         )
     cols = x.shape[-1]
     rows = x.size // cols
