@@ -31,37 +31,24 @@ VOCAB = 49152
 SHAPES = ((HIDDEN, HIDDEN), (HIDDEN, 192), (HIDDEN, MLP), (MLP, HIDDEN), (HIDDEN, VOCAB))
 
 
-def _per_op_us(step, x, links: int = 30, repeats: int = 15) -> float:
-    """Median microseconds per link of a chain of `links` dependent calls of step."""
-    mx.eval(step(x))
-    samples = []
-    for _ in range(repeats):
-        y = x
-        start = time.perf_counter()
+def _per_op_us(step, x, links: int = 30, repeats: int = 15, compiled: bool = False) -> float:
+    """Median microseconds per link of a chain of `links` dependent calls of step; compiled:
+    the chain under mx.compile, so no Python builds the links and what is left is MLX's
+    evaluation of each operation and the device's work."""
+
+    def chain(v):
         for _ in range(links):
-            y = step(y)
-        mx.eval(y)
-        samples.append((time.perf_counter() - start) / links)
-    return round(1e6 * statistics.median(samples), 1)
+            v = step(v)
+        return v
 
-
-def _per_op_us_compiled(step, x, links: int = 30, repeats: int = 15) -> float:
-    """As _per_op_us with the chain under mx.compile: no Python builds the links, so what is
-    left is MLX's evaluation of each operation and the device's work."""
-    chain = mx.compile(lambda v: _chain(step, v, links))
-    mx.eval(chain(x))
+    run = mx.compile(chain) if compiled else chain
+    mx.eval(run(x))
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        mx.eval(chain(x))
+        mx.eval(run(x))
         samples.append((time.perf_counter() - start) / links)
     return round(1e6 * statistics.median(samples), 1)
-
-
-def _chain(step, v, links: int):
-    for _ in range(links):
-        v = step(v)
-    return v
 
 
 def products(dtype, rows: int) -> dict:
@@ -94,7 +81,7 @@ def products(dtype, rows: int) -> dict:
     times = {name: _per_op_us(fn, x) / 2 for name, fn in variants}  # two products a link
     compiled = [("matmul", plain)] + [v for v in variants if v[0].startswith("few_rows")]
     for name, fn in compiled:
-        times[f"{name}_compiled"] = _per_op_us_compiled(fn, x) / 2
+        times[f"{name}_compiled"] = _per_op_us(fn, x, compiled=True) / 2
     return times
 
 
@@ -137,7 +124,7 @@ def attention(dtype, rows: int) -> dict:
         return (p @ values).reshape(1, HEADS, rows, HEAD_DIM)
 
     times = {"sdpa": _per_op_us(fused, q), "sdpa_written": _per_op_us(written, q)}
-    if row_attention.runs_here() and row_attention.fits(q, keys, CONTEXT):
+    if row_attention.runs_here(HEAD_DIM) and row_attention.fits(q, keys, CONTEXT):
 
         def one_launch(v):
             return row_attention.attend(v, keys, values, scale)

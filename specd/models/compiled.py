@@ -84,8 +84,6 @@ class CompiledForward:
 
     def __init__(self, model: nn.Module, one_launch_attention: bool = True):
         self.model = model
-        # every query row's attention in one kernel where it runs, not chunks of three
-        self.one_launch_attention = one_launch_attention
         inner = model.model
         self.layers = inner.layers  # what mlx-lm's make_prompt_cache counts
         self.embed = inner.embed_tokens
@@ -97,8 +95,10 @@ class CompiledForward:
         self.logits_w = head.weight if head is not None else inner.embed_tokens.weight
         self.weights = [_layer_weights(layer) for layer in layers]
         few_rows.runs_here()  # its first-use check evaluates, which a trace may not
-        if one_launch_attention:
-            row_attention.runs_here()
+        # every query row's attention in one kernel where it runs, not chunks of three
+        self.one_launch_attention = one_launch_attention and row_attention.runs_here(
+            self.shape.head_dim
+        )
         shape = self.shape
         self._first = mx.compile(partial(_rotated, shape))
         self._middle = mx.compile(partial(_middle, shape))
@@ -142,11 +142,7 @@ class CompiledForward:
         scale = self.shape.scale
         if rows == 1:
             return [sdpa(q, keys, values, scale=scale)]
-        if (
-            self.one_launch_attention
-            and row_attention.fits(q, keys, base)
-            and row_attention.runs_here()
-        ):
+        if self.one_launch_attention and row_attention.fits(q, keys, base):
             return [row_attention.attend(q, keys, values, scale)]
         parts = []
         for start, stop in chunk_bounds(base, rows):

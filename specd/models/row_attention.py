@@ -126,19 +126,19 @@ _SOURCE = f"""
 """
 
 _kernel = None
-_works: bool | None = None  # the first use's check on this device
+_works: dict[int, bool] = {}  # head size -> the first use's check on this device
 _scales: dict[float, mx.array] = {}  # one small array a scale, not one a call
 
 
-def runs_here() -> bool:
-    """Whether the kernel runs here: the default device is a CUDA GPU and the kernel built and
-    matched one-row attention bit for bit at its first use."""
-    global _works
-    if not few_rows.on_cuda():
+def runs_here(head_dim: int) -> bool:
+    """Whether the kernel runs here for heads of `head_dim`: the default device is a CUDA GPU
+    and the kernel built and matched one-row attention bit for bit at its first use at that
+    size (the size is a template argument: each is its own build)."""
+    if not few_rows.on_cuda() or head_dim not in HEAD_DIMS:
         return False
-    if _works is None:
-        _works = _first_use_check()
-    return _works
+    if head_dim not in _works:
+        _works[head_dim] = _first_use_check(head_dim)
+    return _works[head_dim]
 
 
 def fits(q: mx.array, keys: mx.array, base: int) -> bool:
@@ -183,11 +183,11 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.ar
     return out.reshape(1, rows, heads, head_dim).transpose(0, 2, 1, 3)
 
 
-def _first_use_check() -> bool:
+def _first_use_check(head_dim: int) -> bool:
     """Rows from the kernel against one-row attention at a few cache lengths, keys read from a
     larger buffer as a KV cache holds them; any difference keeps MLX's chunks."""
     try:
-        heads, kv_heads, head_dim, capacity = 9, 3, 64, 1280
+        heads, kv_heads, capacity = 9, 3, 1280
         buffer_k = mx.random.normal((1, kv_heads, capacity, head_dim), key=mx.random.key(2))
         buffer_v = mx.random.normal((1, kv_heads, capacity, head_dim), key=mx.random.key(3))
         for base, rows in ((0, 2), (37, 7), (300, 16), (1008, 16)):
