@@ -7,7 +7,8 @@
 # parity   the first request's parts, then drafting off against plain mlx-lm, all 80 MT-bench
 #          questions (issue 25)
 # grounded drafting off and n-gram on the whole input-grounded set
-# mtbench  drafting off and n-gram on all 80 MT-bench questions (issue 25's n-gram goal there)
+# mtbench [DRAFTERS [SECONDS]]  drafters (default none,ngram: issue 25's n-gram goal) on all 80
+#          MT-bench questions in the default dtype, each output against plain mlx-lm
 # load     aggregate throughput at 1, 4, 16, 64 clients, and the verifier alone (issue 28)
 # clients  drafting off and n-gram at 1, 16 and 64 clients beside mlx-lm batched (issue 28)
 # drafters [SECONDS [DRAFTERS [in-process]]]  model drafters (default eagle3-k6) against
@@ -80,8 +81,8 @@ grounded)
   bench --questions input-grounded --drafter none,ngram --time-limit 400 \
     --json ~/res/grounded.json > "$OUT/grounded.log" 2>&1 ;;
 mtbench)
-  bench --questions mt-bench --drafter none,ngram --time-limit 540 --json ~/res/mtbench.json \
-    > "$OUT/mtbench.log" 2>&1 ;;
+  bench --questions mt-bench --drafter "${2:-none,ngram}" --time-limit "${3:-540}" \
+    --json ~/res/mtbench-"${2:-none,ngram}".json >> "$OUT/mtbench.log" 2>&1 ;;
 load)
   timeout 360 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
     --max-tokens 128 --drafter none,ngram --concurrency 1,4,16,64 --concurrency-requests 1 \
@@ -171,7 +172,7 @@ eagle3)
   tar -czf "$OUT/eagle3-meta.tgz" -C "$out" config.json training.json ;;
 *)
   echo "usage: bash benchmarks/gpu_stages.sh" \
-    "parity|grounded|mtbench|load|clients|compiled|drafters [SECONDS [DRAFTERS [in-process]]]|heads|verify|pool|distill [SECONDS [DTYPE]]|selfprompts [SECONDS [DTYPE]]|dflash [DATA [SECONDS [RECORDS [LAYERS]]]]|eagle3 [DATA [SECONDS [RECORDS [MLP_WIDTH [DRAFT_VOCAB [EPOCHS]]]]]]" >&2
+    "parity|grounded|mtbench [DRAFTERS [SECONDS]]|load|clients|compiled|drafters [SECONDS [DRAFTERS [in-process]]]|heads|verify|pool|distill [SECONDS [DTYPE]]|selfprompts [SECONDS [DTYPE]]|dflash [DATA [SECONDS [RECORDS [LAYERS]]]]|eagle3 [DATA [SECONDS [RECORDS [MLP_WIDTH [DRAFT_VOCAB [EPOCHS]]]]]]" >&2
   exit 2 ;;
 esac
 tar -czf "$OUT/results.tgz" -C ~ res /tmp/specd-bench-* 2>/dev/null

@@ -74,6 +74,9 @@ def test_bench_compares_drafters_and_writes_json_markdown_chart(tiny_model_dir, 
     # the first request after SERVING was timed and set against the same request run later
     assert result["first_request_vs_later"] > 0
     assert result["questions"][0]["first_request_tokens"] == result["questions"][0]["tokens"]
+    from coordinator.bench import FIRST_REQUEST_AGAIN
+
+    assert len(result["questions"][0]["first_request_again_s"]) == FIRST_REQUEST_AGAIN
     for q in result["questions"]:
         assert {
             "question_id",
@@ -244,6 +247,11 @@ def test_first_request_ratio_is_time_per_token_first_over_later():
     row = {"first_request_s": 3.0, "first_request_tokens": 10, "spec_s": 1.0, "tokens": 5}
     assert first_request_ratio([row]) == pytest.approx(1.5)
     assert first_request_ratio([{"spec_s": 1.0, "tokens": 5}]) is None
+    # against the median of the later runs: one fast run alone does not make the first slow
+    runs = {"first_request_again_s": [3.0, 2.0], "first_request_again_tokens": [10, 10]}
+    assert first_request_ratio([{**row, **runs}]) == pytest.approx(0.3 / 0.2)
+    faster = {"first_request_again_s": [1.5, 1.4], "first_request_again_tokens": [10, 10]}
+    assert first_request_ratio([{**row, **faster}]) == pytest.approx(0.3 / 0.15)
     assert first_request_ratio([]) is None
 
 
