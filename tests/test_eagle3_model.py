@@ -248,6 +248,24 @@ def test_a_one_child_tree_is_drafted_as_the_chain_it_is(make_drafter):
     assert single.ids == chain.ids[:1] and single.parents is None
 
 
+def test_a_one_child_tree_ends_where_the_chain_ends_at_the_heads_doubt(make_drafter):
+    from drafter_svc.eagle3.proposer import Eagle3Options, Eagle3Proposer
+
+    head = tiny_head()
+    head.update({"lm_head": {"weight": head.lm_head.weight / 6}})  # probabilities of all sizes
+    mx.eval(head.parameters())
+    embedding, rows, tokens = sample_inputs(t=10)
+    drafter = make_drafter(head, embedding)
+    state = drafter.open(tokens[:8], rows[:7])
+    _, probs = _chain_and_probabilities(head, embedding, state, 6)
+    p_min = (min(probs[1:]) + max(probs[1:])) / 2  # cuts the chain before some later draft
+    cut = next(j for j in range(1, 6) if probs[j] < p_min)
+    proposer = Eagle3Proposer(drafter, Eagle3Options(draft_p_min=p_min), "test")
+    narrow = proposer.propose(state, 6, tree=TreeShape(total_tokens=16, depth=6, top_k=1))
+    assert narrow.ids == drafter.chain(state, 6, p_min=p_min).ids
+    assert len(narrow.ids) == cut < 6
+
+
 def test_tree_is_ancestor_closed_parents_first_within_budget(make_drafter):
     head = tiny_head()
     embedding, rows, tokens = sample_inputs(t=10)

@@ -76,7 +76,7 @@ class Eagle3Proposer:
         if shape.total_tokens > 0:
             depth = min(shape.depth, k) if shape.depth else k
             if shape.total_tokens == 1 or shape.top_k == 1:  # one child per node: a chain
-                return self.drafter.chain(state, min(depth, shape.total_tokens))
+                return self.drafter.chain(state, min(depth, shape.total_tokens), p_min=self.p_min)
             return self.drafter.tree(
                 state,
                 TreeShape(shape.total_tokens, min(depth, self.max_draft_tokens),
