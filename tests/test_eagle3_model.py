@@ -199,14 +199,20 @@ def _chain_and_probabilities(head, embedding, state, k: int):
     return ids, probs
 
 
-def test_a_chain_ends_before_a_draft_the_head_is_unsure_of(make_drafter):
+def _drafter_of_all_sizes(make_drafter):
+    """A drafter whose head gives drafts probabilities of all sizes, its state, and the chain
+    of 6 with each draft's probability."""
     head = tiny_head()
-    head.update({"lm_head": {"weight": head.lm_head.weight / 6}})  # probabilities of all sizes
+    head.update({"lm_head": {"weight": head.lm_head.weight / 6}})
     mx.eval(head.parameters())
     embedding, rows, tokens = sample_inputs(t=10)
     drafter = make_drafter(head, embedding)
     state = drafter.open(tokens[:8], rows[:7])
-    ids, probs = _chain_and_probabilities(head, embedding, state, 6)
+    return drafter, state, *_chain_and_probabilities(head, embedding, state, 6)
+
+
+def test_a_chain_ends_before_a_draft_the_head_is_unsure_of(make_drafter):
+    drafter, state, ids, probs = _drafter_of_all_sizes(make_drafter)
     assert drafter.chain(state, 6).ids == ids
     assert drafter.chain(state, 6, p_min=0.0).ids == ids
     cuts = set()
@@ -251,13 +257,7 @@ def test_a_one_child_tree_is_drafted_as_the_chain_it_is(make_drafter):
 def test_a_one_child_tree_ends_where_the_chain_ends_at_the_heads_doubt(make_drafter):
     from drafter_svc.eagle3.proposer import Eagle3Options, Eagle3Proposer
 
-    head = tiny_head()
-    head.update({"lm_head": {"weight": head.lm_head.weight / 6}})  # probabilities of all sizes
-    mx.eval(head.parameters())
-    embedding, rows, tokens = sample_inputs(t=10)
-    drafter = make_drafter(head, embedding)
-    state = drafter.open(tokens[:8], rows[:7])
-    _, probs = _chain_and_probabilities(head, embedding, state, 6)
+    drafter, state, _, probs = _drafter_of_all_sizes(make_drafter)
     p_min = (min(probs[1:]) + max(probs[1:])) / 2  # cuts the chain before some later draft
     cut = next(j for j in range(1, 6) if probs[j] < p_min)
     proposer = Eagle3Proposer(drafter, Eagle3Options(draft_p_min=p_min), "test")
