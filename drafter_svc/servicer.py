@@ -29,7 +29,8 @@ class DraftSession:
 
 
 def _rows(tensor):
-    return None if wire.is_empty(tensor) else wire.decode(tensor, ndim=2)
+    """Hidden rows as numpy: a proposer that drafts on the host never touches the device."""
+    return None if wire.is_empty(tensor) else wire.decode_numpy(tensor, ndim=2)
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):

@@ -370,3 +370,40 @@ def test_a_padded_batch_trains_on_what_each_conversation_alone_would():
     for b, n in enumerate(lengths):
         alone = np.array(ttt_forward(head, embedding[mx.array(tokens[1 : n + 1])], rows[:n], 3))
         assert np.allclose(batched[:, b, :n], alone, atol=1e-4), b
+
+
+class _NoMlx:
+    """Stands for `mlx.core` where a module must not use it: any use fails the test."""
+
+    class array:  # noqa: N801 - isinstance checks pass through; making one fails
+        def __new__(cls, *args, **kwargs):
+            raise AssertionError("an MLX array made in a round on the host")
+
+    def __getattr__(self, name):
+        raise AssertionError(f"mx.{name} used in a round on the host")
+
+
+def test_a_round_on_the_host_head_runs_no_mlx_op(monkeypatch):
+    """On a GPU an MLX op of the drafter's would wait behind the verifier's forwards: with
+    the head on the host, the rows a round receives stay numpy and the round runs no MLX op."""
+    from drafter_svc.eagle3 import cpu_head as cpu_head_module
+    from drafter_svc.eagle3 import draft as draft_module
+    from specd.cpu import llama as llama_module
+
+    head = tiny_head()
+    embedding, rows, tokens = sample_inputs(t=12)
+    host = CpuHead.attach(head, embedding)
+    if host is None:
+        pytest.skip("the compiled kernels were not built")
+    by_mlx_rows = Eagle3Drafter(head, embedding, host)
+    by_numpy_rows = Eagle3Drafter(head, embedding, host)
+    expected = by_mlx_rows.open(tokens[:8], rows[:7])
+    state = by_numpy_rows.open(tokens[:8], np.array(rows[:7]))
+    by_mlx_rows.extend(expected, tokens[8:10], rows[7:9])
+    for module in (draft_module, cpu_head_module, llama_module):
+        monkeypatch.setattr(module, "mx", _NoMlx())
+    by_numpy_rows.extend(state, tokens[8:10], np.array(rows[7:9]))
+    drafts = by_numpy_rows.chain(state, 4).ids
+    monkeypatch.undo()
+    assert isinstance(state.pending_rows, np.ndarray | None)
+    assert drafts == by_mlx_rows.chain(expected, 4).ids and len(drafts) == 4

@@ -26,7 +26,8 @@ class Eagle3State:
     kv_shape: tuple[int, int]  # (kv heads, head dim) of the head's cache
     tokens: list[int] = field(default_factory=list)
     kv: EntryBuffers = field(default_factory=EntryBuffers)  # one layer, numpy [n_kv, cap, D]
-    pending_rows: mx.array | None = None  # target rows of positions without an entry yet
+    # target rows of positions without an entry yet: numpy float32 with a head on the host
+    pending_rows: mx.array | np.ndarray | None = None
     last_hidden: np.ndarray | None = None  # output of the newest entry [H]
 
     @property
@@ -85,15 +86,18 @@ class Eagle3Drafter:
         build entries for every position that has both its row and its next token."""
         state.tokens.extend(new_ids)
         if rows is not None and len(rows):
-            rows = mx.array(rows) if not isinstance(rows, mx.array) else rows
+            rows = self._rows_here(rows)
             if rows.shape[-1] != self.row_width:
                 raise ValueError(
                     f"hidden rows are {rows.shape[-1]} wide; this head needs {self.row_width} "
                     f"(layers {list(self.cfg.capture_layers)} x {self.cfg.feature_size})"
                 )
-            state.pending_rows = (
-                rows if state.pending_rows is None else mx.concatenate([state.pending_rows, rows])
-            )
+            if state.pending_rows is None:
+                state.pending_rows = rows
+            elif isinstance(rows, np.ndarray):
+                state.pending_rows = np.concatenate([state.pending_rows, rows])
+            else:
+                state.pending_rows = mx.concatenate([state.pending_rows, rows])
         have = 0 if state.pending_rows is None else state.pending_rows.shape[0]
         room = len(state.tokens) - 1 - state.entries  # positions whose next token is known
         if have > room:
@@ -107,14 +111,14 @@ class Eagle3Drafter:
         if count <= 0:
             return
         start = state.entries
-        rows_now = state.pending_rows[:count].astype(mx.float32)
+        rows_now = state.pending_rows[:count]
         state.pending_rows = state.pending_rows[count:] if have > count else None
         next_ids = state.tokens[start + 1 : start + 1 + count]
         state.reserve(count)
         if self.cpu_head is not None and count <= self.cpu_head.max_rows:
             hidden, k, v = self.cpu_head.step(
                 self.cpu_head.embed(next_ids),
-                self.cpu_head.features(np.asarray(rows_now)),
+                self.cpu_head.features(rows_now),
                 np.arange(start, start + count),
                 state.key_buffer,
                 state.value_buffer,
@@ -123,13 +127,23 @@ class Eagle3Drafter:
             )
         else:  # a prompt: MLX's sgemm
             emb = self.embedding[mx.array(next_ids)][None]
-            feature = self.head.fc(rows_now)[None]
+            feature = self.head.fc(mx.array(rows_now).astype(mx.float32))[None]
             out, (k, v) = self.head.step(
                 emb, feature, start, _mlx_past(state), _causal(count, start)
             )
             hidden, k, v = np.array(out[0]), np.array(k[0]), np.array(v[0])
         state.append(k, v)
         state.last_hidden = hidden[-1]
+
+    def _rows_here(self, rows):
+        """Target rows where this head runs: float32 numpy for a head on the host, so a round
+        there runs no MLX op (on a GPU such an op would queue behind the verifier's forwards);
+        an mx.array for a head in MLX."""
+        if self.cpu_head is None:
+            return rows if isinstance(rows, mx.array) else mx.array(rows)
+        if isinstance(rows, mx.array):  # in one process: the verifier's own arrays
+            rows = np.array(rows.astype(mx.float32))
+        return np.asarray(rows, dtype=np.float32)
 
     def ready(self, state: Eagle3State) -> bool:
         """Drafting needs the entry of the position just before the last committed token."""

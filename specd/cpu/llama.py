@@ -93,7 +93,9 @@ class RopeTables:
             first_of_pair = slice(0, None, 2) if self.traditional else slice(0, half)
             second_of_pair = slice(1, None, 2) if self.traditional else slice(half, None)
             unit[:, first_of_pair] = 1.0
-            turned = np.array(self.rope(mx.array(unit)[None], offset=index * ROPE_BLOCK)[0])
+            with mx.stream(mx.cpu):  # host work: on a GPU it would queue behind the device's
+                turned = self.rope(mx.array(unit)[None], offset=index * ROPE_BLOCK)[0]
+                turned = np.array(turned)
             self._blocks[index] = (turned[:, first_of_pair], turned[:, second_of_pair])
         return self._blocks[index]
 
