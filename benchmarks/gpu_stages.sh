@@ -18,7 +18,7 @@
 #          (one GPU context beside the services' two: whether the split costs the verify)
 # heads    the EAGLE-3 head's chains, trees and extends on the GPU (MLX) against the host
 #          (numpy and specd's compiled kernels), per k (issue 26: a chain must cost well under
-#          a target step)
+#          a target step), with the host's caches warm and written over before each call
 # rows     the few-row product kernel against MLX's products (gpu_ops.py: cost per op, rows
 #          equal to one-row products bit for bit), then forwards of N tokens against N decode
 #          steps, the model's own and row by row, at 512, 1020 and 2048 tokens of context
@@ -103,8 +103,11 @@ drafters)
     ${4:+--in-process} --time-limit "${2:-300}" --json ~/res/drafters.json \
     >> "$OUT/drafters.log" 2>&1 ;;
 heads)
-  timeout 200 python3 benchmarks/eagle3_forwards.py --target "$model" --repeats 30 \
-    > "$OUT/heads.log" 2>&1 ;;
+  # warm caches, then written over before each call as a served round finds them
+  for mb in 0 512; do
+    timeout 200 python3 benchmarks/eagle3_forwards.py --target "$model" --repeats 30 \
+      --cold-caches "$mb" >> "$OUT/heads.log" 2>&1
+  done ;;
 rows)
   timeout 120 python3 benchmarks/gpu_ops.py --dtype float32 --rows 1 2 3 4 7 8 16 \
     > "$OUT/rows.log" 2>&1
