@@ -118,14 +118,49 @@ def _next_tokens(model, ids: mx.array, cache: list, temperature: float) -> mx.ar
     return mx.random.categorical(logits * (1 / temperature))
 
 
+@dataclass
+class WaveTiming:
+    """Where the waves' time went: the prompts' forwards (padding included) against the decode
+    steps, and how many of the steps' rows made a reply token (the rest had ended)."""
+
+    waves: int = 0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    steps: int = 0
+    row_steps: int = 0
+    reply_tokens: int = 0
+
+    def add(self, rows: int, prefill_tokens: int, prefill_s: float, decode_s: float,
+            steps: int, reply_tokens: int) -> None:  # fmt: skip
+        self.waves += 1
+        self.prefill_tokens += prefill_tokens
+        self.prefill_s += prefill_s
+        self.decode_s += decode_s
+        self.steps += steps
+        self.row_steps += rows * steps
+        self.reply_tokens += reply_tokens
+
+    def summary(self) -> dict:
+        return {
+            "waves": self.waves,
+            "prefill_seconds": round(self.prefill_s, 1),
+            "prefill_tok_s": round(self.prefill_tokens / max(1e-9, self.prefill_s)),
+            "decode_seconds": round(self.decode_s, 1),
+            "decode_steps": self.steps,
+            "decode_ms_per_step": round(1e3 * self.decode_s / max(1, self.steps), 2),
+            "decode_rows_used": round(self.reply_tokens / max(1, self.row_steps), 3),
+        }
+
+
 def greedy_waves(
     model, prompts: list[list[int]], max_new_tokens: int, eos_ids, batch_size: int,
-    temperature: float = 0.0, deadline: float | None = None,
+    temperature: float = 0.0, deadline: float | None = None, timing: WaveTiming | None = None,
 ):  # fmt: skip
     """(prompt index, reply ids without the EOS) for every prompt, a wave at a time; with a
     temperature, each token drawn from the target's distribution at it instead of its argmax
     (MLX's random state: seed it for the same replies again). No wave starts after `deadline`
-    (a time.perf_counter() value)."""
+    (a time.perf_counter() value). `timing` adds up where the waves' time went."""
     from mlx_lm.models.cache import BatchKVCache
 
     eos = set(eos_ids)
@@ -139,9 +174,13 @@ def greedy_waves(
         tokens = mx.array([[0] * pad + prompts[i] for pad, i in zip(pads, wave, strict=True)])
         cache = [BatchKVCache(pads) for _ in model.layers]
 
+        began = time.perf_counter()
         current = _next_tokens(model, tokens, cache, temperature)
+        mx.eval(current)
+        prefilled = time.perf_counter()
         replies: list[list[int]] = [[] for _ in wave]
         ended = np.zeros(len(wave), dtype=bool)
+        made = 0
         for made in range(max_new_tokens):
             following = None
             if made + 1 < max_new_tokens:
@@ -158,6 +197,10 @@ def greedy_waves(
             if ended.all() or following is None:
                 break
             current = following
+        if timing is not None:
+            decode_s = time.perf_counter() - prefilled
+            timing.add(len(wave), tokens.size, prefilled - began, decode_s, made + 1,
+                       sum(map(len, replies)))  # fmt: skip
         yield from zip(wave, replies, strict=True)
 
 
@@ -277,6 +320,7 @@ def distill(opts: DistillOptions) -> dict:
     started, finished, tokens = time.perf_counter(), 0, 0
     deadline = None if opts.time_limit is None else started + opts.time_limit
     progress = Progress()
+    timing = WaveTiming()
     clock = {"message_seconds": 0.0}
     if opts.prompts == "self":
         prompts = _self_prompts(opts, loaded, done, wanted, clock, deadline)
@@ -287,6 +331,7 @@ def distill(opts: DistillOptions) -> dict:
             waves = greedy_waves(
                 loaded.model, [ids for _, ids in group], opts.max_new_tokens,
                 loaded.identity.eos_token_ids, opts.batch_size, opts.temperature, deadline,
+                timing,
             )  # fmt: skip
             for index, ids in waves:
                 tokens += len(ids)
@@ -318,4 +363,5 @@ def distill(opts: DistillOptions) -> dict:
         "dtype": loaded.dtype,
         "seconds": round(time.perf_counter() - started, 1),
         "message_seconds": round(clock["message_seconds"], 1) if opts.prompts == "self" else None,
+        "replies_timing": timing.summary(),
     }

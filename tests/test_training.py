@@ -339,6 +339,12 @@ def test_distill_writes_the_targets_own_replies_and_resumes(tiny_model_dir, data
     opts.conversations, opts.batch_size = 6, 3
     summary = distill(opts)  # resumes: only the three missing replies are generated
     assert summary["new_replies"] == 3 and summary["replies"] == 6
+    timing = summary["replies_timing"]  # one wave of three prompts
+    assert timing["waves"] == 1 and timing["prefill_tok_s"] > 0
+    assert 1 <= timing["decode_steps"] <= 12 and timing["decode_ms_per_step"] > 0
+    assert timing["decode_rows_used"] == round(
+        summary["new_tokens"] / (3 * timing["decode_steps"]), 3
+    )
     prompts = [json.dumps(json.loads(line)["conversations"][:-1])
                for line in out.read_text().splitlines()]  # fmt: skip
     assert len(prompts) == len(set(prompts)) == 6
