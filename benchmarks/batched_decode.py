@@ -10,10 +10,12 @@ and how many sessions the verifier ran per batch (its specd_decode_batch_session
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 
@@ -55,7 +57,7 @@ def level(stub, metrics_port: int, clients: int, args) -> tuple[float, float]:
     sessions = [
         stub.OpenSession(
             verifier_pb2.OpenSessionRequest(
-                prompt_ids=[100 + (13 * n + j) % 900 for j in range(args.context)]
+                prompt_ids=[100 + (13 * n + j) % (args.vocab - 100) for j in range(args.context)]
             ),
             timeout=300,
         )
@@ -99,6 +101,11 @@ def main() -> None:
         help='more verifier flags (e.g. "--gemv-rows 0 --row-forwards on": MLX as on a GPU)',
     )
     args = parser.parse_args()
+    # made-up prompts stay inside a small model's vocabulary (ids 100 to 999 at the most)
+    args.vocab = 1000
+    if args.target:
+        config = json.loads((Path(args.target) / "config.json").read_text())
+        args.vocab = min(args.vocab, config["vocab_size"])
     metrics_port, port = free_ports(2)
     flags = (
         ["--metrics-port", str(metrics_port)]
