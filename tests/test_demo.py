@@ -19,6 +19,7 @@ def test_demo_prints_the_speed_up_and_its_parts(tiny_model_dir):
     # the two parts multiply to the whole (each printed to two decimals)
     assert abs(drafts * engine - total) <= 0.01 * (drafts + engine) + 0.02
     assert "ngram against drafting off" in run.stdout
+    assert "(each the faster of two runs)" in run.stdout
     assert "identical output  True" in run.stdout
 
 
