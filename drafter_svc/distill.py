@@ -37,6 +37,7 @@ from drafter_svc.data import ROLES, head_logits, to_messages
 from specd.progress import Progress
 
 WAVES_PER_GROUP = 16  # waves sorted by length together; more: less padding, a later first reply
+PROMPT_CHUNK = 512  # prompts tokenized in one batched call
 
 
 @dataclass
@@ -205,21 +206,41 @@ def greedy_waves(
         yield from zip(wave, replies, strict=True)
 
 
-def _new_prompts(opts: DistillOptions, tokenizer, done: set[str], wanted: int):
+def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of rendered chat texts, as apply_chat_template(tokenize=True) makes them: in
+    one call of the fast tokenizer's batch encode where it has one (its threads do the work,
+    outside Python), else one at a time."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if hasattr(backend, "encode_batch"):
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+    return [list(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
+
+
+def _new_prompts(opts: DistillOptions, tokenizer, done: set[str], wanted: int, clock: dict,
+                 deadline: float | None):  # fmt: skip
     """(chat, prompt ids) of up to `wanted` prompts not yet answered, in their shuffled order,
-    tokenized as they are reached."""
+    tokenized a chunk at a time as they are reached; none once `deadline` has passed (a run
+    at its time limit would otherwise tokenize every prompt left before it ends).
+    clock["prompt_seconds"] adds up the time spent tokenizing."""
     from drafter_svc.data import read_conversations
 
     chosen = 0
-    for chat in user_turns(read_conversations(opts.data), opts.seed, opts.turns):
-        if chosen >= wanted:
+    chats = user_turns(read_conversations(opts.data), opts.seed, opts.turns)
+    fresh = (chat for chat in chats if prompt_key(chat) not in done)
+    for chunk in prompt_groups(fresh, PROMPT_CHUNK):
+        if chosen >= wanted or (deadline is not None and time.perf_counter() >= deadline):
             return
-        if prompt_key(chat) in done:
-            continue
-        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-        if len(ids) <= opts.max_prompt_tokens:
-            chosen += 1
-            yield chat, list(ids)
+        started = time.perf_counter()
+        texts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+                 for chat in chunk]  # fmt: skip
+        encoded = encode_texts(tokenizer, texts)
+        clock["prompt_seconds"] += time.perf_counter() - started
+        for chat, ids in zip(chunk, encoded, strict=True):
+            if len(ids) <= opts.max_prompt_tokens:
+                chosen += 1
+                yield chat, ids
+                if chosen >= wanted:
+                    return
 
 
 SELF_PROMPT_MIN_CHARS = 8  # shorter messages ("Hi", "?") teach the drafter little
@@ -322,11 +343,11 @@ def distill(opts: DistillOptions) -> dict:
     deadline = None if opts.time_limit is None else started + opts.time_limit
     progress = Progress()
     timing = WaveTiming()
-    clock = {"message_seconds": 0.0}
+    clock = {"message_seconds": 0.0, "prompt_seconds": 0.0}
     if opts.prompts == "self":
         prompts = _self_prompts(opts, loaded, done, wanted, clock, deadline)
     else:
-        prompts = _new_prompts(opts, tokenizer, done, wanted)
+        prompts = _new_prompts(opts, tokenizer, done, wanted, clock, deadline)
     with opts.out.open("a", encoding="utf-8") as sink:
         for group in prompt_groups(prompts, opts.batch_size * WAVES_PER_GROUP):
             waves = greedy_waves(
@@ -364,5 +385,6 @@ def distill(opts: DistillOptions) -> dict:
         "dtype": loaded.dtype,
         "seconds": round(time.perf_counter() - started, 1),
         "message_seconds": round(clock["message_seconds"], 1) if opts.prompts == "self" else None,
+        "prompt_seconds": round(clock["prompt_seconds"], 1) if opts.prompts == "data" else None,
         "replies_timing": timing.summary(),
     }

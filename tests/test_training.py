@@ -399,6 +399,51 @@ def test_distill_starts_no_wave_after_its_time_limit(tiny_model_dir, data, tmp_p
         distill(DistillOptions(target=None, out=out, time_limit=0))
 
 
+def test_distill_tokenizes_no_prompt_after_its_time_limit(tiny_model_dir, data, tmp_path,
+                                                          monkeypatch):  # fmt: skip
+    """A run at its time limit stops taking prompts: it does not tokenize the rest of the data
+    before it ends."""
+    import drafter_svc.distill as distill_module
+
+    tokenized = []
+    encode = distill_module.encode_texts
+    monkeypatch.setattr(
+        distill_module,
+        "encode_texts",
+        lambda tok, texts: tokenized.append(len(texts)) or encode(tok, texts),
+    )
+    opts = distill_module.DistillOptions(target=str(tiny_model_dir), out=tmp_path / "r.jsonl",
+                                         conversations=4, max_new_tokens=2, batch_size=1,
+                                         data=data, time_limit=1e-6)  # fmt: skip
+    summary = distill_module.distill(opts)
+    assert summary["new_replies"] == 0 and tokenized == []
+    opts.time_limit = None
+    summary = distill_module.distill(opts)
+    assert summary["new_replies"] == 4 and tokenized == [12]  # the data's 12 prompts, one chunk
+    assert summary["prompt_seconds"] >= 0 and summary["message_seconds"] is None
+
+
+def test_batched_prompt_encoding_equals_the_chat_templates_own(tiny_model_dir):
+    from drafter_svc.distill import encode_texts
+    from specd.models.load import load_target
+
+    tokenizer = load_target(str(tiny_model_dir), "float32").tokenizer
+    chats = [[{"role": "user", "content": "say something"}],
+             [{"role": "user", "content": "héllo — 世界 \u2028 emoji 🙂"},
+              {"role": "assistant", "content": "  spaced\n\n reply "},
+              {"role": "user", "content": "and\tthen?"}]]  # fmt: skip
+    texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+             for c in chats]  # fmt: skip
+    expected = [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True))
+                for c in chats]  # fmt: skip
+    assert encode_texts(tokenizer, texts) == expected
+
+    class OneAtATime:  # a tokenizer without a batch-encoding backend
+        encode = staticmethod(tokenizer.encode)
+
+    assert encode_texts(OneAtATime(), texts) == expected
+
+
 def test_distill_in_another_dtype_gives_the_greedy_replies_of_that_dtype(
     tiny_model_dir, data, tmp_path
 ):
