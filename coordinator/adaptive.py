@@ -18,7 +18,8 @@ Model (documented in docs/adaptive.md):
   drafter a full-length probe costs a long verify every few rounds; a tree probe is the best
   tree of `probe_tokens` nodes), so a session notices when drafts start matching;
   acceptance then raises k by itself. Each probe that is wholly rejected doubles the wait
-  before the next (up to `probe_every_max`); an accepted draft resets it.
+  before the next (up to `probe_every_max`); an accepted draft resets it, except a chain
+  probe's while acceptance stays far below break-even.
 - A size's own mean is trusted only while it was seen lately (`stale_after` observations);
   after `cost_probe_every` drafting rounds in a row a session decodes plainly until a plain
   step is priced afresh, so a slow spell cannot leave it drafting at a loss.
@@ -325,7 +326,12 @@ class AdaptiveK:
         self.trials = self.trials * self.decay + accepted + rejected
         self.costs.acceptance.observe(accepted, rejected)
         if accepted:
-            self.probe_wait = self.probe_every
+            # a probe of one draft is kept as often as the drafter's first draft is right: for a
+            # chain drafter far below break-even (the EAGLE-3 head on an H200, right about half
+            # the time) that is no sign drafting pays, and probing every probe_every rounds
+            # would cut its plain bursts short for good
+            if self.tree is not None or not (self.probing and self._hopeless()):
+                self.probe_wait = self.probe_every
         elif self.probing and self._hopeless():
             self.probe_wait = min(2 * (self.probe_wait or self.probe_every), self.probe_every_max)
 

@@ -129,27 +129,48 @@ def test_a_tree_probe_asks_for_a_tree_of_probe_tokens_nodes():
     assert k.tree_shape["total_tokens"] == k.probe_tokens  # 1 node, not a 16-token tree
 
 
+def _rounds_until_probe(k: AdaptiveK) -> int:
+    waited = 0
+    while k.choose(100) == 0:
+        k.observe(0, 0, 0)
+        waited += 1
+    return waited
+
+
 def test_rejected_probes_back_off_and_an_accepted_one_resets():
     k = chooser(0.02)
-
-    def rounds_until_probe():
-        waited = 0
-        while k.choose(100) == 0:
-            k.observe(0, 0, 0)
-            waited += 1
-        return waited
-
     waits = []
     for _ in range(5):
-        waits.append(rounds_until_probe())
+        waits.append(_rounds_until_probe(k))
         k.observe(k.probe_tokens, k.probe_tokens, 0)  # the probe is wholly rejected
     assert waits == [8, 16, 32, 64, 64]
-    assert rounds_until_probe() == 64
+    assert _rounds_until_probe(k) == 64
+    k.successes, k.trials = 0.9 * k.break_even() * 50, 50.0  # near break-even again
     k.observe(k.probe_tokens, k.probe_tokens, 1)  # one draft accepted
     while k.choose(100):  # the estimate may now call for drafts; let it fall back
         k.observe(2, 2, 0)
     k.observe(0, 0, 0)
-    assert rounds_until_probe() == 7  # the wait is back to probe_every
+    assert _rounds_until_probe(k) == 7  # the wait is back to probe_every
+
+
+def test_a_kept_probe_of_a_drafter_far_below_break_even_keeps_the_wait():
+    """A one-draft probe is kept as often as the first draft is right (half the time for the
+    EAGLE-3 head on an H200, where break-even is ~0.75): no reason to probe every 8 rounds,
+    cutting plain bursts short."""
+    k = chooser(0.02)
+    for _ in range(4):
+        _rounds_until_probe(k)
+        k.observe(k.probe_tokens, k.probe_tokens, 0)
+    assert _rounds_until_probe(k) == 64
+    k.observe(k.probe_tokens, k.probe_tokens, 1)
+    assert k.acceptance < k.hopeless_below * k.break_even()
+    assert _rounds_until_probe(k) == 64
+    tree = tree_chooser([0.05, 0.02, 0.01, 0.01])  # trees: a kept node still resets it
+    _rounds_until_probe(tree)
+    tree.observe(1, 1, 0)
+    assert _rounds_until_probe(tree) == 16
+    tree.observe(1, 1, 1)
+    assert _rounds_until_probe(tree) == 8
 
 
 def test_break_even_is_where_drafting_starts_to_pay():
