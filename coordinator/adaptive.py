@@ -19,7 +19,8 @@ Model (documented in docs/adaptive.md):
   tree of `probe_tokens` nodes), so a session notices when drafts start matching;
   acceptance then raises k by itself. Each probe that is wholly rejected doubles the wait
   before the next (up to `probe_every_max`); an accepted draft resets it, except a chain
-  probe's while acceptance stays far below break-even.
+  probe's while acceptance stays far below break-even. A chain session whose drafter's recent
+  acceptance is that far below starts with the longest wait.
 - A size's own mean is trusted only while it was seen lately (`stale_after` observations);
   after `cost_probe_every` drafting rounds in a row a session decodes plainly until a plain
   step is priced afresh, so a slow spell cannot leave it drafting at a loss.
@@ -239,6 +240,11 @@ class AdaptiveK:
         chooser = cls(costs, k_max, successes=start * prior_trials, trials=prior_trials, **options)
         if chooser.tree is not None and chooser.ranks is None:
             chooser.ranks = RankAcceptance.with_prior(start, max(1, chooser.tree.top_k))
+        known = costs.acceptance.trials >= costs.acceptance.min_trials
+        if chooser.tree is None and known and chooser._hopeless():
+            # the drafter's recent sessions say its drafts are far from paying: start with the
+            # wait their rejected probes reach, not a probe every probe_every rounds anew
+            chooser.probe_wait = chooser.probe_every_max
         return chooser
 
     @property

@@ -236,6 +236,31 @@ def test_new_sessions_start_from_the_drafters_recent_acceptance():
     assert AdaptiveK(costs, k_max=8).choose(100) > 0  # the fixed prior would have
 
 
+def test_a_session_of_a_drafter_far_below_break_even_starts_with_the_longest_wait():
+    """A new chain session does not probe every 8 rounds anew when the drafter's recent
+    sessions say its drafts are far from paying; near break-even it probes as before."""
+
+    def priced(acceptance: float) -> SpeculationCosts:
+        costs = chooser(0.5).costs  # a verify of n tokens: 57 ms + 6.5 ms a token
+        costs.acceptance.successes, costs.acceptance.trials = acceptance * 50, 50.0
+        return costs
+
+    far = AdaptiveK.for_session(priced(0.02), k_max=8)
+    assert far.acceptance < far.hopeless_below * far.break_even()
+    assert _rounds_until_probe(far) == far.probe_every_max
+    near = AdaptiveK.for_session(priced(0.9 * chooser(0.5).break_even()), k_max=8)
+    assert _rounds_until_probe(near) == near.probe_every
+    dear = chooser(0.5).costs
+    for n in range(2, 10):  # drafts that could never pay at these prices
+        for _ in range(2):
+            dear.verify.observe(n, 10.0)
+            dear.verify.observe(1, 0.057)
+    dear.acceptance.successes, dear.acceptance.trials = 4.5, 9.0  # under min_trials
+    assert AdaptiveK.for_session(dear, k_max=8).probe_wait == 0  # no history, no guess
+    dear.acceptance.successes, dear.acceptance.trials = 25.0, 50.0
+    assert AdaptiveK.for_session(dear, k_max=8).probe_wait == 64
+
+
 def test_tree_limits_come_from_a_shape_and_make_the_same_kind():
     from drafter_svc.proposal import TreeShape
 
