@@ -210,7 +210,9 @@ class AdaptiveK:
     # share of the break-even acceptance: a chain drafter near break-even (the EAGLE-3 head on
     # this CPU, right about half the time against ~0.42) keeps probing every probe_every
     # rounds, so a dip of its noisy estimate does not keep it from drafting for 64 rounds at
-    # a time; one far below (the same head on an H200, where break-even is ~0.75) backs off
+    # a time; one far below (the same head on an H200, where break-even is ~0.75) backs off.
+    # Below the same share a kept chain probe leaves the wait as it is, and a chain session
+    # whose drafter's recent acceptance is there starts with the longest wait
     hopeless_below: float = 0.8
     # drafts in such a probe: one, since on a CPU a verify of 3 tokens costs ~2.2x a decode
     # step and of 2 tokens ~1.2x (docs/history, 2026-12-01)
@@ -232,16 +234,20 @@ class AdaptiveK:
     tree_shape: Any = None  # the tree asked for by the round just chosen (trees only)
 
     @classmethod
-    def for_session(cls, costs: SpeculationCosts, k_max: int, **options) -> AdaptiveK:
+    def for_session(
+        cls, costs: SpeculationCosts, k_max: int, text_driven: bool = False, **options
+    ) -> AdaptiveK:
         """A new session's chooser, its acceptance prior (two pseudo-trials) taken from the
-        drafter's recent sessions once there are enough of them."""
+        drafter's recent sessions once there are enough of them. text_driven: the drafter's
+        drafts follow the request's own text (n-gram), so its recent sessions say little about
+        this one's."""
         prior_trials = cls.trials
         start = costs.acceptance.prior(cls.successes / prior_trials)
         chooser = cls(costs, k_max, successes=start * prior_trials, trials=prior_trials, **options)
         if chooser.tree is not None and chooser.ranks is None:
             chooser.ranks = RankAcceptance.with_prior(start, max(1, chooser.tree.top_k))
         known = costs.acceptance.trials >= costs.acceptance.min_trials
-        if chooser.tree is None and known and chooser._hopeless():
+        if chooser.tree is None and not text_driven and known and chooser._hopeless():
             # the drafter's recent sessions say its drafts are far from paying: start with the
             # wait their rejected probes reach, not a probe every probe_every rounds anew
             chooser.probe_wait = chooser.probe_every_max
@@ -328,6 +334,9 @@ class AdaptiveK:
         if drafted == 0:
             return  # nothing proposed (e.g. no n-gram match) says nothing about acceptance
         rejected = 1 if accepted < drafted else 0
+        # judged before this round moves the estimate: from a two-trial prior one kept probe
+        # lifts it past the cut-off whatever the drafter's history says
+        hopeless_probe = self.probing and self._hopeless()
         self.successes = self.successes * self.decay + accepted
         self.trials = self.trials * self.decay + accepted + rejected
         self.costs.acceptance.observe(accepted, rejected)
@@ -336,14 +345,15 @@ class AdaptiveK:
             # chain drafter far below break-even (the EAGLE-3 head on an H200, right about half
             # the time) that is no sign drafting pays, and probing every probe_every rounds
             # would cut its plain bursts short for good
-            if self.tree is not None or not (self.probing and self._hopeless()):
+            if self.tree is not None or not hopeless_probe:
                 self.probe_wait = self.probe_every
         elif self.probing and self._hopeless():
             self.probe_wait = min(2 * (self.probe_wait or self.probe_every), self.probe_every_max)
 
     def _hopeless(self) -> bool:
-        """Whether a wholly rejected probe should lengthen the wait: always for trees; for
-        chains while acceptance is well below break-even."""
+        """Whether drafting is far from paying, so a wholly rejected probe lengthens the wait
+        (always for trees; for chains while acceptance is well below break-even), a kept chain
+        probe does not shorten it, and a chain session starts with the longest."""
         if self.tree is not None:
             return True
         return self.acceptance < self.hopeless_below * self.break_even()

@@ -207,12 +207,13 @@ def greedy_waves(
 
 
 def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
-    """Token ids of rendered chat texts, as apply_chat_template(tokenize=True) makes them: in
-    one call of the fast tokenizer's batch encode where it has one (its threads do the work,
-    outside Python), else one at a time."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if hasattr(backend, "encode_batch"):
-        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+    """Token ids of rendered chat texts, as apply_chat_template(tokenize=True) makes them: one
+    call of the Hugging Face tokenizer on the whole list (its fast backend encodes them in
+    threads, outside Python), which also switches off any padding or truncation its
+    tokenizer.json turned on, as the template's own call does; else one text at a time."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    if callable(hf):
+        return [list(ids) for ids in hf(texts, add_special_tokens=False)["input_ids"]]
     return [list(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
 
 

@@ -261,6 +261,33 @@ def test_a_session_of_a_drafter_far_below_break_even_starts_with_the_longest_wai
     assert AdaptiveK.for_session(dear, k_max=8).probe_wait == 64
 
 
+def h200_costs(shared_acceptance: float) -> SpeculationCosts:
+    """Prices like the served H200 rounds of run AJ (docs/gpu.md): a plain step 4.3 ms, a
+    verify of drafts 2.5 ms dearer plus 0.8 ms a token, the head's chain 1.2 + 0.3 ms a draft
+    (break-even ~0.72), and the drafter's recent sessions' acceptance."""
+    costs = SpeculationCosts()
+    for _ in range(3):
+        for n in range(1, 8):
+            costs.verify.observe(n, 0.0043 + 0.0008 * (n - 1) + (0.0025 if n > 1 else 0))
+        for k in range(1, 7):
+            costs.draft.observe(k, 0.0012 + 0.0003 * k)
+    costs.acceptance.successes, costs.acceptance.trials = shared_acceptance * 50, 50.0
+    return costs
+
+
+def test_a_kept_probe_from_a_fresh_sessions_prior_keeps_the_long_wait():
+    """The head right half the time on an H200: the session starts at the longest wait, and a
+    kept first probe (which lifts a two-trial estimate from 0.5 to 0.67) leaves it there."""
+    k = AdaptiveK.for_session(h200_costs(0.5), k_max=6)
+    assert 0.65 < k.break_even() < 0.8 and k.probe_wait == k.probe_every_max
+    assert _rounds_until_probe(k) == 64
+    k.observe(k.probe_tokens, k.probe_tokens, 1)
+    assert _rounds_until_probe(k) == 64
+    text = AdaptiveK.for_session(h200_costs(0.5), k_max=6, text_driven=True)  # n-gram
+    tree = AdaptiveK.for_session(h200_costs(0.5), k_max=6, tree=TreeLimits(16, 5, 4, dict))
+    assert text.probe_wait == tree.probe_wait == 0  # both probe from the start as before
+
+
 def test_tree_limits_come_from_a_shape_and_make_the_same_kind():
     from drafter_svc.proposal import TreeShape
 

@@ -361,6 +361,7 @@ def test_distill_groups_prompts_in_their_shuffled_order(tiny_model_dir, data, tm
     assert [len(g) for g in prompt_groups(range(7), 3)] == [3, 3, 1]
     assert list(prompt_groups([], 3)) == []
     monkeypatch.setattr(distill_module, "WAVES_PER_GROUP", 1)
+    monkeypatch.setattr(distill_module, "PROMPT_CHUNK", 2)  # prompts tokenized two at a time
     out = tmp_path / "grouped.jsonl"
     opts = DistillOptions(target=str(tiny_model_dir), out=out, conversations=5,
                           max_new_tokens=3, batch_size=1, data=data, seed=3)  # fmt: skip
@@ -423,22 +424,41 @@ def test_distill_tokenizes_no_prompt_after_its_time_limit(tiny_model_dir, data, 
     assert summary["prompt_seconds"] >= 0 and summary["message_seconds"] is None
 
 
-def test_batched_prompt_encoding_equals_the_chat_templates_own(tiny_model_dir):
-    from drafter_svc.distill import encode_texts
-    from specd.models.load import load_target
+@pytest.mark.parametrize("setting", ["none", "padding", "truncation"])
+def test_batched_prompt_encoding_equals_the_chat_templates_own(tiny_model_dir, tmp_path, setting):
+    """Also for a tokenizer.json that turns padding or truncation on: the template's own call
+    switches them off, so a batched encode must too (it runs first here, on a fresh load)."""
+    import shutil
 
-    tokenizer = load_target(str(tiny_model_dir), "float32").tokenizer
+    from mlx_lm.utils import load_tokenizer
+
+    from drafter_svc.distill import encode_texts
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    if setting == "padding":
+        spec["padding"] = {"strategy": "BatchLongest", "direction": "Right",
+                           "pad_to_multiple_of": None, "pad_id": 0, "pad_type_id": 0,
+                           "pad_token": "<|endoftext|>"}  # fmt: skip
+    elif setting == "truncation":
+        spec["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst",
+                              "stride": 0}  # fmt: skip
+    (model / "tokenizer.json").write_text(json.dumps(spec))
     chats = [[{"role": "user", "content": "say something"}],
              [{"role": "user", "content": "héllo — 世界 \u2028 emoji 🙂"},
               {"role": "assistant", "content": "  spaced\n\n reply "},
               {"role": "user", "content": "and\tthen?"}]]  # fmt: skip
+    tokenizer = load_tokenizer(model)
     texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
              for c in chats]  # fmt: skip
+    got = encode_texts(tokenizer, texts)
     expected = [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True))
                 for c in chats]  # fmt: skip
-    assert encode_texts(tokenizer, texts) == expected
+    assert len(expected[0]) != len(expected[1]) and min(map(len, expected)) > 8
+    assert got == expected
 
-    class OneAtATime:  # a tokenizer without a batch-encoding backend
+    class OneAtATime:  # a tokenizer that only encodes one text at a time
         encode = staticmethod(tokenizer.encode)
 
     assert encode_texts(OneAtATime(), texts) == expected
