@@ -108,8 +108,13 @@ class SharedAcceptance:
         self.successes = self.successes * self.decay + accepted
         self.trials = self.trials * self.decay + accepted + rejected
 
+    @property
+    def known(self) -> bool:
+        """Enough evidence to say something about a new session."""
+        return self.trials >= self.min_trials
+
     def prior(self, default: float) -> float:
-        return self.successes / self.trials if self.trials >= self.min_trials else default
+        return self.successes / self.trials if self.known else default
 
 
 @dataclass
@@ -246,7 +251,7 @@ class AdaptiveK:
         chooser = cls(costs, k_max, successes=start * prior_trials, trials=prior_trials, **options)
         if chooser.tree is not None and chooser.ranks is None:
             chooser.ranks = RankAcceptance.with_prior(start, max(1, chooser.tree.top_k))
-        known = costs.acceptance.trials >= costs.acceptance.min_trials
+        known = costs.acceptance.known
         if chooser.tree is None and not text_driven and known and chooser._hopeless():
             # the drafter's recent sessions say its drafts are far from paying: start with the
             # wait their rejected probes reach, not a probe every probe_every rounds anew

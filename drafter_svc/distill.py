@@ -225,11 +225,13 @@ def _new_prompts(opts: DistillOptions, tokenizer, done: set[str], wanted: int, c
     clock["prompt_seconds"] adds up the time spent tokenizing."""
     from drafter_svc.data import read_conversations
 
+    if wanted <= 0:
+        return
     chosen = 0
     chats = user_turns(read_conversations(opts.data), opts.seed, opts.turns)
     fresh = (chat for chat in chats if prompt_key(chat) not in done)
     for chunk in prompt_groups(fresh, PROMPT_CHUNK):
-        if chosen >= wanted or (deadline is not None and time.perf_counter() >= deadline):
+        if deadline is not None and time.perf_counter() >= deadline:
             return
         started = time.perf_counter()
         texts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
