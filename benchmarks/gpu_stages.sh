@@ -27,10 +27,9 @@
 #          specd.models.compiled's (the work between attentions under mx.compile), its
 #          attention in MLX's chunks of three rows and in one launch (row_attention): cost,
 #          build time, decode rate, rows against decode steps (gpu_forwards.py)
-# verify   what a verify of 1..16 tokens costs the engine, by path: the model's own forward or
-#          row by row, keeping the drafters' hidden rows or none, drafts rejected, then every
-#          draft kept (run Y: 13 ms for 7 tokens served, against 6 ms row by row in
-#          gpu_forwards.py)
+# verify   what a verify of 1..16 tokens and a decode call of 16 steps cost the engine as the
+#          verifier serves a session, keeping the drafters' hidden rows or none, drafts
+#          rejected, then every draft kept
 # pool     many clients on the KV pool: the verifier alone, the services, the fault drill (issue 28)
 # distill [SECONDS [DTYPE]]  the target's replies to ShareGPT prompts (every user turn, the
 #          whole prompt range up to 1024 tokens, in shuffled order), appended to ~/dd.jsonl
@@ -118,19 +117,19 @@ compiled)
     --contexts 512 900 --tokens 1 2 3 4 7 8 16 --repeats 15 \
     --variants mlx-lm compiled-chunked compiled --json "$OUT/compiled.json" > "$OUT/compiled.log" 2>&1 ;;
 verify)
-  for rows in "" --no-rows; do
-    for path in off on; do
-      echo "== --row-forwards $path $rows" >> "$OUT/verify.log"
-      timeout 120 python3 benchmarks/verify_cost.py --target "$model" --dtype float32 \
-        --drafts 0 1 2 3 6 15 --calls 15 --row-forwards "$path" $rows >> "$OUT/verify.log" 2>&1
+  # as the verifier serves a session (auto: row-by-row and compiled forwards on a GPU), with
+  # the drafters' hidden rows and without, twice in turn: what a forward pays for the rows
+  for pass in 1 2; do
+    for rows in "" --no-rows; do
+      echo "== pass $pass ${rows:-rows kept}" >> "$OUT/verify.log"
+      timeout 150 python3 benchmarks/verify_cost.py --target "$model" --dtype float32 \
+        --drafts 0 1 3 6 15 --calls 30 --burst 16 $rows >> "$OUT/verify.log" 2>&1
     done
   done
   # every draft kept, as a right drafter's rounds keep them
-  echo "== --row-forwards on --accept" >> "$OUT/verify.log"
+  echo "== --accept" >> "$OUT/verify.log"
   timeout 100 python3 benchmarks/verify_cost.py --target "$model" --dtype float32 \
-    --drafts 0 1 2 3 6 15 --calls 15 --row-forwards on --accept >> "$OUT/verify.log" 2>&1
-  timeout 60 python3 benchmarks/verify_cost.py --target "$model" --dtype float32 --drafts 6 \
-    --calls 10 --row-forwards on --accept --profile 6 >> "$OUT/verify.log" 2>&1 ;;
+    --drafts 0 1 3 6 15 --calls 15 --accept >> "$OUT/verify.log" 2>&1 ;;
 pool)
   # the KV pool is the verifier's default on a GPU: the verifier alone with it, then the
   # services (drafting off and n-gram), then the fault drill at 16 sessions

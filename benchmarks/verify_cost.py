@@ -6,12 +6,15 @@ target all but never chooses, so each call verifies about the same context lengt
 it did accept are printed. --accept drafts the target's own greedy reply instead, so every
 draft is kept as in a served round a right drafter makes (the KV and hidden rows of all k + 1
 tokens kept, the context growing k + 1 a call). With --profile, cProfile's top functions for
-one k.
---row-forwards and --kv-pool as the verifier takes them (auto: on on a GPU); --no-rows keeps
-no hidden rows (drafting off and n-gram keep none, the model drafters three layers').
+one k. --burst N also times plain decode calls of N steps (a drafting-off or
+adaptive-k call), ms a token.
+--row-forwards, --compiled-forwards and --kv-pool as the verifier takes them (default auto, as
+the verifier: on on a GPU); --no-rows keeps no hidden rows (drafting off and n-gram keep none,
+the model drafters three layers').
 
-    python benchmarks/verify_cost.py [--drafts 0 6 16] [--calls 15] [--profile 6]
-        [--row-forwards auto|on|off] [--kv-pool auto|on|off] [--no-rows] [--accept]
+    python benchmarks/verify_cost.py [--drafts 0 6 16] [--calls 15] [--profile 6] [--burst 16]
+        [--row-forwards auto|on|off] [--compiled-forwards auto|on|off]
+        [--kv-pool auto|on|off] [--no-rows] [--accept]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import time
 
 from specd.models.load import load_target
 from specd.prompts import encode_chat
+from verifier_svc.config import GPU_MODES
 from verifier_svc.engine import Target, decode, half_weights_pay, prefill, verify
 from verifier_svc.servicer import on_gpu
 
@@ -40,8 +44,10 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--calls", type=int, default=15)
     parser.add_argument("--profile", type=int, metavar="K", help="profile the calls with K drafts")
-    parser.add_argument("--row-forwards", choices=("auto", "on", "off"), default="off")
-    parser.add_argument("--kv-pool", choices=("auto", "on", "off"), default="off")
+    parser.add_argument("--burst", type=int, metavar="N", help="time decode calls of N steps too")
+    parser.add_argument("--row-forwards", choices=GPU_MODES, default="auto")
+    parser.add_argument("--compiled-forwards", choices=GPU_MODES, default="auto")
+    parser.add_argument("--kv-pool", choices=GPU_MODES, default="auto")
     parser.add_argument("--no-rows", action="store_true", help="keep no hidden rows")
     parser.add_argument(
         "--accept", action="store_true", help="draft the target's greedy reply: every draft kept"
@@ -51,10 +57,12 @@ def main() -> None:
     target = Target(
         load_target(args.target, args.dtype, half_weights=half),
         row_forwards=on_gpu(args.row_forwards, "row-forwards"),
+        compiled_forwards=on_gpu(args.compiled_forwards, "compiled-forwards"),
         kv_pool=on_gpu(args.kv_pool, "kv-pool"),
     )
     print(f"target {target.identity.name} ({target.loaded.dtype}; {target.numpy_part}; "
-          f"row forwards {target.row_forwards}, pool {target.kv_pool is not None})")  # fmt: skip
+          f"row forwards {target.row_forwards}, compiled {target.compiled_forwards}, "
+          f"pool {target.kv_pool is not None}, rows kept {not args.no_rows})")  # fmt: skip
     capture = () if args.no_rows else CAPTURE
     if args.accept:
         prompt = encode_chat(target.loaded.tokenizer, [{"role": "user", "content": LONG_REPLY}])
@@ -91,6 +99,19 @@ def main() -> None:
         ms = 1000 * statistics.median(calls(k, args.calls))
         print(f"{k:3d} drafts ({k + 1:2d} tokens): {ms:6.1f} ms")
     print(f"drafts accepted in all: {accepted} of {asked}")
+    if args.burst:
+        session = prefill(target, prompt, capture).session
+        for _ in range(2):  # first use of the shapes
+            decode(target, session, args.burst)
+        times = []
+        for _ in range(args.calls):
+            if session.finished:  # an EOS drawn from the prompt's noise
+                session = prefill(target, prompt, capture).session
+            start = time.perf_counter()
+            committed = len(decode(target, session, args.burst).committed)
+            times.append((time.perf_counter() - start) / committed)
+        ms = 1000 * statistics.median(times)
+        print(f"decode calls of {args.burst} steps: {ms:6.2f} ms a token")
     if args.profile is not None:
         profile = cProfile.Profile()
         profile.enable()
