@@ -745,13 +745,14 @@ def bench_stack(args, drafter: str, log_dir: Path):
     )
 
 
-def bench_request(prompt_ids, args, drafter: str):
+def bench_request(prompt_ids, args, drafter: str, seed: int | None = None):
     from specd.client import make_request
 
     return make_request(
         prompt_ids=prompt_ids,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
+        seed=seed,
         num_draft_tokens=pinned_k(drafter)[1],  # a pinned request turns adaptation off
     )
 

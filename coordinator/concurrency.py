@@ -5,7 +5,9 @@ At each level N, N clients each send --concurrency-requests requests one after t
 prompts taken in turn from the question set) to one stack per drafter; the table gives the
 aggregate tokens per second (all tokens over the wall time of the level) and each request's
 latency (p50, p99). mlx-lm's `batch_generate` runs the same N * requests prompts with a batch of
-N. Every greedy output is compared with the same prompt's output at level 1.
+N. Every output of the services is compared with the same prompt's output at level 1: greedy,
+or with --temperature sampled on a seed made from the prompt, so a prompt draws the same
+numbers at every level (mlx-lm's sampled outputs have no seed of their own: not compared).
 
 With --concurrency-faults the highest level runs a second time, and once every client's first
 request is running the drafter is killed and the verifier killed and started again on its
@@ -15,6 +17,7 @@ with the output it had in the clean run.
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import sys
 import threading
@@ -47,7 +50,7 @@ def level_row(
     tokens: int,
     wall_s: float,
     latencies: list[float],
-    differ: int,
+    differ: int | None,
     failed: int = 0,
     stats: list | None = None,
 ) -> dict:
@@ -82,7 +85,10 @@ def level_row(
 
 def mlx_lm_batched(target, prompts: list[list[int]], levels: list[int], args) -> list[dict]:
     from mlx_lm.generate import batch_generate
+    from mlx_lm.sample_utils import make_sampler
 
+    sampled = args.temperature > 0
+    sampling = {"sampler": make_sampler(args.temperature)} if sampled else {}
     rows, solo = [], {}
     for level in levels:
         batch = _level_prompts(prompts, level, args.concurrency_requests)
@@ -93,9 +99,10 @@ def mlx_lm_batched(target, prompts: list[list[int]], levels: list[int], args) ->
             done = batch_generate(
                 target.model, target.tokenizer, [ids for _, ids in batch], max_tokens=max_tokens,
                 return_token_ids=True, completion_batch_size=level, prefill_batch_size=level,
+                **sampling,
             )  # fmt: skip
         wall = time.perf_counter() - start
-        differ = _count_differing(solo, [i for i, _ in batch], done.token_ids)
+        differ = None if sampled else _count_differing(solo, [i for i, _ in batch], done.token_ids)
         tokens = sum(len(ids) for ids in done.token_ids)
         rows.append(level_row(level, tokens, wall, [wall] * len(batch), differ))
     return rows
@@ -229,11 +236,20 @@ def run_concurrency(args, target, drafters: list[str], prompts, log_dir: Path) -
             client = CoordinatorClient(stack.coordinator)
             client.generate(bench_request(prompts[0], args, d))  # the first request aside
             drill = FaultDrill(stack) if args.concurrency_faults else None
-            results[d] = services(client, lambda ids, d=d: bench_request(ids, args, d),
-                                  prompts, levels, args, drill)  # fmt: skip
+
+            def request_of(ids, d=d):
+                return bench_request(ids, args, d, prompt_seed(ids) if args.temperature else None)
+
+            results[d] = services(client, request_of, prompts, levels, args, drill)
             client.close()
         _print_rows(d, results[d])
     return results
+
+
+def prompt_seed(prompt_ids: list[int]) -> int:
+    """A sampled request's seed, made from its prompt: the same at every level and run."""
+    digest = hashlib.blake2b(str(list(prompt_ids)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 def _print_rows(name: str, rows: list[dict]) -> None:
@@ -248,12 +264,16 @@ def _print_rows(name: str, rows: list[dict]) -> None:
                     if "tau" in r else "")  # fmt: skip
         print(f"  {r['clients']:>5} {r['requests']:>9} {r['aggregate_tok_s']:16.1f} "
               f"{_seconds(r['p50_s']):>6} {_seconds(r['p99_s']):>6}  "
-              f"{r['outputs_differing_from_solo']:>19}  "
+              f"{_count(r['outputs_differing_from_solo']):>19}  "
               f"{r['failed']:>6}{drafting}{faults}", file=sys.stderr)  # fmt: skip
 
 
 def _seconds(value: float | None) -> str:
     return "–" if value is None else f"{value:.2f}"
+
+
+def _count(value: int | None) -> str:
+    return "–" if value is None else str(value)
 
 
 def write_concurrency(path: Path, results: dict[str, list[dict]]) -> None:
@@ -303,7 +323,7 @@ def concurrency_table(results: dict[str, list[dict]]) -> str:
             lines.append(
                 f"| {name} | {r['clients']}{faults} | {r['aggregate_tok_s']:.1f} | {ratio} | "
                 f"{_seconds(r['p50_s'])} | {_seconds(r['p99_s'])} | "
-                f"{r['outputs_differing_from_solo']} | "
+                f"{_count(r['outputs_differing_from_solo'])} | "
                 f"{r.get('failed', 0)} |"
             )
     return "\n".join(lines)

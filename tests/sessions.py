@@ -5,6 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from verifier_svc.sampling import SamplingConfig
+
 PROMPTS = [[5 + (7 * i + j) % 90 for j in range(4 + 5 * i)] for i in range(5)]
 CAPTURES = [(0, 1), (), (1,), (0, 1), (0,)]
 
@@ -92,3 +94,65 @@ class RpcContext:
 
     async def abort(self, code, details):
         raise AssertionError(f"{code}: {details}")
+
+
+SAMPLING = SamplingConfig(temperature=1.0, top_k=20)
+
+
+def mixed_sampled_rounds(target) -> tuple[list, list]:
+    """(sessions, rounds) beside each other: a greedy burst, a sampled burst, a sampled verify
+    with the drafter's distributions, a sampled verify of one-hot drafts and a greedy verify,
+    each sampled session on a seed of its own. Called twice, the same rounds on fresh
+    sessions."""
+    from verifier_svc.engine import Round, prefill
+
+    vocab = target.identity.vocab_size
+
+    def opened(i: int, seed: int | None):
+        sampling = SAMPLING if seed is not None else SamplingConfig()
+        return prefill(target, PROMPTS[i], CAPTURES[i], sampling=sampling, seed=seed).session
+
+    sessions = [opened(0, None), opened(1, 11), opened(2, 12), opened(3, 13), opened(4, None)]
+    drafts = [5, 9, 2]
+    probs = np.full((len(drafts), vocab), 0.5 / vocab)
+    probs[np.arange(len(drafts)), drafts] += 0.5  # each draft half its row's mass
+    rounds = [
+        Round(sessions[0], [], 4),
+        Round(sessions[1], [], 5),
+        Round(sessions[2], drafts, 1, draft_probs=probs),
+        Round(sessions[3], [7, 7], 1),
+        Round(sessions[4], [3, 1], 1),
+    ]
+    return sessions, rounds
+
+
+def run_rounds_alone(target, rounds) -> list:
+    """Each round as the verifier runs one session's round by itself."""
+    from verifier_svc.engine import decode, verify
+
+    return [
+        verify(target, r.session, r.drafts, r.draft_probs)
+        if r.drafts
+        else decode(target, r.session, r.steps)
+        for r in rounds
+    ]
+
+
+def assert_sampled_rounds_share_and_equal_each_alone(target, forward_calls: list) -> None:
+    """Sampled rounds take part in the shared forwards (`forward_calls`: rows per session of
+    each, recorded) and commit what each commits alone: the same logits, the same draws from
+    the session's own generator."""
+    from verifier_svc.engine import rounds_many
+
+    alone_sessions, alone_rounds = mixed_sampled_rounds(target)
+    alone = run_rounds_alone(target, alone_rounds)
+    sessions, rounds = mixed_sampled_rounds(target)
+    forward_calls.clear()  # the prefills' forwards
+    together = rounds_many(target, rounds)
+    assert forward_calls and len(forward_calls[0]) == len(rounds)  # every session at once
+    assert_same_rounds(alone, together)
+    for got, want in zip(sessions, alone_sessions, strict=True):
+        assert (got.position, got.last_token) == (want.position, want.last_token)
+        assert got.cache[0].offset == got.position - 1
+        if want.rng is not None:  # the generators drew the same numbers
+            assert got.rng.random() == want.rng.random()

@@ -1,5 +1,5 @@
-"""Plain greedy rounds of concurrent sessions batched in the verifier: the same tokens as each
-session alone, and batches of more than one session do form under load."""
+"""Plain rounds of concurrent sessions, greedy or sampled, batched in the verifier: the same
+tokens as each session alone, and batches of more than one session do form under load."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ PROMPTS = [[5 + (7 * i + j) % 90 for j in range(4 + 3 * i)] for i in range(6)]
 CALLS, STEPS = 6, 16
 
 
-def _decode(stub, prompt: list[int]) -> list[int]:
-    opened = stub.OpenSession(verifier_pb2.OpenSessionRequest(prompt_ids=prompt), timeout=60)
+def _decode(stub, prompt: list[int], sampling: common_pb2.SamplingParams | None) -> list[int]:
+    opened = stub.OpenSession(
+        verifier_pb2.OpenSessionRequest(prompt_ids=prompt, sampling=sampling), timeout=60
+    )
     ids, position = [opened.first_token], opened.position
     for _ in range(CALLS):
         answer = stub.Verify(
@@ -52,10 +54,18 @@ def _batches(metrics_port: int) -> tuple[float, float]:
 MLX = ["--gemv-rows", "0", "--row-forwards", "on"]
 
 
+def _sampling(n: int, sampled: bool) -> common_pb2.SamplingParams | None:
+    """Greedy, or sampled on a seed of the session's own."""
+    return common_pb2.SamplingParams(temperature=1.0, top_k=20, seed=n) if sampled else None
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize(
     "forwards", [[], MLX, [*MLX, "--kv-pool", "on"]], ids=["cpu-kernels", "mlx", "mlx-pooled"]
 )
-def test_concurrent_sessions_decode_together_and_as_each_alone(tiny_model_dir, tmp_path, forwards):
+def test_concurrent_sessions_decode_together_and_as_each_alone(
+    tiny_model_dir, tmp_path, forwards, sampled
+):
     """On the CPU kernels, and in MLX as on a GPU: per-session caches, and the KV pool."""
     metrics_port, port = free_ports(2)
     verifier = spawn(
@@ -68,13 +78,13 @@ def test_concurrent_sessions_decode_together_and_as_each_alone(tiny_model_dir, t
         verifier.wait_healthy(120)
         with grpc.insecure_channel(verifier.address, options=channel_options()) as channel:
             stub = verifier_pb2_grpc.VerifierStub(channel)
-            solo = [_decode(stub, p) for p in PROMPTS]
+            solo = [_decode(stub, p, _sampling(n, sampled)) for n, p in enumerate(PROMPTS)]
             count, alone = _batches(metrics_port)
             assert count == alone > 0  # one client at a time: batches of one
             together: list = [None] * len(PROMPTS)
 
             def client(n: int) -> None:
-                together[n] = _decode(stub, PROMPTS[n])
+                together[n] = _decode(stub, PROMPTS[n], _sampling(n, sampled))
 
             threads = [threading.Thread(target=client, args=(n,)) for n in range(len(PROMPTS))]
             for t in threads:

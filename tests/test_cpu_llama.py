@@ -9,6 +9,11 @@ from specd.cpu import llama as cpu_llama
 from specd.cpu.llama import DEFAULT_MAX_ROWS as CPU_MAX_ROWS
 from specd.cpu.llama import ROPE_BLOCK, CpuLlama
 from specd.models.load import load_target
+from tests.sessions import (
+    assert_sampled_rounds_share_and_equal_each_alone,
+    mixed_sampled_rounds,
+    run_rounds_alone,
+)
 from verifier_svc.engine import Target, _rollback, decode, prefill, verify_tree
 
 PROMPT = [3, 40, 41, 42, 43, 40, 41, 42, 50, 60, 70]
@@ -376,3 +381,48 @@ def test_a_failed_forward_drops_the_look_ahead_it_held(pair):
     assert isinstance(next(v for r, v in answers if r.session is sb), MemoryError)
     assert sa.ahead is None and sa.cache[0].offset == sa.position - 1
     assert decode(fast, sa, 3).committed == want_a[2:]
+
+
+def test_sampled_rounds_share_forwards_and_equal_each_alone(pair, monkeypatch):
+    _, fast = pair
+    calls = []
+    real = type(fast.cpu_layers).forward_many
+
+    def recording(self, segments, capture):
+        calls.append([len(s.token_ids) for s in segments])
+        return real(self, segments, capture)
+
+    monkeypatch.setattr(type(fast.cpu_layers), "forward_many", recording)
+    assert_sampled_rounds_share_and_equal_each_alone(fast, calls)
+
+
+def test_a_failed_shared_forward_leaves_a_sampled_session_and_its_draws_as_they_were(
+    pair, monkeypatch
+):
+    """A sampled burst whose third step fails: its generator is back where the round began,
+    so the round run again draws what it would have drawn."""
+    from verifier_svc.engine import Round, rounds_many
+
+    _, fast = pair
+    sessions, rounds = mixed_sampled_rounds(fast)
+    burst = rounds[1]
+    before = burst.session.rng.bit_generator.state
+    _, fresh = mixed_sampled_rounds(fast)
+    want = run_rounds_alone(fast, [fresh[1]])[0].committed
+    real = type(fast.cpu_layers).forward_many
+    calls = []
+
+    def failing(self, segments, capture):
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError("the third forward")
+        return real(self, segments, capture)
+
+    monkeypatch.setattr(type(fast.cpu_layers), "forward_many", failing)
+    results = rounds_many(fast, [rounds[0], burst])
+    assert all(isinstance(r, MemoryError) for r in results)
+    assert burst.session.rng.bit_generator.state == before
+    assert burst.session.cache[0].offset == burst.session.position - 1
+    monkeypatch.setattr(type(fast.cpu_layers), "forward_many", real)
+    again = rounds_many(fast, [Round(burst.session, [], 5), Round(sessions[0], [], 4)])
+    assert again[0].committed == want

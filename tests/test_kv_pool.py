@@ -16,6 +16,7 @@ from tests.sessions import (
     PROMPTS,
     RpcContext,
     assert_same_rounds,
+    assert_sampled_rounds_share_and_equal_each_alone,
     close,
     loaded_verifier,
     recorded,
@@ -353,3 +354,8 @@ def test_a_round_that_would_grow_the_pool_past_the_kv_limit_is_refused(tiny_mode
     assert target.kv_pool.bytes_at(CAPACITY_STEP + 1) == 2 * held
     verifier.config = replace(verifier.config, max_kv_bytes=2 * held)
     verifier._check_round(session, session.position, 0, 16)  # room for the doubled pool
+
+
+def test_sampled_rounds_run_in_the_pooled_forward_and_equal_each_alone(pooled, monkeypatch):
+    calls = recorded(monkeypatch, pooled, "forward_pooled")
+    assert_sampled_rounds_share_and_equal_each_alone(pooled, calls)

@@ -9,6 +9,7 @@ from specd.models.load import load_target
 from tests.sessions import (
     PROMPTS,
     assert_same_rounds,
+    assert_sampled_rounds_share_and_equal_each_alone,
     loaded_verifier,
     recorded,
     round_plans,
@@ -125,9 +126,14 @@ def test_a_second_call_for_one_session_in_a_batch_runs_after_the_first(tiny_mode
     assert target.shares_forwards
     first, other = (prefill(target, p).session for p in PROMPTS[:2])
     want = decode(target, prefill(target, PROMPTS[0]).session, 3).committed
-    items = [(first, first.position, [], 3), (other, other.position, [], 3),
-             (first, first.position, [], 3)]  # fmt: skip
+    items = [(first, first.position, [], 3, None), (other, other.position, [], 3, None),
+             (first, first.position, [], 3, None)]  # fmt: skip
     answers = verifier._rounds_many(items)
     assert answers[0].committed == want
     assert isinstance(answers[2], FailedPrecondition) and "position" in str(answers[2])
     assert first.position == 1 + len(PROMPTS[0]) + len(want)
+
+
+def test_sampled_rounds_share_mlx_forwards_and_equal_each_alone(target, monkeypatch):
+    calls = recorded(monkeypatch, target, "forward_many")
+    assert_sampled_rounds_share_and_equal_each_alone(target, calls)

@@ -106,7 +106,7 @@ class VerifierConfig:
     )
     kv_pool: str = option(
         "auto",
-        "keep every session's KV cache in one pool, so the greedy rounds of sessions ready at "
+        "keep every session's KV cache in one pool, so the rounds of sessions ready at "
         "once run as one batched forward with a constant number of operations per layer "
         "(the per-session path costs several per session, each a kernel launch on a GPU); "
         "sums over the batch may round unlike a session alone, so a greedy choice can differ "

@@ -85,7 +85,7 @@ class Target:
         them (specd.models.rowwise), where the architecture allows.
         compiled_forwards: forwards of 1-16 tokens with the work between attentions compiled
         (specd.models.compiled), where the architecture allows.
-        kv_pool: sessions' caches in one pool and their greedy rounds batched
+        kv_pool: sessions' caches in one pool and their rounds batched
         (verifier_svc.kv_pool), where MLX's forward takes many sessions. pool_alone: False
         keeps a session opened while no other is open out of the pool (`new_cache`)."""
         self.loaded = loaded
@@ -166,7 +166,7 @@ class Target:
         return self._mlx.slices_layers()
 
     def shared_forward(self, rounds: list[Round]):
-        """(forward_many, rows it takes) for greedy rounds that can share their forwards, or
+        """(forward_many, rows it takes) for rounds that can share their forwards, or
         None (fewer than two rounds, or one that cannot join: `joins`)."""
         shared = self.many_forward()
         if len(rounds) < 2 or shared is None or not all(self.joins(r) for r in rounds):
@@ -186,9 +186,8 @@ class Target:
         return None
 
     def joins(self, r: Round) -> bool:
-        """Whether a greedy round can take part in `many_forward` (sampled ones never do)."""
-        if r.session.rng is not None:
-            return False
+        """Whether a round of chain drafts or plain steps, greedy or sampled, can take part in
+        `many_forward`."""
         if self.kv_pool is not None:
             return isinstance(r.session.cache[0], PooledCache)
         layers = self.cpu_layers
@@ -198,7 +197,7 @@ class Target:
 
     @property
     def shares_forwards(self) -> bool:
-        """Whether greedy rounds of several sessions can share forwards at all: on the CPU
+        """Whether rounds of several sessions can share forwards at all: on the CPU
         kernels, or in MLX where the products of a few rows run row by row (`row_forwards`),
         each as a decode step computes it, so sharing changes no sum (a matrix product over
         the sessions' rows could round unlike their decode steps and flip a near-tie)."""
@@ -554,10 +553,22 @@ def _accept(
         choices = mx.concatenate(parts) if len(parts) > 1 else parts[0]
         mx.eval(choices, *([rows] if rows is not None else []))
         return accept_greedy(draft_ids, choices.tolist(), target.eos_ids)
-    rows = np.array(logits.astype(mx.float32))  # [k+1, V]
+    return _accept_sampled(target, session, draft_ids, draft_probs, _float32_rows(logits))
+
+
+def _float32_rows(logits) -> np.ndarray:
+    """A forward's logits [T, V] as float32 numpy (MLX's or the CPU kernels' own)."""
+    if isinstance(logits, np.ndarray):
+        return logits.astype(np.float32, copy=False)
+    return np.array(logits.astype(mx.float32))
+
+
+def _accept_sampled(target: Target, session: Session, draft_ids, draft_probs, logits: np.ndarray):
+    """Speculative sampling of a sampled session's round, its draws from the session's own
+    generator in the same order wherever its forward ran."""
 
     def target_row(i: int) -> np.ndarray:  # computed only up to the first rejection
-        return target_distribution(rows[i], session.sampling)
+        return target_distribution(logits[i], session.sampling)
 
     return accept_sampled(draft_ids, draft_probs, target_row, session.rng, target.eos_ids)
 
@@ -668,8 +679,9 @@ def decode(target: Target, session: Session, steps: int, look_ahead: bool = Fals
 
 @dataclass
 class Round:
-    """One session's greedy round in `rounds_many`: a verify of `drafts`, or with none,
-    `steps` plain decoding steps."""
+    """One session's round in `rounds_many`: a verify of `drafts`, or with none, `steps`
+    plain decoding steps; greedy, or sampled as the session samples (`draft_probs`: the
+    drafter's distributions for a sampled verify, None for one-hot drafts)."""
 
     session: Session
     drafts: list[int] = field(default_factory=list)
@@ -679,14 +691,15 @@ class Round:
     # next, its next call's first token (`Session.ahead`), so the session misses no forward
     # while its answer travels
     ahead_in_company: bool = False
+    draft_probs: np.ndarray | None = None
 
 
 def rounds_many(
     target: Target, rounds: list[Round], stepped: Callable[[int], None] | None = None
 ) -> list[VerifyResult | Exception]:
-    """Greedy rounds of several sessions at once, each committing what `verify` (drafts) or
-    `decode` (steps, stopping after an EOS) would commit alone; `rounds_stream` with no
-    rounds arriving later. Each answer is a result or that round's error."""
+    """Rounds of several sessions at once, each committing what `verify` (drafts) or `decode`
+    (steps, stopping after an EOS) would commit alone; `rounds_stream` with no rounds
+    arriving later. Each answer is a result or that round's error."""
     answers: dict[int, VerifyResult | Exception] = {}
     rounds_stream(target, rounds, list, lambda r, result: answers.__setitem__(id(r), result),
                   stepped)  # fmt: skip
@@ -700,13 +713,14 @@ def rounds_stream(
     answer: Callable[[Round, VerifyResult | Exception], None],
     stepped: Callable[[int], None] | None = None,
 ) -> None:
-    """Greedy rounds run together, continuously: each step is one forward for the rounds
+    """Rounds run together, continuously: each step is one forward for the rounds
     running (`Target.many_forward`: on the CPU kernels each weight read once for all, in MLX
     a decode step's launches shared, pooled sessions as one batch), each round answered
     (`answer(round, result)`) the step it finishes, and rounds that arrived since (`more()`,
     asked between steps) joining the next step while the forward has rows to spare. Rounds
-    that cannot share (`Target.joins`: sampling, another architecture, ...) and a round with
-    no other to share with run alone, as `verify` or `decode`. A shared forward that fails
+    that cannot share (`Target.joins`: another architecture, a cache it cannot read) and a
+    round with no other to share with run alone, as `verify` or `decode`. A sampled round
+    draws from its session's generator as it would alone. A shared forward that fails
     leaves the sessions in it as they were and answers each with the error. `stepped(n)`:
     the sessions of each shared forward (1 for each forward of a round run alone). A plain
     round answered while others run on takes a row of the next forward if it asks
@@ -722,8 +736,7 @@ def rounds_stream(
             return
         if target.kv_pool is not None and len(pending) + len(running) > 1:
             for r in pending:  # one opened alone joins the pool once it has company
-                if r.session.rng is None:
-                    target.pool_session(r.session)
+                target.pool_session(r.session)
         alone = 0  # the rounds at the front that run alone
         while alone < len(pending) and (shared is None or not target.joins(pending[alone])):
             alone += 1
@@ -794,6 +807,12 @@ class _Running:
     own_rows: int = 0
     all_rows: int = 0  # rows of those forwards, every session's
     looks_ahead: bool = False  # no round: the next token of a session already answered
+    draws: dict | None = None  # a sampled session's generator state before the round
+
+    def __post_init__(self):
+        rng = self.round.session.rng
+        if rng is not None and not self.looks_ahead:
+            self.draws = rng.bit_generator.state
 
     def done(self, target: Target) -> bool:
         return bool(self.committed) and (
@@ -833,11 +852,14 @@ def _step(
     done: list[_Running] = []
     try:
         outs = forward_many(segments, capture)
-        choices = _greedy_choices([logits for logits, _ in outs])
+        sampled = [s.round.session.rng is not None for s in running]
+        greedy_logits = [x for (x, _), s in zip(outs, sampled, strict=True) if not s]
+        greedy = iter(_greedy_choices(greedy_logits) if greedy_logits else [])
+        choices = [None if s else next(greedy) for s in sampled]
         seconds = time.perf_counter() - start
         step_rows = sum(len(segment.token_ids) for segment in segments)
-        for state, segment, (_, outputs), choice in zip(running, segments, outs, choices,
-                                                        strict=True):  # fmt: skip
+        for state, segment, (logits, outputs), choice in zip(running, segments, outs, choices,
+                                                             strict=True):  # fmt: skip
             r = state.round
             captured = None
             if r.session.capture:
@@ -850,8 +872,15 @@ def _step(
             state.seconds += seconds
             state.own_rows += len(segment.token_ids)
             state.all_rows += step_rows
-            if r.drafts and not state.committed:  # a verify: one step, its accepted prefix kept
-                acceptance = accept_greedy(r.drafts, choice.tolist(), target.eos_ids)
+            drafts = [] if state.committed else r.drafts
+            if r.session.rng is None:
+                acceptance = accept_greedy(drafts, choice.tolist(), target.eos_ids)
+            else:  # its draws from its own generator, in the order they come alone
+                probs = r.draft_probs if drafts else None
+                acceptance = _accept_sampled(
+                    target, r.session, drafts, probs, _float32_rows(logits)
+                )
+            if drafts:  # a verify: one step, its accepted prefix kept
                 state.committed, state.accepted = acceptance.committed, acceptance.num_accepted
                 kept = 1 + acceptance.num_accepted
                 _rollback(r.session.cache, r.session.position - 1 + kept)
@@ -859,8 +888,7 @@ def _step(
                     state.rows.append(captured[:kept])
                 done.append(state)
                 continue
-            token = choice.item()  # as decode takes it
-            state.committed.append(token)
+            state.committed += acceptance.committed  # one token, as decode takes it
             if captured is not None:
                 state.rows.append(captured)
             if state.done(target):
@@ -881,7 +909,8 @@ def _step(
             continue
         answer(state.round, state.result(target, state.seconds))
         r = state.round
-        if r.ahead_in_company and not r.drafts and not r.session.finished:
+        plain = not r.drafts and r.session.rng is None  # greedy: a look-ahead is its choice
+        if r.ahead_in_company and plain and not r.session.finished:
             looking.append(r.session)
     still = [s for s in running if all(s is not d for d in done)]
     return still, looking
@@ -902,17 +931,20 @@ def _greedy_choices(logits: list) -> list[mx.array]:
 
 
 def _undo(state: _Running) -> None:
-    """A failed step leaves the session as it was before the round (or the look-ahead)."""
+    """A failed step leaves the session as it was before the round (or the look-ahead), its
+    generator's draws too."""
     session = state.round.session
     if state.looks_ahead:
         session.ahead = None
+    if state.draws is not None:
+        session.rng.bit_generator.state = state.draws
     _rollback(session.cache, session.position - 1)
 
 
 def _alone(target: Target, r: Round) -> VerifyResult | Exception:
     try:
         if r.drafts:
-            return verify(target, r.session, r.drafts)
+            return verify(target, r.session, r.drafts, r.draft_probs)
         return decode(target, r.session, r.steps, look_ahead=r.look_ahead)
     except Exception as exc:  # noqa: BLE001 - this session's error, not the others'
         return exc

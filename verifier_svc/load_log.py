@@ -16,7 +16,7 @@ class Interval:
     seconds: float
     calls: int  # verify calls answered
     tokens: int  # tokens they committed
-    forwards: int  # forwards shared among greedy rounds (or run for one round)
+    forwards: int  # forwards shared among rounds (or run for one round)
     sessions: int  # their sessions, summed
     widest: int  # the most sessions in one of them
 

@@ -263,10 +263,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
         if steps > 1 and drafts:
             raise InvalidArgument("plain_steps > 1 takes no drafts: send them in their own call")
-        if parents is None and probs is None and session.rng is None and target.shares_forwards:
-            # a greedy chain or plain round: the sessions waiting together share forwards
+        if parents is None and target.shares_forwards:
+            # a chain or plain round, greedy or sampled: the sessions waiting together share
+            # forwards
             result = await self.mlx.run_batched(
-                self._rounds, (session, request.position, drafts, steps)
+                self._rounds, (session, request.position, drafts, steps, probs)
             )
         else:
             # a few forwards may run on the event loop; a longer burst goes to the worker, so
@@ -326,8 +327,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return self.look_ahead and session.position + steps < self.max_context
 
     def _rounds_many(self, items: list) -> list:
-        """Greedy rounds of the sessions waiting together: a result, or the error to answer
-        with, for each (session, position, drafts, plain_steps); `_rounds_stream` with no
+        """Rounds of the sessions waiting together: a result, or the error to answer with, for
+        each (session, position, drafts, plain_steps, draft_probs); `_rounds_stream` with no
         more arriving."""
         answers: dict[int, object] = {}
         self._rounds_stream(items, list, lambda item, result: answers.setdefault(id(item), result))
@@ -335,9 +336,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def _rounds_stream(self, items: list, more, answer) -> None:
         """`_rounds_many` continuously (an MlxThread stream batch): each (session, position,
-        drafts, plain_steps) answered the step its round finishes, the rounds queued meanwhile
-        joining the forwards (`engine.rounds_stream`). A second call for a session whose round
-        is running waits until the stream is done, then is checked as `_rounds_many` checks it."""
+        drafts, plain_steps, draft_probs) answered the step its round finishes, the rounds
+        queued meanwhile joining the forwards (`engine.rounds_stream`). A second call for a
+        session whose round is running waits until the stream is done, then is checked as
+        `_rounds_many` checks it."""
         later: list = []
         running: set[int] = set()  # sessions with a round in this stream
         items_of: dict[int, tuple] = {}  # id(Round) -> its item
@@ -345,7 +347,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         def rounds_of(new: list) -> list[Round]:
             rounds = []
             for item in new:
-                session, position, drafts, asked = item
+                session, position, drafts, asked, probs = item
                 if id(session) in running:
                     later.append(item)
                     continue
@@ -356,9 +358,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     continue
                 running.add(id(session))
                 steps = 1 if drafts else self._plain_steps(session, asked)
-                ahead = not drafts and self._looks_ahead(session, steps)
-                fits = not drafts and session.position + steps < self.max_context
-                r = Round(session, drafts, steps, ahead, ahead_in_company=fits)
+                greedy_plain = not drafts and session.rng is None  # may queue its next forward
+                ahead = greedy_plain and self._looks_ahead(session, steps)
+                fits = greedy_plain and session.position + steps < self.max_context
+                r = Round(session, drafts, steps, ahead, ahead_in_company=fits, draft_probs=probs)
                 items_of[id(r)] = item
                 rounds.append(r)
             return rounds

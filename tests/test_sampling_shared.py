@@ -1,0 +1,63 @@
+"""Speculative sampling in forwards shared by many sessions keeps the target's distribution:
+the token a verify commits first, for hundreds of seeded sessions verified together, against
+the target's exact distribution."""
+
+import mlx.core as mx
+import numpy as np
+from stats import chi_square
+
+from specd.models.load import load_target
+from tests.sessions import PROMPTS, SAMPLING
+from verifier_svc.engine import Round, Target, prefill, rounds_many
+from verifier_svc.sampling import target_distribution
+
+SESSIONS = 600
+
+
+def exact_second_token(model, prompt_ids) -> np.ndarray:
+    """P(t2) = sum over t1 of p(t1 | prompt) p(t2 | prompt, t1): prefill samples t1, the
+    verify commits t2 first."""
+    last = np.array(model(mx.array([prompt_ids]))[0, -1], np.float64)
+    p1 = target_distribution(last, SAMPLING)
+    firsts = np.flatnonzero(p1 > 0)
+    rows = np.array(model(mx.array([[*prompt_ids, int(t)] for t in firsts]))[:, -1], np.float64)
+    return sum(
+        p1[t] * target_distribution(row, SAMPLING) for t, row in zip(firsts, rows, strict=True)
+    )
+
+
+def test_sampled_verifies_in_shared_forwards_keep_the_target_distribution(
+    tiny_model_dir, monkeypatch
+):
+    target = Target(load_target(str(tiny_model_dir), dtype="float32"))  # the CPU kernels
+    assert target.cpu_layers is not None
+    prompt = PROMPTS[2]
+    expected = exact_second_token(target.loaded.model, prompt)
+    vocab = target.identity.vocab_size
+    # a drafter that half agrees: its rows half on the likeliest second token (then on one
+    # other) and half uniform, each draft drawn from its row, so drafts are kept and rejected
+    probs = np.full((2, vocab), 0.5 / vocab)
+    probs[[0, 1], [int(expected.argmax()), 7]] += 0.5
+    draw = np.random.default_rng(0)
+    sessions = [prefill(target, prompt, sampling=SAMPLING, seed=s).session for s in range(SESSIONS)]
+    rounds = [
+        Round(s, [int(draw.choice(vocab, p=row)) for row in probs], 1, draft_probs=probs)
+        for s in sessions
+    ]
+    sizes = []
+    real = type(target.cpu_layers).forward_many
+
+    def recording(self, segments, capture):
+        sizes.append(len(segments))
+        return real(self, segments, capture)
+
+    monkeypatch.setattr(type(target.cpu_layers), "forward_many", recording)
+    results = rounds_many(target, rounds)
+    assert min(sizes) > 1 and sum(sizes) == SESSIONS  # every verify in a shared forward
+    kept = np.array([r.num_accepted for r in results])
+    assert 0.1 < (kept > 0).mean() < 0.9, "the drafts were all kept or all rejected"
+    observed = np.bincount([r.committed[0] for r in results], minlength=vocab)
+    assert not observed[expected == 0].any(), "a token outside the top-k was committed"
+    stat, crit, df = chi_square(observed, expected)
+    print(f"shared forwards: {SESSIONS} sessions, chi2 {stat:.1f} < {crit:.1f} (df {df})")
+    assert stat < crit
