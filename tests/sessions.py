@@ -65,8 +65,9 @@ def assert_same_rounds(alone, together) -> None:
 
 
 def loaded_verifier(model_dir, **options):
-    """A verifier servicer on `model_dir`, loaded (minimal warm-up, MLX forwards row by row)
-    and its worker stopped: for calling its methods directly."""
+    """A verifier servicer on `model_dir`, loaded (minimal warm-up, MLX forwards row by row
+    unless `options` say otherwise) and its worker stopped: for calling its methods
+    directly."""
     import asyncio
 
     from specd.service import MlxThread
@@ -75,8 +76,8 @@ def loaded_verifier(model_dir, **options):
 
     async def load():
         mlx = MlxThread()
-        config = VerifierConfig(model=str(model_dir), warmup="minimal", gemv_rows=0,
-                                row_forwards="on", **options)  # fmt: skip
+        settings = {"gemv_rows": 0, "row_forwards": "on", **options}
+        config = VerifierConfig(model=str(model_dir), warmup="minimal", **settings)
         verifier = VerifierServicer(config, mlx)
         await verifier.load()
         mlx.shutdown()

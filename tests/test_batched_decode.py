@@ -1,5 +1,6 @@
-"""Plain rounds of concurrent sessions, greedy or sampled, batched in the verifier: the same
-tokens as each session alone, and batches of more than one session do form under load."""
+"""Rounds of concurrent sessions, greedy or sampled, plain or verifying draft trees, batched in
+the verifier: the same tokens as each session alone, and batches of more than one session do
+form under load."""
 
 from __future__ import annotations
 
@@ -17,16 +18,23 @@ PROMPTS = [[5 + (7 * i + j) % 90 for j in range(4 + 3 * i)] for i in range(6)]
 CALLS, STEPS = 6, 16
 
 
-def _decode(stub, prompt: list[int], sampling: common_pb2.SamplingParams | None) -> list[int]:
+# a draft tree each call: two roots, the first with two children
+TREE, TREE_PARENTS = [5, 9, 6, 7], [-1, -1, 0, 0]
+
+
+def _decode(
+    stub, prompt: list[int], sampling: common_pb2.SamplingParams | None, trees: bool = False
+) -> list[int]:
     opened = stub.OpenSession(
         verifier_pb2.OpenSessionRequest(prompt_ids=prompt, sampling=sampling), timeout=60
     )
     ids, position = [opened.first_token], opened.position
-    for _ in range(CALLS):
+    for _ in range(CALLS * (4 if trees else 1)):
+        round_of = {"plain_steps": STEPS}
+        if trees:
+            round_of = {"draft_ids": TREE, "draft_parents": TREE_PARENTS}
         answer = stub.Verify(
-            verifier_pb2.VerifyRequest(
-                session_id=opened.session_id, position=position, plain_steps=STEPS
-            ),
+            verifier_pb2.VerifyRequest(session_id=opened.session_id, position=position, **round_of),
             timeout=60,
         )
         ids += answer.committed_ids
@@ -59,14 +67,21 @@ def _sampling(n: int, sampled: bool) -> common_pb2.SamplingParams | None:
     return common_pb2.SamplingParams(temperature=1.0, top_k=20, seed=n) if sampled else None
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-@pytest.mark.parametrize(
-    "forwards", [[], MLX, [*MLX, "--kv-pool", "on"]], ids=["cpu-kernels", "mlx", "mlx-pooled"]
-)
+FORWARDS = {"cpu-kernels": [], "mlx": MLX, "mlx-pooled": [*MLX, "--kv-pool", "on"]}
+# draft trees share forwards on the CPU kernels alone (MLX's shared forwards are causal)
+CASES = [(name, mode) for name in FORWARDS for mode in ("greedy", "sampled")] + [
+    ("cpu-kernels", "trees"),
+    ("cpu-kernels", "sampled-trees"),
+]
+
+
+@pytest.mark.parametrize(("forwards", "mode"), CASES, ids=[f"{f}-{m}" for f, m in CASES])
 def test_concurrent_sessions_decode_together_and_as_each_alone(
-    tiny_model_dir, tmp_path, forwards, sampled
+    tiny_model_dir, tmp_path, forwards, mode
 ):
     """On the CPU kernels, and in MLX as on a GPU: per-session caches, and the KV pool."""
+    sampled, trees = mode.startswith("sampled"), mode.endswith("trees")
+    forwards = FORWARDS[forwards]
     metrics_port, port = free_ports(2)
     verifier = spawn(
         "verifier",
@@ -78,13 +93,13 @@ def test_concurrent_sessions_decode_together_and_as_each_alone(
         verifier.wait_healthy(120)
         with grpc.insecure_channel(verifier.address, options=channel_options()) as channel:
             stub = verifier_pb2_grpc.VerifierStub(channel)
-            solo = [_decode(stub, p, _sampling(n, sampled)) for n, p in enumerate(PROMPTS)]
+            solo = [_decode(stub, p, _sampling(n, sampled), trees) for n, p in enumerate(PROMPTS)]
             count, alone = _batches(metrics_port)
             assert count == alone > 0  # one client at a time: batches of one
             together: list = [None] * len(PROMPTS)
 
             def client(n: int) -> None:
-                together[n] = _decode(stub, PROMPTS[n], _sampling(n, sampled))
+                together[n] = _decode(stub, PROMPTS[n], _sampling(n, sampled), trees)
 
             threads = [threading.Thread(target=client, args=(n,)) for n in range(len(PROMPTS))]
             for t in threads:

@@ -126,8 +126,11 @@ def test_a_second_call_for_one_session_in_a_batch_runs_after_the_first(tiny_mode
     assert target.shares_forwards
     first, other = (prefill(target, p).session for p in PROMPTS[:2])
     want = decode(target, prefill(target, PROMPTS[0]).session, 3).committed
-    items = [(first, first.position, [], 3, None), (other, other.position, [], 3, None),
-             (first, first.position, [], 3, None)]  # fmt: skip
+    items = [
+        (first, first.position, [], 3, None, None),
+        (other, other.position, [], 3, None, None),
+        (first, first.position, [], 3, None, None),
+    ]
     answers = verifier._rounds_many(items)
     assert answers[0].committed == want
     assert isinstance(answers[2], FailedPrecondition) and "position" in str(answers[2])
@@ -137,3 +140,23 @@ def test_a_second_call_for_one_session_in_a_batch_runs_after_the_first(tiny_mode
 def test_sampled_rounds_share_mlx_forwards_and_equal_each_alone(target, monkeypatch):
     calls = recorded(monkeypatch, target, "forward_many")
     assert_sampled_rounds_share_and_equal_each_alone(target, calls)
+
+
+def test_a_tree_the_target_cannot_verify_is_refused_in_a_batch(tiny_model_dir, monkeypatch):
+    """On the CPU kernels draft trees join the batch; one the target cannot verify is answered
+    FAILED_PRECONDITION and leaves its session as it was, the others' rounds going on."""
+    from specd.service import FailedPrecondition
+
+    verifier = loaded_verifier(tiny_model_dir, gemv_rows=None)  # the CPU kernels
+    target = verifier._ready()
+    assert target.shares_trees
+    monkeypatch.setattr(type(target), "supports_trees", lambda self, cache: False)
+    tree, other = (prefill(target, p).session for p in PROMPTS[:2])
+    position = tree.position
+    answers = verifier._rounds_many(
+        [(tree, position, [5, 6], 1, None, [-1, -1]), (other, other.position, [], 2, None, None)]
+    )
+    assert isinstance(answers[0], FailedPrecondition)
+    assert "draft chains instead" in str(answers[0])
+    assert len(answers[1].committed) == 2
+    assert tree.position == position and tree.cache[0].offset == position - 1

@@ -186,14 +186,24 @@ class Target:
         return None
 
     def joins(self, r: Round) -> bool:
-        """Whether a round of chain drafts or plain steps, greedy or sampled, can take part in
-        `many_forward`."""
+        """Whether a round, greedy or sampled, can take part in `many_forward`: chain drafts
+        and plain steps wherever forwards are shared, draft trees on the CPU kernels (their
+        forwards take each session's positions and mask)."""
+        if r.parents is not None and not (
+            self.shares_trees and self.supports_trees(r.session.cache)
+        ):
+            return False
         if self.kv_pool is not None:
             return isinstance(r.session.cache[0], PooledCache)
         layers = self.cpu_layers
         if layers is not None:
             return layers.can_run(1 + len(r.drafts), r.session.cache)
         return self.shares_forwards
+
+    @property
+    def shares_trees(self) -> bool:
+        """Whether draft trees' verifies can share forwards (`joins`): on the CPU kernels."""
+        return self.kv_pool is None and self.cpu_layers is not None
 
     @property
     def shares_forwards(self) -> bool:
@@ -679,9 +689,10 @@ def decode(target: Target, session: Session, steps: int, look_ahead: bool = Fals
 
 @dataclass
 class Round:
-    """One session's round in `rounds_many`: a verify of `drafts`, or with none, `steps`
-    plain decoding steps; greedy, or sampled as the session samples (`draft_probs`: the
-    drafter's distributions for a sampled verify, None for one-hot drafts)."""
+    """One session's round in `rounds_many`: a verify of `drafts` (a chain, or a tree by
+    `parents`), or with none, `steps` plain decoding steps; greedy, or sampled as the session
+    samples (`draft_probs`: the drafter's distributions for a sampled verify of a chain, None
+    for one-hot drafts)."""
 
     session: Session
     drafts: list[int] = field(default_factory=list)
@@ -692,6 +703,7 @@ class Round:
     # while its answer travels
     ahead_in_company: bool = False
     draft_probs: np.ndarray | None = None
+    parents: list[int] | None = None  # a draft tree: each draft's parent (-1: the root)
 
 
 def rounds_many(
@@ -848,7 +860,7 @@ def _step(
     logits and rows are numpy (the CPU kernels) or MLX arrays."""
     start = time.perf_counter()
     capture = frozenset().union(*(s.round.session.capture for s in running))
-    segments = [Segment(s.tokens(), s.round.session.cache) for s in running]
+    segments = [_segment(s) for s in running]
     done: list[_Running] = []
     try:
         outs = forward_many(segments, capture)
@@ -873,6 +885,16 @@ def _step(
             state.own_rows += len(segment.token_ids)
             state.all_rows += step_rows
             drafts = [] if state.committed else r.drafts
+            if r.parents is not None:  # a tree: the path kept moves into place
+                path = _tree_verdict(target, state, logits, choice)
+                base = r.session.position - 1
+                keep = [0, *(i + 1 for i in path)]
+                _compact(r.session.cache, base, keep)
+                mx.eval([c.state for c in r.session.cache])
+                if captured is not None:
+                    state.rows.append(captured[np.array(keep)])
+                done.append(state)
+                continue
             if r.session.rng is None:
                 acceptance = accept_greedy(drafts, choice.tolist(), target.eos_ids)
             else:  # its draws from its own generator, in the order they come alone
@@ -916,6 +938,35 @@ def _step(
     return still, looking
 
 
+def _segment(state: _Running) -> Segment:
+    """A running round's part of the next shared forward: a tree's nodes at their depths,
+    each seeing its ancestors alone."""
+    r = state.round
+    if r.parents is None or state.committed:
+        return Segment(state.tokens(), r.session.cache)
+    layout = TreeLayout(r.parents, r.session.position - 1)
+    return Segment(state.tokens(), r.session.cache, layout.positions(), layout.sees())
+
+
+def _tree_verdict(target: Target, state: _Running, logits, choice) -> list[int]:
+    """Accept a tree round's drafts along the path the target follows (greedy or sampled, as
+    `verify_tree` does), recording them in `state`; returns the drafts kept."""
+    r = state.round
+    if r.session.rng is None:
+        acceptance, path = accept_tree_greedy(r.drafts, r.parents, choice.tolist(), target.eos_ids)
+    else:
+        rows = _float32_rows(logits)
+        acceptance, path = accept_tree_sampled(
+            r.drafts,
+            r.parents,
+            lambda i: target_distribution(rows[i], r.session.sampling),
+            r.session.rng,
+            target.eos_ids,
+        )
+    state.committed, state.accepted = acceptance.committed, acceptance.num_accepted
+    return path
+
+
 def _greedy_choices(logits: list) -> list[mx.array]:
     """Each session's greedy choices, evaluated: float32 numpy logits (the CPU kernels') all in
     one pass on the host where no row holds a near-tie, else each as `_greedy_next` takes them
@@ -943,6 +994,8 @@ def _undo(state: _Running) -> None:
 
 def _alone(target: Target, r: Round) -> VerifyResult | Exception:
     try:
+        if r.parents is not None:
+            return verify_tree(target, r.session, r.drafts, r.parents)
         if r.drafts:
             return verify(target, r.session, r.drafts, r.draft_probs)
         return decode(target, r.session, r.steps, look_ahead=r.look_ahead)

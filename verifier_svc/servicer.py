@@ -263,11 +263,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
         if steps > 1 and drafts:
             raise InvalidArgument("plain_steps > 1 takes no drafts: send them in their own call")
-        if parents is None and target.shares_forwards:
-            # a chain or plain round, greedy or sampled: the sessions waiting together share
-            # forwards
+        if target.shares_forwards and (parents is None or target.shares_trees):
+            # greedy or sampled: the sessions waiting together share forwards
             result = await self.mlx.run_batched(
-                self._rounds, (session, request.position, drafts, steps, probs)
+                self._rounds, (session, request.position, drafts, steps, probs, parents)
             )
         else:
             # a few forwards may run on the event loop; a longer burst goes to the worker, so
@@ -328,17 +327,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def _rounds_many(self, items: list) -> list:
         """Rounds of the sessions waiting together: a result, or the error to answer with, for
-        each (session, position, drafts, plain_steps, draft_probs); `_rounds_stream` with no
-        more arriving."""
+        each (session, position, drafts, plain_steps, draft_probs, parents); `_rounds_stream`
+        with no more arriving."""
         answers: dict[int, object] = {}
         self._rounds_stream(items, list, lambda item, result: answers.setdefault(id(item), result))
         return [answers[id(item)] for item in items]
 
     def _rounds_stream(self, items: list, more, answer) -> None:
         """`_rounds_many` continuously (an MlxThread stream batch): each (session, position,
-        drafts, plain_steps, draft_probs) answered the step its round finishes, the rounds
-        queued meanwhile joining the forwards (`engine.rounds_stream`). A second call for a
-        session whose round is running waits until the stream is done, then is checked as
+        drafts, plain_steps, draft_probs, parents) answered the step its round finishes, the
+        rounds queued meanwhile joining the forwards (`engine.rounds_stream`). A second call for
+        a session whose round is running waits until the stream is done, then is checked as
         `_rounds_many` checks it."""
         later: list = []
         running: set[int] = set()  # sessions with a round in this stream
@@ -347,7 +346,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         def rounds_of(new: list) -> list[Round]:
             rounds = []
             for item in new:
-                session, position, drafts, asked, probs = item
+                session, position, drafts, asked, probs, parents = item
                 if id(session) in running:
                     later.append(item)
                     continue
@@ -361,13 +360,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 greedy_plain = not drafts and session.rng is None  # may queue its next forward
                 ahead = greedy_plain and self._looks_ahead(session, steps)
                 fits = greedy_plain and session.position + steps < self.max_context
-                r = Round(session, drafts, steps, ahead, ahead_in_company=fits, draft_probs=probs)
+                r = Round(session, drafts, steps, ahead, ahead_in_company=fits, draft_probs=probs,
+                          parents=parents)  # fmt: skip
                 items_of[id(r)] = item
                 rounds.append(r)
             return rounds
 
         def answered(r: Round, result) -> None:
             running.discard(id(r.session))
+            if isinstance(result, TreeUnsupported):
+                result = FailedPrecondition(f"{result}; draft chains instead")
             answer(items_of.pop(id(r)), result)
 
         rounds_stream(self._ready(), rounds_of(items), lambda: rounds_of(more()), answered,
