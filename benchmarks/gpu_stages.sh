@@ -10,7 +10,8 @@
 # mtbench [DRAFTERS [SECONDS]]  drafters (default none,ngram: issue 25's n-gram goal) on all 80
 #          MT-bench questions in the default dtype, each output against plain mlx-lm
 # load     aggregate throughput at 1, 4, 16, 64 clients, and the verifier alone (issue 28)
-# clients  drafting off and n-gram at 1, 16 and 64 clients beside mlx-lm batched (issue 28)
+# clients [TEMPERATURE]  drafting off and n-gram at 1, 16 and 64 clients beside mlx-lm batched
+#          (issue 28); with TEMPERATURE (e.g. 0.7) sampled, each request seeded by its prompt
 # drafters [SECONDS [DRAFTERS [in-process]]]  model drafters (default eagle3-k6) against
 #          drafting off and plain mlx-lm, every 4th MT-bench question; a stack's start with
 #          its warm-ups takes ~70 s, so name few; in-process also runs each question's rounds
@@ -92,8 +93,9 @@ clients)
   # the verifier logs its load each second: whether 64 sessions run in step (run Y)
   timeout 300 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
     --max-tokens 128 --drafter none,ngram --concurrency 1,16,64 --concurrency-requests 1 \
-    --verifier-args "--log-stats 1" --json ~/res/clients.json > "$OUT/clients.log" 2>&1
-  grep -r "greedy forwards" /tmp/specd-bench-* > "$OUT/clients-load.log" 2>/dev/null ;;
+    --temperature "${2:-0}" --verifier-args "--log-stats 1" --json ~/res/clients"${2:-}".json \
+    >> "$OUT/clients.log" 2>&1
+  grep -r "round forwards" /tmp/specd-bench-* > "$OUT/clients-load.log" 2>/dev/null ;;
 drafters)
   # float32 pinned: the drafters' rows compare across runs, and a verify of a few tokens is
   # exact there (row forwards); dtype auto chose the model as stored in one run of run AD,
@@ -174,7 +176,7 @@ eagle3)
   tar -czf "$OUT/eagle3-meta.tgz" -C "$out" config.json training.json ;;
 *)
   echo "usage: bash benchmarks/gpu_stages.sh" \
-    "parity|grounded|mtbench [DRAFTERS [SECONDS]]|load|clients|compiled|drafters [SECONDS [DRAFTERS [in-process]]]|heads|verify|pool|distill [SECONDS [DTYPE]]|selfprompts [SECONDS [DTYPE]]|dflash [DATA [SECONDS [RECORDS [LAYERS]]]]|eagle3 [DATA [SECONDS [RECORDS [MLP_WIDTH [DRAFT_VOCAB [EPOCHS]]]]]]" >&2
+    "parity|grounded|mtbench [DRAFTERS [SECONDS]]|load|clients [TEMPERATURE]|compiled|drafters [SECONDS [DRAFTERS [in-process]]]|heads|verify|pool|distill [SECONDS [DTYPE]]|selfprompts [SECONDS [DTYPE]]|dflash [DATA [SECONDS [RECORDS [LAYERS]]]]|eagle3 [DATA [SECONDS [RECORDS [MLP_WIDTH [DRAFT_VOCAB [EPOCHS]]]]]]" >&2
   exit 2 ;;
 esac
 tar -czf "$OUT/results.tgz" -C ~ res /tmp/specd-bench-* 2>/dev/null

@@ -25,13 +25,13 @@ def test_an_interval_counts_calls_tokens_and_sessions_per_forward_then_resets():
     assert (interval.seconds, interval.calls, interval.tokens) == (2.0, 2, 16)
     assert (interval.forwards, interval.sessions, interval.widest) == (3, 36, 16)
     assert interval.line(open_sessions=5, kv_bytes=3 * 2**20) == (
-        "last 2.0 s: 2 verify calls, 16 tokens committed (8.0 tok/s), greedy forwards 3 (12.0 "
+        "last 2.0 s: 2 verify calls, 16 tokens committed (8.0 tok/s), round forwards 3 (12.0 "
         "sessions each, widest 16); 5 sessions open, KV 3.0 MiB"
     )
     now[0] = 103.0
     empty = stats.take()
     assert (empty.seconds, empty.calls, empty.forwards, empty.widest) == (1.0, 0, 0, 0)
-    assert "greedy forwards" not in empty.line(0, 0)  # no forward to describe
+    assert "round forwards" not in empty.line(0, 0)  # no forward to describe
 
 
 def test_a_serving_verifier_logs_its_load_after_calls_and_not_while_idle(tiny_model_dir, caplog):
@@ -75,6 +75,6 @@ def test_a_serving_verifier_logs_its_load_after_calls_and_not_while_idle(tiny_mo
     assert sum(int(m[2]) for m in counted) == committed
     assert all("2 sessions open" in line for line in lines)
     # the rounds ran through the shared-forward stream, which counted its forwards
-    forwards = [re.search(r"greedy forwards (\d+) \(([\d.]+) sessions each", x) for x in lines]
+    forwards = [re.search(r"round forwards (\d+) \(([\d.]+) sessions each", x) for x in lines]
     assert sum(int(m[1]) for m in forwards if m) >= 1
     assert all(1.0 <= float(m[2]) <= 2.0 for m in forwards if m)

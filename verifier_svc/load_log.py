@@ -28,7 +28,7 @@ class Interval:
         )
         if self.forwards:
             text += (
-                f", greedy forwards {self.forwards} ({self.sessions / self.forwards:.1f} "
+                f", round forwards {self.forwards} ({self.sessions / self.forwards:.1f} "
                 f"sessions each, widest {self.widest})"
             )
         return text + f"; {open_sessions} sessions open, KV {kv_bytes / 2**20:.1f} MiB"
