@@ -36,7 +36,7 @@ DRAFTER_FALLBACKS = Counter(
 )
 DECODE_BATCH = Histogram(
     "specd_decode_batch_sessions",
-    "sessions in each forward the verifier shared among greedy rounds (plain steps, draft chains)",
+    "sessions in each forward the verifier shared among rounds (plain steps, draft chains)",
     buckets=(1, 2, 4, 8, 16, 32, 64),
 )
 VERIFIER_REOPENS = Counter(

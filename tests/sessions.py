@@ -100,11 +100,23 @@ class RpcContext:
 SAMPLING = SamplingConfig(temperature=1.0, top_k=20)
 
 
+def greedy_after(target, tokens: list[int], n: int) -> list[int]:
+    """The target's n likeliest next tokens one after another, from full forwards of the
+    model (a session's caches untouched): drafts it keeps almost always."""
+    out: list[int] = []
+    for _ in range(n):
+        logits = target.loaded.model(mx.array([[*tokens, *out]]))[0, -1]
+        out.append(int(mx.argmax(logits).item()))
+    return out
+
+
 def mixed_sampled_rounds(target) -> tuple[list, list]:
     """(sessions, rounds) beside each other: a greedy burst, a sampled burst, a sampled verify
-    with the drafter's distributions, a sampled verify of one-hot drafts and a greedy verify,
-    each sampled session on a seed of its own. Called twice, the same rounds on fresh
-    sessions."""
+    of three drafts with the drafter's distributions (the first two the target's likeliest,
+    given less than the target gives them, so kept; the third given far more, so rejected), a
+    sampled verify of one-hot drafts and a
+    greedy verify, each sampled session on a seed of its own. Called twice, the same rounds
+    on fresh sessions."""
     from verifier_svc.engine import Round, prefill
 
     vocab = target.identity.vocab_size
@@ -114,14 +126,17 @@ def mixed_sampled_rounds(target) -> tuple[list, list]:
         return prefill(target, PROMPTS[i], CAPTURES[i], sampling=sampling, seed=seed).session
 
     sessions = [opened(0, None), opened(1, 11), opened(2, 12), opened(3, 13), opened(4, None)]
-    drafts = [5, 9, 2]
-    probs = np.full((len(drafts), vocab), 0.5 / vocab)
-    probs[np.arange(len(drafts)), drafts] += 0.5  # each draft half its row's mass
+    likely = greedy_after(target, [*PROMPTS[2], sessions[2].last_token], 2)
+    drafts = [*likely, 9 if likely[1] != 9 else 8]
+    on_draft = np.array([0.05, 0.05, 0.9])  # a draft's extra mass: kept where p > q
+    probs = np.ones((len(drafts), vocab)) * ((1 - on_draft) / vocab)[:, None]
+    probs[np.arange(len(drafts)), drafts] += on_draft
+    one_hot = greedy_after(target, [*PROMPTS[3], sessions[3].last_token], 2)
     rounds = [
         Round(sessions[0], [], 4),
         Round(sessions[1], [], 5),
         Round(sessions[2], drafts, 1, draft_probs=probs),
-        Round(sessions[3], [7, 7], 1),
+        Round(sessions[3], one_hot, 1),
         Round(sessions[4], [3, 1], 1),
     ]
     return sessions, rounds
@@ -151,6 +166,7 @@ def assert_sampled_rounds_share_and_equal_each_alone(target, forward_calls: list
     forward_calls.clear()  # the prefills' forwards
     together = rounds_many(target, rounds)
     assert forward_calls and len(forward_calls[0]) == len(rounds)  # every session at once
+    assert together[2].num_accepted == 2  # a kept prefix, then a rejection
     assert_same_rounds(alone, together)
     for got, want in zip(sessions, alone_sessions, strict=True):
         assert (got.position, got.last_token) == (want.position, want.last_token)

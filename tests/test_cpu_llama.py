@@ -12,6 +12,7 @@ from specd.models.load import load_target
 from tests.sessions import (
     assert_same_rounds,
     assert_sampled_rounds_share_and_equal_each_alone,
+    greedy_after,
     mixed_sampled_rounds,
     run_rounds_alone,
 )
@@ -431,7 +432,8 @@ def test_a_failed_shared_forward_leaves_a_sampled_session_and_its_draws_as_they_
 
 def _tree_rounds(target, sampled_seed: int | None):
     """(sessions, rounds): a greedy tree whose second branch is right for two levels, a plain
-    burst, a chain, and a tree on a sampled session (`sampled_seed`), beside each other."""
+    burst, a chain, and a tree on a sampled session (`sampled_seed`) whose second branch holds
+    the target's likeliest tokens, beside each other."""
     from verifier_svc.engine import Round
     from verifier_svc.sampling import SamplingConfig
 
@@ -439,16 +441,18 @@ def _tree_rounds(target, sampled_seed: int | None):
     right = decode(target, prefill(target, prompts[0]).session, 3).committed
     vocab = target.identity.vocab_size
     wrong = [(t + 1) % vocab for t in right]
-    sampling = SamplingConfig(temperature=1.0, top_k=20)
+    sampling = SamplingConfig(temperature=0.3, top_k=20)  # peaked: its likeliest mostly kept
     sessions = [prefill(target, p, (0, 1)).session for p in prompts[:3]]
-    sessions.append(prefill(target, prompts[3], sampling=sampling, seed=sampled_seed).session)
+    sessions.append(prefill(target, prompts[3], (1,), sampling=sampling, seed=sampled_seed).session)
     tree = [wrong[0], right[0], wrong[1], right[1], wrong[2], wrong[2]]
     parents = [-1, -1, 0, 1, 2, 3]
+    likely = greedy_after(target, [*prompts[3], sessions[3].last_token], 2)
+    other = [(t + 7) % vocab for t in likely]
     rounds = [
         Round(sessions[0], tree, 1, parents=parents),
         Round(sessions[1], [], 4),
         Round(sessions[2], [3, 4], 1),
-        Round(sessions[3], [5, 6, 7, 8], 1, parents=[-1, -1, 0, 1]),
+        Round(sessions[3], [other[0], likely[0], other[1], likely[1]], 1, parents=[-1, -1, 0, 1]),
     ]
     return sessions, rounds
 
@@ -478,7 +482,7 @@ def test_tree_rounds_share_forwards_and_equal_each_alone(pair, monkeypatch):
     monkeypatch.setattr(type(fast.cpu_layers), "forward_many", recording)
     together = rounds_many(fast, rounds)
     assert calls[0] == [7, 1, 3, 5]  # every round's first step in one forward
-    assert together[0].num_accepted == 2
+    assert together[0].num_accepted == 2 and together[3].num_accepted >= 1
     assert_same_rounds(alone, together)
     monkeypatch.setattr(type(fast.cpu_layers), "forward_many", real)
     for got, want in zip(sessions, alone_sessions, strict=True):
@@ -486,3 +490,62 @@ def test_tree_rounds_share_forwards_and_equal_each_alone(pair, monkeypatch):
         assert got.cache[0].offset == got.position - 1
         # the caches hold the same context: the next rounds agree
         assert verify(fast, got, []).committed == verify(fast, want, []).committed
+
+
+def _failing_sampled_verify(target):
+    """A sampled session and a verify of two drafts that fails after its first draw: the first
+    draft, the target's likeliest, is all but certain to be kept (its drafter gave it a tiny
+    probability), the second has probability 0 under its own drafter, which the acceptance
+    refuses."""
+    from verifier_svc.sampling import SamplingConfig
+
+    vocab = target.identity.vocab_size
+    prompt = _prompt(8)
+    session = prefill(target, prompt, (0,), sampling=SamplingConfig(1.0), seed=4).session
+    first = greedy_after(target, [*prompt, session.last_token], 1)[0]
+    second = (first + 1) % vocab
+    probs = np.full((2, vocab), 1.0 / (vocab - 1))
+    probs[0, first], probs[1, second] = 1e-9, 0.0
+    probs[0] /= probs[0].sum()
+    return session, [first, second], probs
+
+
+def test_a_sampled_round_that_fails_leaves_its_generator_as_it_was(pair):
+    """Alone (`verify`) and in a shared forward, where the other session's round goes on."""
+    from verifier_svc.engine import Round, rounds_many, verify
+
+    _, fast = pair
+    session, drafts, probs = _failing_sampled_verify(fast)
+    before, position = session.rng.bit_generator.state, session.position
+    with pytest.raises(ValueError, match="probability 0"):
+        verify(fast, session, drafts, probs)
+    assert session.rng.bit_generator.state == before
+    assert session.position == position and session.cache[0].offset == position - 1
+
+    session, drafts, probs = _failing_sampled_verify(fast)
+    before = session.rng.bit_generator.state
+    other = prefill(fast, _prompt(6)).session
+    want = decode(fast, prefill(fast, _prompt(6)).session, 3).committed
+    results = rounds_many(fast, [Round(session, drafts, 1, draft_probs=probs), Round(other, [], 3)])
+    assert isinstance(results[0], ValueError)
+    assert results[1].committed == want
+    assert session.rng.bit_generator.state == before
+    assert session.cache[0].offset == session.position - 1
+
+
+def test_a_sampled_tree_that_fails_leaves_its_generator_as_it_was(pair, monkeypatch):
+    from verifier_svc import engine
+    from verifier_svc.sampling import SamplingConfig
+
+    _, fast = pair
+    session = prefill(fast, _prompt(8), sampling=SamplingConfig(1.0), seed=5).session
+    before, position = session.rng.bit_generator.state, session.position
+
+    def failing(cache, base, keep):
+        raise MemoryError("moving the kept path")
+
+    monkeypatch.setattr(engine, "_compact", failing)
+    with pytest.raises(MemoryError):
+        verify_tree(fast, session, [3, 4, 5], [-1, -1, 0])
+    assert session.rng.bit_generator.state == before
+    assert session.position == position and session.cache[0].offset == position - 1

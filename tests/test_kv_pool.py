@@ -1,5 +1,5 @@
 """Sessions whose KV caches live in one pool (`verifier_svc.kv_pool`): alone they compute what
-per-session caches compute, and the greedy rounds of many run as one batched forward that
+per-session caches compute, and the rounds of many run as one batched forward that
 commits what each commits alone."""
 
 from __future__ import annotations

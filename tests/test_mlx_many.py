@@ -143,8 +143,9 @@ def test_sampled_rounds_share_mlx_forwards_and_equal_each_alone(target, monkeypa
 
 
 def test_a_tree_the_target_cannot_verify_is_refused_in_a_batch(tiny_model_dir, monkeypatch):
-    """On the CPU kernels draft trees join the batch; one the target cannot verify is answered
-    FAILED_PRECONDITION and leaves its session as it was, the others' rounds going on."""
+    """On the CPU kernels trees go to the batched rounds; one the target cannot verify runs
+    alone there and is answered FAILED_PRECONDITION, its session as it was, while the other
+    session's round goes on."""
     from specd.service import FailedPrecondition
 
     verifier = loaded_verifier(tiny_model_dir, gemv_rows=None)  # the CPU kernels

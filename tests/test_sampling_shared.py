@@ -29,21 +29,28 @@ def exact_second_token(model, prompt_ids) -> np.ndarray:
 def test_sampled_verifies_in_shared_forwards_keep_the_target_distribution(
     tiny_model_dir, monkeypatch
 ):
+    """Two prompts in turn, each session's first committed token against its own prompt's
+    distribution: rows mixed up between the sessions of a forward would show."""
     target = Target(load_target(str(tiny_model_dir), dtype="float32"))  # the CPU kernels
     assert target.cpu_layers is not None
-    prompt = PROMPTS[2]
-    expected = exact_second_token(target.loaded.model, prompt)
+    prompts = [PROMPTS[2], PROMPTS[3]]
+    expected = [exact_second_token(target.loaded.model, p) for p in prompts]
     vocab = target.identity.vocab_size
-    # a drafter that half agrees: its rows half on the likeliest second token (then on one
-    # other) and half uniform, each draft drawn from its row, so drafts are kept and rejected
-    probs = np.full((2, vocab), 0.5 / vocab)
-    probs[[0, 1], [int(expected.argmax()), 7]] += 0.5
+    # a drafter that half agrees: its rows half on the prompt's likeliest second token (then
+    # on one other) and half uniform, each draft drawn from its row, so drafts are kept and
+    # rejected both
+    drafters = []
+    for want in expected:
+        probs = np.full((2, vocab), 0.5 / vocab)
+        probs[[0, 1], [int(want.argmax()), 7]] += 0.5
+        drafters.append(probs)
     draw = np.random.default_rng(0)
-    sessions = [prefill(target, prompt, sampling=SAMPLING, seed=s).session for s in range(SESSIONS)]
-    rounds = [
-        Round(s, [int(draw.choice(vocab, p=row)) for row in probs], 1, draft_probs=probs)
-        for s in sessions
-    ]
+    rounds = []
+    for n in range(SESSIONS):
+        which = n % 2
+        session = prefill(target, prompts[which], sampling=SAMPLING, seed=n).session
+        drafts = [int(draw.choice(vocab, p=row)) for row in drafters[which]]
+        rounds.append(Round(session, drafts, 1, draft_probs=drafters[which]))
     sizes = []
     real = type(target.cpu_layers).forward_many
 
@@ -56,8 +63,10 @@ def test_sampled_verifies_in_shared_forwards_keep_the_target_distribution(
     assert min(sizes) > 1 and sum(sizes) == SESSIONS  # every verify in a shared forward
     kept = np.array([r.num_accepted for r in results])
     assert 0.1 < (kept > 0).mean() < 0.9, "the drafts were all kept or all rejected"
-    observed = np.bincount([r.committed[0] for r in results], minlength=vocab)
-    assert not observed[expected == 0].any(), "a token outside the top-k was committed"
-    stat, crit, df = chi_square(observed, expected)
-    print(f"shared forwards: {SESSIONS} sessions, chi2 {stat:.1f} < {crit:.1f} (df {df})")
-    assert stat < crit
+    for which, want in enumerate(expected):
+        firsts = [r.committed[0] for r in results[which::2]]
+        observed = np.bincount(firsts, minlength=vocab)
+        assert not observed[want == 0].any(), "a token outside the top-k was committed"
+        stat, crit, df = chi_square(observed, want)
+        print(f"prompt {which}: {len(firsts)} sessions, chi2 {stat:.1f} < {crit:.1f} (df {df})")
+        assert stat < crit

@@ -592,6 +592,7 @@ def verify(
     base = session.position - 1  # cache length before this round
     ahead, session.ahead = session.ahead, None
     tokens = [session.last_token, *draft_ids][ahead is not None :]
+    draws = _draws(session)
     try:
         logits, rows = None, None
         if tokens:
@@ -611,8 +612,19 @@ def verify(
             mx.eval(rows)
     except BaseException:
         _rollback(session.cache, base)  # a failed round leaves the session as it was
+        _restore_draws(session, draws)
         raise
     return _committed(session, acceptance, rows, start)
+
+
+def _draws(session: Session) -> dict | None:
+    """A sampled session's generator state, to put back if its round fails."""
+    return None if session.rng is None else session.rng.bit_generator.state
+
+
+def _restore_draws(session: Session, draws: dict | None) -> None:
+    if draws is not None:
+        session.rng.bit_generator.state = draws
 
 
 def decode(target: Target, session: Session, steps: int, look_ahead: bool = False) -> VerifyResult:
@@ -627,7 +639,7 @@ def decode(target: Target, session: Session, steps: int, look_ahead: bool = Fals
     if session.rng is not None or (steps <= 1 and not look_ahead and session.ahead is None):
         # all or nothing, like one round: a failure leaves the session (and its draws) as it was
         saved = (session.position, session.last_token, session.finished)
-        draws = session.rng.bit_generator.state if session.rng is not None else None
+        draws = _draws(session)
         results = []
         try:
             for _ in range(max(steps, 1)):
@@ -637,8 +649,7 @@ def decode(target: Target, session: Session, steps: int, look_ahead: bool = Fals
         except BaseException:
             _rollback(session.cache, saved[0] - 1)
             session.position, session.last_token, session.finished = saved
-            if draws is not None:
-                session.rng.bit_generator.state = draws
+            _restore_draws(session, draws)
             raise
         return _merged(results)
     start = time.perf_counter()
@@ -730,8 +741,9 @@ def rounds_stream(
     a decode step's launches shared, pooled sessions as one batch), each round answered
     (`answer(round, result)`) the step it finishes, and rounds that arrived since (`more()`,
     asked between steps) joining the next step while the forward has rows to spare. Rounds
-    that cannot share (`Target.joins`: another architecture, a cache it cannot read) and a
-    round with no other to share with run alone, as `verify` or `decode`. A sampled round
+    that cannot share (`Target.joins`: another architecture, a cache it cannot read, a draft
+    tree off the CPU kernels, more rows than a forward takes) and a round with no other to
+    share with run alone, as `verify`, `verify_tree` or `decode`. A sampled round
     draws from its session's generator as it would alone. A shared forward that fails
     leaves the sessions in it as they were and answers each with the error. `stepped(n)`:
     the sessions of each shared forward (1 for each forward of a round run alone). A plain
@@ -765,7 +777,7 @@ def rounds_stream(
         rows = sum(len(state.tokens()) for state in running)
         while pending and target.joins(pending[0]):
             r = pending[0]
-            if running and rows + len(_Running(r).tokens()) > max_rows:
+            if running and rows + 1 + len(r.drafts) > max_rows:
                 break
             took = _took_ahead(r)
             pending.popleft()
@@ -822,9 +834,8 @@ class _Running:
     draws: dict | None = None  # a sampled session's generator state before the round
 
     def __post_init__(self):
-        rng = self.round.session.rng
-        if rng is not None and not self.looks_ahead:
-            self.draws = rng.bit_generator.state
+        if not self.looks_ahead:
+            self.draws = _draws(self.round.session)
 
     def done(self, target: Target) -> bool:
         return bool(self.committed) and (
@@ -854,14 +865,16 @@ def _step(
     target: Target, running: list[_Running], forward_many, answer
 ) -> tuple[list[_Running], list[Session]]:
     """One shared forward: every running round's tokens, then each one's verdict; answers the
-    rounds that finish. Returns those still running, and the sessions of the rounds answered
-    that may look ahead in the next step (`Round.ahead_in_company`) if others run on.
-    A look-ahead row leaves its choice as its session's `Session.ahead`. forward_many's
+    rounds that finish, and a round whose verdict fails with its error (the session as it was
+    before the round; the others go on). Returns those still running, and the sessions of the
+    rounds answered that may look ahead in the next step (`Round.ahead_in_company`) if others
+    run on. A look-ahead row leaves its choice as its session's `Session.ahead`. forward_many's
     logits and rows are numpy (the CPU kernels) or MLX arrays."""
     start = time.perf_counter()
     capture = frozenset().union(*(s.round.session.capture for s in running))
     segments = [_segment(s) for s in running]
     done: list[_Running] = []
+    failed: list[_Running] = []
     try:
         outs = forward_many(segments, capture)
         sampled = [s.round.session.rng is not None for s in running]
@@ -872,49 +885,15 @@ def _step(
         step_rows = sum(len(segment.token_ids) for segment in segments)
         for state, segment, (logits, outputs), choice in zip(running, segments, outs, choices,
                                                              strict=True):  # fmt: skip
-            r = state.round
-            captured = None
-            if r.session.capture:
-                captured = _joined([outputs[j] for j in r.session.capture], -1)
-            if state.looks_ahead:
-                rows = None if captured is None else _mx(captured)
-                r.session.ahead = Ahead(choice.astype(mx.int32).reshape(1), rows, step_rows)
-                done.append(state)
-                continue
-            state.seconds += seconds
-            state.own_rows += len(segment.token_ids)
-            state.all_rows += step_rows
-            drafts = [] if state.committed else r.drafts
-            if r.parents is not None:  # a tree: the path kept moves into place
-                path = _tree_verdict(target, state, logits, choice)
-                base = r.session.position - 1
-                keep = [0, *(i + 1 for i in path)]
-                _compact(r.session.cache, base, keep)
-                mx.eval([c.state for c in r.session.cache])
-                if captured is not None:
-                    state.rows.append(captured[np.array(keep)])
-                done.append(state)
-                continue
-            if r.session.rng is None:
-                acceptance = accept_greedy(drafts, choice.tolist(), target.eos_ids)
-            else:  # its draws from its own generator, in the order they come alone
-                probs = r.draft_probs if drafts else None
-                acceptance = _accept_sampled(
-                    target, r.session, drafts, probs, _float32_rows(logits)
-                )
-            if drafts:  # a verify: one step, its accepted prefix kept
-                state.committed, state.accepted = acceptance.committed, acceptance.num_accepted
-                kept = 1 + acceptance.num_accepted
-                _rollback(r.session.cache, r.session.position - 1 + kept)
-                if captured is not None:
-                    state.rows.append(captured[:kept])
-                done.append(state)
-                continue
-            state.committed += acceptance.committed  # one token, as decode takes it
-            if captured is not None:
-                state.rows.append(captured)
-            if state.done(target):
-                done.append(state)
+            try:
+                if _take_step(target, state, len(segment.token_ids), logits, outputs, choice,
+                              seconds, step_rows):  # fmt: skip
+                    done.append(state)
+            except Exception as exc:  # noqa: BLE001 - this session's verdict; the others go on
+                _undo(state)
+                failed.append(state)
+                if not state.looks_ahead:
+                    answer(state.round, exc)
     except Exception as exc:  # noqa: BLE001 - the error of the sessions in this forward
         for state in running:
             _undo(state)
@@ -934,8 +913,54 @@ def _step(
         plain = not r.drafts and r.session.rng is None  # greedy: a look-ahead is its choice
         if r.ahead_in_company and plain and not r.session.finished:
             looking.append(r.session)
-    still = [s for s in running if all(s is not d for d in done)]
+    ended = done + failed
+    still = [s for s in running if all(s is not d for d in ended)]
     return still, looking
+
+
+def _take_step(
+    target: Target, state: _Running, own_rows: int, logits, outputs, choice, seconds: float,
+    step_rows: int,
+) -> bool:  # fmt: skip
+    """A round's verdict on its rows of a shared forward: what it commits (a verify's accepted
+    drafts, a tree's kept path moved into place, a plain step's token) or, for a look-ahead,
+    its session's next choice. True when the round is done."""
+    r = state.round
+    captured = None
+    if r.session.capture:
+        captured = _joined([outputs[j] for j in r.session.capture], -1)
+    if state.looks_ahead:
+        rows = None if captured is None else _mx(captured)
+        r.session.ahead = Ahead(choice.astype(mx.int32).reshape(1), rows, step_rows)
+        return True
+    state.seconds += seconds
+    state.own_rows += own_rows
+    state.all_rows += step_rows
+    drafts = [] if state.committed else r.drafts
+    if r.parents is not None:  # a tree: the path kept moves into place
+        path = _tree_verdict(target, state, logits, choice)
+        keep = [0, *(i + 1 for i in path)]
+        _compact(r.session.cache, r.session.position - 1, keep)
+        mx.eval([c.state for c in r.session.cache])
+        if captured is not None:
+            state.rows.append(captured[np.array(keep)])
+        return True
+    if r.session.rng is None:
+        acceptance = accept_greedy(drafts, choice.tolist(), target.eos_ids)
+    else:  # its draws from its own generator, in the order they come alone
+        probs = r.draft_probs if drafts else None
+        acceptance = _accept_sampled(target, r.session, drafts, probs, _float32_rows(logits))
+    if drafts:  # a verify: one step, its accepted prefix kept
+        state.committed, state.accepted = acceptance.committed, acceptance.num_accepted
+        kept = 1 + acceptance.num_accepted
+        _rollback(r.session.cache, r.session.position - 1 + kept)
+        if captured is not None:
+            state.rows.append(captured[:kept])
+        return True
+    state.committed += acceptance.committed  # one token, as decode takes it
+    if captured is not None:
+        state.rows.append(captured)
+    return state.done(target)
 
 
 def _segment(state: _Running) -> Segment:
@@ -987,8 +1012,7 @@ def _undo(state: _Running) -> None:
     session = state.round.session
     if state.looks_ahead:
         session.ahead = None
-    if state.draws is not None:
-        session.rng.bit_generator.state = state.draws
+    _restore_draws(session, state.draws)
     _rollback(session.cache, session.position - 1)
 
 
@@ -1063,6 +1087,7 @@ def verify_tree(
     _drop_ahead(session)  # a tree forwards its root with the drafts
     base = session.position - 1
     tokens = mx.array([session.last_token, *draft_ids], dtype=mx.int32)
+    draws = _draws(session)
     try:
         logits, rows = target.forward_tree(tokens, parents, session.cache, session.capture)
         if session.rng is None:
@@ -1085,6 +1110,7 @@ def verify_tree(
         mx.eval([c.state for c in session.cache], *([rows] if rows is not None else []))
     except BaseException:
         _rollback(session.cache, base)
+        _restore_draws(session, draws)
         raise
     return _committed(session, acceptance, rows, start)
 
