@@ -512,3 +512,23 @@ def test_compiled_norm_and_swiglu():
     kernels.swiglu(gate, up)
     assert np.isfinite(gate).all()
     assert np.allclose(gate, want, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("rows", [2, 3, 4])
+@pytest.mark.parametrize("width", [64, 200, 1536])
+def test_a_few_rows_on_half_weights_are_each_the_one_row_product(rows, width):
+    """A verify of up to three drafts on half weights (AVX2 + F16C): each row's product bit for
+    bit the one-row loop's, as a decode step computes it, tails past the vectors included."""
+    from specd.cpu.row_products import layer_kernels
+
+    rng = np.random.default_rng(rows + width)
+    weight = (rng.standard_normal((300, width)) * 0.05).astype(np.float16)
+    x = rng.standard_normal((rows, width), dtype=np.float32)
+    kernels = layer_kernels()
+    assert kernels is not None, "the compiled kernels were not built"
+    kernels.vector_half(True)
+    got = row_products(weight, x)
+    alone = np.concatenate([row_products(weight, x[i : i + 1]) for i in range(rows)])
+    if kernels.vector_half(True):  # the F16C loops; elsewhere the compiler orders the sums
+        assert np.array_equal(got, alone)
+    assert np.allclose(got, x @ weight.astype(np.float32).T, rtol=1e-4, atol=1e-3)

@@ -218,55 +218,33 @@ static void two_rows_span_f16c(const uint16_t *weight, const float *rows, float 
     }
 }
 
-/* Four input rows against two weight rows at a time: each input vector loaded serves two
- * multiply-adds, so past four rows, where the products stop being memory-bound, the loads no
- * longer limit them. Eight accumulators, one per (weight row, input row). */
+/* Four input rows against one weight row, each input row summed as the one-row loop sums it
+ * (two accumulators, alternate blocks of eight, then the scalar tail), so a verify's rows are
+ * a decode step's numbers bit for bit. Eight accumulators, each weight vector serving four
+ * multiply-adds. */
 F16C_TARGET
 static void four_rows_span_f16c(const uint16_t *weight, const float *rows, float *out,
                                 Py_ssize_t outputs, Py_ssize_t width, Py_ssize_t n,
                                 Py_ssize_t first, Py_ssize_t last) {
-    Py_ssize_t vector_end = width & ~(Py_ssize_t)7;
+    Py_ssize_t vector_end = width & ~(Py_ssize_t)15;
     for (Py_ssize_t i = 0; i < n; i += GROUP) {
         const float *x[GROUP];
         for (int r = 0; r < GROUP; r++) x[r] = rows + (i + r) * width;
-        Py_ssize_t o = first;
-        for (; o + 2 <= last; o += 2) {
-            const uint16_t *wa = weight + o * width, *wb = wa + width;
-            if (o + AHEAD + 1 < last)
-                prefetch_row(wa + AHEAD * width, 2 * width * (Py_ssize_t)sizeof *wa);
+        for (Py_ssize_t o = first; o < last; o++) {
+            const uint16_t *w = weight + o * width;
+            if (o + AHEAD < last) prefetch_row(w + AHEAD * width, width * (Py_ssize_t)sizeof *w);
             __m256 a[GROUP], b[GROUP];
             for (int r = 0; r < GROUP; r++) a[r] = b[r] = _mm256_setzero_ps();
             Py_ssize_t k = 0;
-            for (; k < vector_end; k += 8) {
-                __m256 va = LOAD8(wa, k), vb = LOAD8(wb, k);
+            for (; k < vector_end; k += 16) {
+                __m256 w0 = LOAD8(w, k), w1 = LOAD8(w, k + 8);
                 for (int r = 0; r < GROUP; r++) {
-                    __m256 xr = _mm256_loadu_ps(x[r] + k);
-                    a[r] = _mm256_fmadd_ps(va, xr, a[r]);
-                    b[r] = _mm256_fmadd_ps(vb, xr, b[r]);
+                    a[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[r] + k), a[r]);
+                    b[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[r] + k + 8), b[r]);
                 }
             }
             for (int r = 0; r < GROUP; r++) {
-                float sa = sum8(a[r]), sb = sum8(b[r]);
-                for (Py_ssize_t t = k; t < width; t++) {
-                    sa += half_to_float(wa[t]) * x[r][t];
-                    sb += half_to_float(wb[t]) * x[r][t];
-                }
-                out[(i + r) * outputs + o] = sa;
-                out[(i + r) * outputs + o + 1] = sb;
-            }
-        }
-        for (; o < last; o++) {  /* an odd last weight row */
-            const uint16_t *w = weight + o * width;
-            __m256 a[GROUP];
-            for (int r = 0; r < GROUP; r++) a[r] = _mm256_setzero_ps();
-            Py_ssize_t k = 0;
-            for (; k < vector_end; k += 8) {
-                __m256 v = LOAD8(w, k);
-                for (int r = 0; r < GROUP; r++)
-                    a[r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x[r] + k), a[r]);
-            }
-            for (int r = 0; r < GROUP; r++) {
-                float s = sum8(a[r]);
+                float s = sum8(_mm256_add_ps(a[r], b[r]));
                 for (Py_ssize_t t = k; t < width; t++) s += half_to_float(w[t]) * x[r][t];
                 out[(i + r) * outputs + o] = s;
             }
