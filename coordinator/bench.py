@@ -451,8 +451,8 @@ def in_process_runner(args, name: str):
         adaptive = None
         if adaptive_for(args, name) and k:
             tree = TreeLimits.of(getattr(drafter.proposer, "default_tree", None))
-            adaptive = AdaptiveK.for_session(costs, k, text_driven=bench_kind(name) == "ngram",
-                                             tree=tree)  # fmt: skip
+            text_driven = drafter.proposer.text_driven
+            adaptive = AdaptiveK.for_session(costs, k, text_driven=text_driven, tree=tree)
         plan = Plan(
             args.max_tokens,
             k,

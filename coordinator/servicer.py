@@ -186,7 +186,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if self.config.adaptive and k > 0 and not pinned and not seeded:
             default_top_k = info.default_tree.top_k if info.HasField("default_tree") else 0
             limits = TreeLimits.of(shape, default_top_k)
-            adaptive = AdaptiveK.for_session(self.costs, k, text_driven=info.kind == "ngram",
+            adaptive = AdaptiveK.for_session(self.costs, k, text_driven=info.text_driven,
                                              tree=limits)  # fmt: skip
         overlap = self.config.overlap_drafting and info.accepts_speculative_ids
         return Plan(

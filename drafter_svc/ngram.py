@@ -53,6 +53,7 @@ class NgramProposer:
     sends_draft_probs = False
     accepts_speculative_ids = True  # needs no hidden rows for assumed tokens
     default_tree = None  # chains only
+    text_driven = True  # it drafts only where the text repeats itself
 
     def __init__(self, config: NgramConfig | None = None):
         self.config = config or NgramConfig()

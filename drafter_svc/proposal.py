@@ -37,6 +37,7 @@ class Proposer(Protocol):
     default_draft_tokens: int
     max_draft_tokens: int
     default_tree: TreeShape | None  # None: it drafts chains only
+    text_driven: bool  # drafts by matching the text (no model): its acceptance follows the text
 
     def open(self, context_ids: list[int], hidden_rows=None) -> Any: ...
     def extend(self, state: Any, new_ids: list[int], hidden_rows=None) -> None: ...

@@ -71,6 +71,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             default_tree=_tree_proto(proposer.default_tree),
             drafts_trees=_drafts_trees(proposer),
             max_tree_tokens=self.config.max_tree_tokens if _drafts_trees(proposer) else 0,
+            text_driven=proposer.text_driven,
         )
 
     @rpc

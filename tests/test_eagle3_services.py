@@ -71,6 +71,7 @@ def test_info_names_layers_and_binds_the_target(stack, plain):
     assert info.target_fingerprint == plain.identity.fingerprint
     assert info.accepts_speculative_ids
     assert info.drafts_trees and info.max_tree_tokens > 0
+    assert not info.text_driven  # a model drafts: adaptive k may learn from other requests
 
 
 def test_oversized_tree_is_refused_before_any_round(stack):

@@ -162,7 +162,8 @@ def test_fuzz_drafter(stack):
             lambda r: stub.CloseSession(r, timeout=30),
             st.builds(common_pb2.CloseSessionRequest, session_id=text),
         )
-        assert stub.GetInfo(common_pb2.InfoRequest(), timeout=30).kind == "ngram"
+        info = stub.GetInfo(common_pb2.InfoRequest(), timeout=30)
+        assert info.kind == "ngram" and info.text_driven
 
 
 def test_fuzz_coordinator(stack):

@@ -56,6 +56,7 @@ def target_lm_head(target_dir: Path) -> mx.array:
 
 class DFlashProposer:
     kind = "dflash"
+    text_driven = False
     capture_layers: tuple[int, ...] = ()
     accepts_speculative_ids = False
     sends_draft_probs = True  # when sampling: drafts drawn from q, q sent

@@ -39,6 +39,7 @@ class Eagle3Options:
 
 class Eagle3Proposer:
     kind = "eagle3"
+    text_driven = False
     sends_draft_probs = False  # argmax drafting: q is one-hot
     accepts_speculative_ids = True  # drafted past with the head's own features
 

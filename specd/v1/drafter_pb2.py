@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specd.v1 import common_pb2 as specd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specd/v1/drafter.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"\xd0\x03\n\x0b\x44rafterInfo\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x1a\n\x12target_fingerprint\x18\x02 \x01(\t\x12\x16\n\x0e\x63\x61pture_layers\x18\x03 \x03(\x05\x12\x1c\n\x14\x64\x65\x66\x61ult_draft_tokens\x18\x04 \x01(\x05\x12\x18\n\x10max_draft_tokens\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x19\n\x11sends_draft_probs\x18\x07 \x01(\x08\x12\'\n\x07process\x18\x08 \x01(\x0b\x32\x16.specd.v1.ProcessStats\x12\x31\n\x06params\x18\t \x03(\x0b\x32!.specd.v1.DrafterInfo.ParamsEntry\x12\x12\n\nvocab_size\x18\n \x01(\x05\x12\x1f\n\x17\x61\x63\x63\x65pts_speculative_ids\x18\x0b \x01(\x08\x12)\n\x0c\x64\x65\x66\x61ult_tree\x18\x0c \x01(\x0b\x32\x13.specd.v1.TreeShape\x12\x14\n\x0c\x64rafts_trees\x18\r \x01(\x08\x12\x17\n\x0fmax_tree_tokens\x18\x0e \x01(\x05\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"N\n\x10\x44raftOpenRequest\x12\x13\n\x0b\x63ontext_ids\x18\x01 \x03(\x05\x12%\n\x0bhidden_rows\x18\x02 \x01(\x0b\x32\x10.specd.v1.Tensor\"\'\n\x11\x44raftOpenResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xee\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x0f\n\x07new_ids\x18\x03 \x03(\x05\x12%\n\x0bhidden_rows\x18\x04 \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\x05\x12*\n\x08sampling\x18\x06 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x17\n\x0fspeculative_ids\x18\x07 \x03(\x05\x12!\n\x04tree\x18\x08 \x01(\x0b\x32\x13.specd.v1.TreeShape\"s\n\rDraftResponse\x12\x11\n\tdraft_ids\x18\x01 \x03(\x05\x12%\n\x0b\x64raft_probs\x18\x02 \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12\x15\n\rdraft_parents\x18\x04 \x03(\x05\x32\xd7\x02\n\x07\x44rafter\x12\x37\n\x07GetInfo\x12\x15.specd.v1.InfoRequest\x1a\x15.specd.v1.DrafterInfo\x12\x46\n\x0bOpenSession\x12\x1a.specd.v1.DraftOpenRequest\x1a\x1b.specd.v1.DraftOpenResponse\x12\x38\n\x05\x44raft\x12\x16.specd.v1.DraftRequest\x1a\x17.specd.v1.DraftResponse\x12\x42\n\x0b\x44raftStream\x12\x16.specd.v1.DraftRequest\x1a\x17.specd.v1.DraftResponse(\x01\x30\x01\x12M\n\x0c\x43loseSession\x12\x1d.specd.v1.CloseSessionRequest\x1a\x1e.specd.v1.CloseSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specd/v1/drafter.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"\xe5\x03\n\x0b\x44rafterInfo\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x1a\n\x12target_fingerprint\x18\x02 \x01(\t\x12\x16\n\x0e\x63\x61pture_layers\x18\x03 \x03(\x05\x12\x1c\n\x14\x64\x65\x66\x61ult_draft_tokens\x18\x04 \x01(\x05\x12\x18\n\x10max_draft_tokens\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x19\n\x11sends_draft_probs\x18\x07 \x01(\x08\x12\'\n\x07process\x18\x08 \x01(\x0b\x32\x16.specd.v1.ProcessStats\x12\x31\n\x06params\x18\t \x03(\x0b\x32!.specd.v1.DrafterInfo.ParamsEntry\x12\x12\n\nvocab_size\x18\n \x01(\x05\x12\x1f\n\x17\x61\x63\x63\x65pts_speculative_ids\x18\x0b \x01(\x08\x12)\n\x0c\x64\x65\x66\x61ult_tree\x18\x0c \x01(\x0b\x32\x13.specd.v1.TreeShape\x12\x14\n\x0c\x64rafts_trees\x18\r \x01(\x08\x12\x17\n\x0fmax_tree_tokens\x18\x0e \x01(\x05\x12\x13\n\x0btext_driven\x18\x0f \x01(\x08\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"N\n\x10\x44raftOpenRequest\x12\x13\n\x0b\x63ontext_ids\x18\x01 \x03(\x05\x12%\n\x0bhidden_rows\x18\x02 \x01(\x0b\x32\x10.specd.v1.Tensor\"\'\n\x11\x44raftOpenResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xee\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x0f\n\x07new_ids\x18\x03 \x03(\x05\x12%\n\x0bhidden_rows\x18\x04 \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\x05\x12*\n\x08sampling\x18\x06 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x17\n\x0fspeculative_ids\x18\x07 \x03(\x05\x12!\n\x04tree\x18\x08 \x01(\x0b\x32\x13.specd.v1.TreeShape\"s\n\rDraftResponse\x12\x11\n\tdraft_ids\x18\x01 \x03(\x05\x12%\n\x0b\x64raft_probs\x18\x02 \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12\x15\n\rdraft_parents\x18\x04 \x03(\x05\x32\xd7\x02\n\x07\x44rafter\x12\x37\n\x07GetInfo\x12\x15.specd.v1.InfoRequest\x1a\x15.specd.v1.DrafterInfo\x12\x46\n\x0bOpenSession\x12\x1a.specd.v1.DraftOpenRequest\x1a\x1b.specd.v1.DraftOpenResponse\x12\x38\n\x05\x44raft\x12\x16.specd.v1.DraftRequest\x1a\x17.specd.v1.DraftResponse\x12\x42\n\x0b\x44raftStream\x12\x16.specd.v1.DraftRequest\x1a\x17.specd.v1.DraftResponse(\x01\x30\x01\x12M\n\x0c\x43loseSession\x12\x1d.specd.v1.CloseSessionRequest\x1a\x1e.specd.v1.CloseSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,17 +35,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTERINFO_PARAMSENTRY']._loaded_options = None
   _globals['_DRAFTERINFO_PARAMSENTRY']._serialized_options = b'8\001'
   _globals['_DRAFTERINFO']._serialized_start=60
-  _globals['_DRAFTERINFO']._serialized_end=524
-  _globals['_DRAFTERINFO_PARAMSENTRY']._serialized_start=479
-  _globals['_DRAFTERINFO_PARAMSENTRY']._serialized_end=524
-  _globals['_DRAFTOPENREQUEST']._serialized_start=526
-  _globals['_DRAFTOPENREQUEST']._serialized_end=604
-  _globals['_DRAFTOPENRESPONSE']._serialized_start=606
-  _globals['_DRAFTOPENRESPONSE']._serialized_end=645
-  _globals['_DRAFTREQUEST']._serialized_start=648
-  _globals['_DRAFTREQUEST']._serialized_end=886
-  _globals['_DRAFTRESPONSE']._serialized_start=888
-  _globals['_DRAFTRESPONSE']._serialized_end=1003
-  _globals['_DRAFTER']._serialized_start=1006
-  _globals['_DRAFTER']._serialized_end=1349
+  _globals['_DRAFTERINFO']._serialized_end=545
+  _globals['_DRAFTERINFO_PARAMSENTRY']._serialized_start=500
+  _globals['_DRAFTERINFO_PARAMSENTRY']._serialized_end=545
+  _globals['_DRAFTOPENREQUEST']._serialized_start=547
+  _globals['_DRAFTOPENREQUEST']._serialized_end=625
+  _globals['_DRAFTOPENRESPONSE']._serialized_start=627
+  _globals['_DRAFTOPENRESPONSE']._serialized_end=666
+  _globals['_DRAFTREQUEST']._serialized_start=669
+  _globals['_DRAFTREQUEST']._serialized_end=907
+  _globals['_DRAFTRESPONSE']._serialized_start=909
+  _globals['_DRAFTRESPONSE']._serialized_end=1024
+  _globals['_DRAFTER']._serialized_start=1027
+  _globals['_DRAFTER']._serialized_end=1370
 # @@protoc_insertion_point(module_scope)

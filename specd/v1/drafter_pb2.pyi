@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("kind", "target_fingerprint", "capture_layers", "default_draft_tokens", "max_draft_tokens", "block_size", "sends_draft_probs", "process", "params", "vocab_size", "accepts_speculative_ids", "default_tree", "drafts_trees", "max_tree_tokens")
+    __slots__ = ("kind", "target_fingerprint", "capture_layers", "default_draft_tokens", "max_draft_tokens", "block_size", "sends_draft_probs", "process", "params", "vocab_size", "accepts_speculative_ids", "default_tree", "drafts_trees", "max_tree_tokens", "text_driven")
     class ParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class DrafterInfo(_message.Message):
     DEFAULT_TREE_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_TREES_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_DRIVEN_FIELD_NUMBER: _ClassVar[int]
     kind: str
     target_fingerprint: str
     capture_layers: _containers.RepeatedScalarFieldContainer[int]
@@ -44,7 +45,8 @@ class DrafterInfo(_message.Message):
     default_tree: _common_pb2.TreeShape
     drafts_trees: bool
     max_tree_tokens: int
-    def __init__(self, kind: _Optional[str] = ..., target_fingerprint: _Optional[str] = ..., capture_layers: _Optional[_Iterable[int]] = ..., default_draft_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., sends_draft_probs: _Optional[bool] = ..., process: _Optional[_Union[_common_pb2.ProcessStats, _Mapping]] = ..., params: _Optional[_Mapping[str, str]] = ..., vocab_size: _Optional[int] = ..., accepts_speculative_ids: _Optional[bool] = ..., default_tree: _Optional[_Union[_common_pb2.TreeShape, _Mapping]] = ..., drafts_trees: _Optional[bool] = ..., max_tree_tokens: _Optional[int] = ...) -> None: ...
+    text_driven: bool
+    def __init__(self, kind: _Optional[str] = ..., target_fingerprint: _Optional[str] = ..., capture_layers: _Optional[_Iterable[int]] = ..., default_draft_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., sends_draft_probs: _Optional[bool] = ..., process: _Optional[_Union[_common_pb2.ProcessStats, _Mapping]] = ..., params: _Optional[_Mapping[str, str]] = ..., vocab_size: _Optional[int] = ..., accepts_speculative_ids: _Optional[bool] = ..., default_tree: _Optional[_Union[_common_pb2.TreeShape, _Mapping]] = ..., drafts_trees: _Optional[bool] = ..., max_tree_tokens: _Optional[int] = ..., text_driven: _Optional[bool] = ...) -> None: ...
 
 class DraftOpenRequest(_message.Message):
     __slots__ = ("context_ids", "hidden_rows")
