@@ -359,3 +359,34 @@ def test_a_round_that_would_grow_the_pool_past_the_kv_limit_is_refused(tiny_mode
 def test_sampled_rounds_run_in_the_pooled_forward_and_equal_each_alone(pooled, monkeypatch):
     calls = recorded(monkeypatch, pooled, "forward_pooled")
     assert_sampled_rounds_share_and_equal_each_alone(pooled, calls)
+
+
+def test_a_round_whose_move_into_the_pool_would_pass_the_kv_limit_is_refused(
+    tiny_model_dir, monkeypatch
+):
+    """As on a GPU (auto): a session opened alone keeps caches of its own and moves into the
+    pool once its rounds have company; a move that would grow the pool past --max-kv-memory
+    is refused before it happens, the session as it was."""
+    from dataclasses import replace
+
+    from specd.service import ResourceExhausted
+    from verifier_svc import servicer as servicer_module
+
+    monkeypatch.setattr(servicer_module, "device_kind", lambda: "gpu")
+    verifier = loaded_verifier(tiny_model_dir, look_ahead="off")
+    target = verifier._ready()
+    assert target.kv_pool is not None and not target.pool_alone
+    alone = prefill(target, [5 + j % 80 for j in range(CAPACITY_STEP + 10)]).session
+    verifier.sessions.add(alone)
+    verifier.config = replace(verifier.config, max_kv_bytes=verifier.kv_bytes() + 1)
+    verifier._check_round(alone, alone.position, 0, 4)  # alone: its own caches, no move
+    beside = prefill(target, PROMPTS[1]).session
+    assert isinstance(beside.cache[0], PooledCache) and not isinstance(alone.cache[0], PooledCache)
+    verifier.sessions.add(beside)
+    held = target.kv_pool.nbytes
+    verifier.config = replace(verifier.config, max_kv_bytes=verifier.kv_bytes() + 1)
+    with pytest.raises(ResourceExhausted, match="moving this session into the KV pool"):
+        verifier._check_round(alone, alone.position, 0, 4)  # every slot to its length
+    assert not isinstance(alone.cache[0], PooledCache) and target.kv_pool.nbytes == held
+    verifier.config = replace(verifier.config, max_kv_bytes=2 * held)
+    verifier._check_round(alone, alone.position, 0, 4)  # room for the pool at its length

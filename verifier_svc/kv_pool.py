@@ -148,16 +148,27 @@ class KVPool:
         """Whether the layer's arrays exist (a write made them since the pool was last empty)."""
         return self._keys[layer] is not None
 
-    def bytes_at(self, length: int) -> int:
-        """What the arrays would hold with room for `length` tokens: the pool grows every slot
-        at once, so one long session costs its length for all of them."""
+    def bytes_at(self, length: int, slots: int | None = None, token_bytes: int = 0) -> int:
+        """What the arrays would hold with room for `length` tokens (and `slots` slots; default
+        the pool's): the pool grows every slot at once, so one long session costs its length
+        for all of them. token_bytes: a token's keys and values over all layers, for a pool
+        whose arrays are not made yet."""
         capacity = max(self.capacity, -(-length // CAPACITY_STEP) * CAPACITY_STEP)
+        slots = self.slots if slots is None else slots
+        if all(keys is None for keys in self._keys):
+            return token_bytes * slots * capacity
         total = 0
         for layer in range(self.layers):
             if self._keys[layer] is not None:
-                slots, made = self._shape[layer]
-                total += self.layer_bytes(layer) // (slots * made) * self.slots * capacity
+                made_slots, made = self._shape[layer]
+                total += self.layer_bytes(layer) // (made_slots * made) * slots * capacity
         return total
+
+    @property
+    def slots_with_one_more(self) -> int:
+        """The slots the pool would have once one more session is opened in it."""
+        with self._slots_lock:
+            return self.slots if self._free else max(4, 2 * self.slots)
 
     def layer_bytes(self, layer: int) -> int:
         keys, values = self._keys[layer], self._values[layer]

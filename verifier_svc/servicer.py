@@ -6,6 +6,7 @@ import asyncio
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import KVCache
 
 from specd import __version__, metrics, wire
 from specd.models.load import device_kind, load_target, tokenizer_files
@@ -305,16 +306,27 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def _check_pool_growth(self, session: Session, tokens: int) -> None:
         """A pooled session's round that would grow the pool (every slot at once) past
-        --max-kv-memory is refused; the session keeps what it has committed."""
+        --max-kv-memory is refused; so is the round of a session on caches of its own, with
+        others open, whose move into the pool (`engine.rounds_stream` moves it once its rounds
+        have company) would pass the limit. The session keeps what it has committed."""
         pool, limit = self._ready().kv_pool, self.config.max_kv_bytes
-        if pool is None or limit is None or not isinstance(session.cache[0], PooledCache):
+        if pool is None or limit is None:
             return
+        length = session.position + tokens
+        if isinstance(session.cache[0], PooledCache):
+            slots, own, what = pool.slots, 0, "this round would grow the KV pool"
+        elif len(self.sessions) > 1 and all(type(c) is KVCache for c in session.cache):
+            slots, own = pool.slots_with_one_more, sum(c.nbytes for c in session.cache)
+            what = "moving this session into the KV pool beside the others would grow it"
+        else:
+            return  # alone, it keeps its own caches
+        allocated = max(1, session.cache[0].keys.shape[2]) if own else 1
         held = pool.nbytes
-        grown = pool.bytes_at(session.position + tokens)
-        if grown > held and self.kv_bytes() - held + grown > limit:
+        grown = pool.bytes_at(length, slots, token_bytes=own // allocated)
+        if grown > held and self.kv_bytes() - held - own + grown > limit:
             raise ResourceExhausted(
-                f"this round would grow the KV pool from {_mib(held)} to {_mib(grown)} (its "
-                f"{pool.slots} slots all to {session.position + tokens} tokens), past the limit "
+                f"{what} from {_mib(held)} to {_mib(grown)} (its {slots} slots all to {length} "
+                f"tokens), past the limit "
                 f"(--max-kv-memory) of {_mib(limit)}; close sessions, send fewer tokens a call "
                 "or raise the limit"
             )
