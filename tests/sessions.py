@@ -19,14 +19,20 @@ def close(got, want) -> None:
 
 def recorded(monkeypatch, target, method: str) -> list[list[int]]:
     """Rows per session of each call of the target's MLX forward `method`, as it runs."""
+    return recorded_on(monkeypatch, target._mlx, method)
+
+
+def recorded_on(monkeypatch, owner, method: str = "forward_many") -> list[list[int]]:
+    """Rows per session of each call of `owner`'s forward over segments `method` (its class
+    patched), as it runs: the MLX forwards', or the CPU kernels' (`Target.cpu_layers`)."""
     calls: list[list[int]] = []
-    real = getattr(type(target._mlx), method)
+    real = getattr(type(owner), method)
 
     def recording(self, segments, capture):
         calls.append([len(seg.token_ids) for seg in segments])
         return real(self, segments, capture)
 
-    monkeypatch.setattr(type(target._mlx), method, recording)
+    monkeypatch.setattr(type(owner), method, recording)
     return calls
 
 

@@ -14,6 +14,7 @@ from tests.sessions import (
     assert_sampled_rounds_share_and_equal_each_alone,
     greedy_after,
     mixed_sampled_rounds,
+    recorded_on,
     run_rounds_alone,
 )
 from verifier_svc.engine import Target, _rollback, decode, prefill, verify_tree
@@ -387,14 +388,7 @@ def test_a_failed_forward_drops_the_look_ahead_it_held(pair):
 
 def test_sampled_rounds_share_forwards_and_equal_each_alone(pair, monkeypatch):
     _, fast = pair
-    calls = []
-    real = type(fast.cpu_layers).forward_many
-
-    def recording(self, segments, capture):
-        calls.append([len(s.token_ids) for s in segments])
-        return real(self, segments, capture)
-
-    monkeypatch.setattr(type(fast.cpu_layers), "forward_many", recording)
+    calls = recorded_on(monkeypatch, fast.cpu_layers)
     assert_sampled_rounds_share_and_equal_each_alone(fast, calls)
 
 
@@ -472,19 +466,11 @@ def test_tree_rounds_share_forwards_and_equal_each_alone(pair, monkeypatch):
         for r in alone_rounds
     ]
     sessions, rounds = _tree_rounds(fast, 21)
-    calls = []
-    real = type(fast.cpu_layers).forward_many
-
-    def recording(self, segments, capture):
-        calls.append([len(s.token_ids) for s in segments])
-        return real(self, segments, capture)
-
-    monkeypatch.setattr(type(fast.cpu_layers), "forward_many", recording)
+    calls = recorded_on(monkeypatch, fast.cpu_layers)
     together = rounds_many(fast, rounds)
     assert calls[0] == [7, 1, 3, 5]  # every round's first step in one forward
     assert together[0].num_accepted == 2 and together[3].num_accepted >= 1
     assert_same_rounds(alone, together)
-    monkeypatch.setattr(type(fast.cpu_layers), "forward_many", real)
     for got, want in zip(sessions, alone_sessions, strict=True):
         assert (got.position, got.last_token) == (want.position, want.last_token)
         assert got.cache[0].offset == got.position - 1

@@ -17,6 +17,7 @@ from tests.sessions import (
     sessions_of,
 )
 from verifier_svc.engine import Round, Target, decode, prefill, rounds_many, verify
+from verifier_svc.servicer import RoundAsked
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +128,9 @@ def test_a_second_call_for_one_session_in_a_batch_runs_after_the_first(tiny_mode
     first, other = (prefill(target, p).session for p in PROMPTS[:2])
     want = decode(target, prefill(target, PROMPTS[0]).session, 3).committed
     items = [
-        (first, first.position, [], 3, None, None),
-        (other, other.position, [], 3, None, None),
-        (first, first.position, [], 3, None, None),
+        RoundAsked(first, first.position, [], 3),
+        RoundAsked(other, other.position, [], 3),
+        RoundAsked(first, first.position, [], 3),
     ]
     answers = verifier._rounds_many(items)
     assert answers[0].committed == want
@@ -155,8 +156,9 @@ def test_a_tree_the_target_cannot_verify_is_refused_in_a_batch(tiny_model_dir, m
     tree, other = (prefill(target, p).session for p in PROMPTS[:2])
     position = tree.position
     answers = verifier._rounds_many(
-        [(tree, position, [5, 6], 1, None, [-1, -1]), (other, other.position, [], 2, None, None)]
-    )
+        [RoundAsked(tree, position, [5, 6], 1, parents=[-1, -1]),
+         RoundAsked(other, other.position, [], 2)]
+    )  # fmt: skip
     assert isinstance(answers[0], FailedPrecondition)
     assert "draft chains instead" in str(answers[0])
     assert len(answers[1].committed) == 2

@@ -7,7 +7,7 @@ import numpy as np
 from stats import chi_square
 
 from specd.models.load import load_target
-from tests.sessions import PROMPTS, SAMPLING
+from tests.sessions import PROMPTS, SAMPLING, recorded_on
 from verifier_svc.engine import Round, Target, prefill, rounds_many
 from verifier_svc.sampling import target_distribution
 
@@ -51,15 +51,9 @@ def test_sampled_verifies_in_shared_forwards_keep_the_target_distribution(
         session = prefill(target, prompts[which], sampling=SAMPLING, seed=n).session
         drafts = [int(draw.choice(vocab, p=row)) for row in drafters[which]]
         rounds.append(Round(session, drafts, 1, draft_probs=drafters[which]))
-    sizes = []
-    real = type(target.cpu_layers).forward_many
-
-    def recording(self, segments, capture):
-        sizes.append(len(segments))
-        return real(self, segments, capture)
-
-    monkeypatch.setattr(type(target.cpu_layers), "forward_many", recording)
+    calls = recorded_on(monkeypatch, target.cpu_layers)
     results = rounds_many(target, rounds)
+    sizes = [len(call) for call in calls]
     assert min(sizes) > 1 and sum(sizes) == SESSIONS  # every verify in a shared forward
     kept = np.array([r.num_accepted for r in results])
     assert 0.1 < (kept > 0).mean() < 0.9, "the drafts were all kept or all rejected"

@@ -938,7 +938,9 @@ def _take_step(
     state.all_rows += step_rows
     drafts = [] if state.committed else r.drafts
     if r.parents is not None:  # a tree: the path kept moves into place
-        path = _tree_verdict(target, state, logits, choice)
+        greedy = None if choice is None else choice.tolist()
+        acceptance, path = _accept_tree(target, r.session, r.drafts, r.parents, logits, greedy)
+        state.committed, state.accepted = acceptance.committed, acceptance.num_accepted
         keep = [0, *(i + 1 for i in path)]
         _compact(r.session.cache, r.session.position - 1, keep)
         mx.eval([c.state for c in r.session.cache])
@@ -973,23 +975,20 @@ def _segment(state: _Running) -> Segment:
     return Segment(state.tokens(), r.session.cache, layout.positions(), layout.sees())
 
 
-def _tree_verdict(target: Target, state: _Running, logits, choice) -> list[int]:
-    """Accept a tree round's drafts along the path the target follows (greedy or sampled, as
-    `verify_tree` does), recording them in `state`; returns the drafts kept."""
-    r = state.round
-    if r.session.rng is None:
-        acceptance, path = accept_tree_greedy(r.drafts, r.parents, choice.tolist(), target.eos_ids)
-    else:
-        rows = _float32_rows(logits)
-        acceptance, path = accept_tree_sampled(
-            r.drafts,
-            r.parents,
-            lambda i: target_distribution(rows[i], r.session.sampling),
-            r.session.rng,
-            target.eos_ids,
-        )
-    state.committed, state.accepted = acceptance.committed, acceptance.num_accepted
-    return path
+def _accept_tree(target: Target, session: Session, draft_ids, parents, logits, greedy_ids):
+    """The path of a tree the target follows and what it commits: by its greedy choices at
+    every node (`greedy_ids`), or for a sampled session by speculative sampling from its
+    generator."""
+    if session.rng is None:
+        return accept_tree_greedy(draft_ids, parents, greedy_ids, target.eos_ids)
+    dist = _float32_rows(logits)
+    return accept_tree_sampled(
+        draft_ids,
+        parents,
+        lambda i: target_distribution(dist[i], session.sampling),
+        session.rng,
+        target.eos_ids,
+    )
 
 
 def _greedy_choices(logits: list) -> list[mx.array]:
@@ -1090,19 +1089,8 @@ def verify_tree(
     draws = _draws(session)
     try:
         logits, rows = target.forward_tree(tokens, parents, session.cache, session.capture)
-        if session.rng is None:
-            acceptance, path = accept_tree_greedy(
-                draft_ids, parents, _greedy_ids(logits), target.eos_ids
-            )
-        else:
-            dist = np.array(logits.astype(mx.float32))
-            acceptance, path = accept_tree_sampled(
-                draft_ids,
-                parents,
-                lambda i: target_distribution(dist[i], session.sampling),
-                session.rng,
-                target.eos_ids,
-            )
+        greedy = _greedy_ids(logits) if session.rng is None else None
+        acceptance, path = _accept_tree(target, session, draft_ids, parents, logits, greedy)
         keep = [0, *(i + 1 for i in path)]
         _compact(session.cache, base, keep)
         if rows is not None:

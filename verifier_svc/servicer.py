@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -85,6 +86,17 @@ def check_draft_probs(tensor, drafts: list[int], vocab_size: int) -> np.ndarray 
     if drafts and (q[np.arange(len(drafts)), drafts] <= 0).any():
         raise InvalidArgument("a draft token has probability 0 in its own draft_probs row")
     return q / q.sum(axis=1, keepdims=True)
+
+
+class RoundAsked(NamedTuple):
+    """A Verify call's round, as the batched rounds take it."""
+
+    session: Session
+    position: int
+    drafts: list[int]
+    plain_steps: int
+    draft_probs: np.ndarray | None = None
+    parents: list[int] | None = None
 
 
 def on_gpu(mode: str, option: str) -> bool:
@@ -268,7 +280,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             # chains, plain steps and (on the CPU kernels) trees, greedy or sampled: the
             # sessions waiting together share forwards
             result = await self.mlx.run_batched(
-                self._rounds, (session, request.position, drafts, steps, probs, parents)
+                self._rounds, RoundAsked(session, request.position, drafts, steps, probs, parents)
             )
         else:
             # a few forwards may run on the event loop; a longer burst goes to the worker, so
@@ -326,9 +338,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if grown > held and self.kv_bytes() - held - own + grown > limit:
             raise ResourceExhausted(
                 f"{what} from {_mib(held)} to {_mib(grown)} (its {slots} slots all to {length} "
-                f"tokens), past the limit "
-                f"(--max-kv-memory) of {_mib(limit)}; close sessions, send fewer tokens a call "
-                "or raise the limit"
+                f"tokens), past the limit (--max-kv-memory) of {_mib(limit)}; close sessions, "
+                "send fewer tokens a call or raise the limit"
             )
 
     def _plain_steps(self, session: Session, asked: int) -> int:
@@ -340,18 +351,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def _rounds_many(self, items: list) -> list:
         """Rounds of the sessions waiting together: a result, or the error to answer with, for
-        each (session, position, drafts, plain_steps, draft_probs, parents); `_rounds_stream`
-        with no more arriving."""
+        each `RoundAsked`; `_rounds_stream` with no more arriving."""
         answers: dict[int, object] = {}
         self._rounds_stream(items, list, lambda item, result: answers.setdefault(id(item), result))
         return [answers[id(item)] for item in items]
 
     def _rounds_stream(self, items: list, more, answer) -> None:
-        """`_rounds_many` continuously (an MlxThread stream batch): each (session, position,
-        drafts, plain_steps, draft_probs, parents) answered the step its round finishes, the
-        rounds queued meanwhile joining the forwards (`engine.rounds_stream`). A second call for
-        a session whose round is running waits until the stream is done, then is checked as
-        `_rounds_many` checks it."""
+        """`_rounds_many` continuously (an MlxThread stream batch): each `RoundAsked` answered
+        the step its round finishes, the rounds queued meanwhile joining the forwards
+        (`engine.rounds_stream`). A second call for a session whose round is running waits
+        until the stream is done, then is checked as `_rounds_many` checks it."""
         later: list = []
         running: set[int] = set()  # sessions with a round in this stream
         items_of: dict[int, tuple] = {}  # id(Round) -> its item
