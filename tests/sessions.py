@@ -179,3 +179,59 @@ def assert_sampled_rounds_share_and_equal_each_alone(target, forward_calls: list
         assert got.cache[0].offset == got.position - 1
         if want.rng is not None:  # the generators drew the same numbers
             assert got.rng.random() == want.rng.random()
+
+
+def tree_prompt(length: int) -> list[int]:
+    return np.random.default_rng(length).integers(3, 200, length).tolist()
+
+
+def tree_rounds(target, sampled_seed: int | None):
+    """(sessions, rounds): a greedy tree whose second branch is right for two levels, a plain
+    burst, a chain, and a tree on a sampled session (`sampled_seed`) whose second branch holds
+    the target's likeliest tokens, beside each other."""
+    from verifier_svc.engine import Round, decode, prefill
+
+    prompts = [tree_prompt(7), tree_prompt(12), tree_prompt(5), tree_prompt(9)]
+    right = decode(target, prefill(target, prompts[0]).session, 3).committed
+    vocab = target.identity.vocab_size
+    wrong = [(t + 1) % vocab for t in right]
+    sampling = SamplingConfig(temperature=0.3, top_k=20)  # peaked: its likeliest mostly kept
+    sessions = [prefill(target, p, (0, 1)).session for p in prompts[:3]]
+    sessions.append(prefill(target, prompts[3], (1,), sampling=sampling, seed=sampled_seed).session)
+    tree = [wrong[0], right[0], wrong[1], right[1], wrong[2], wrong[2]]
+    parents = [-1, -1, 0, 1, 2, 3]
+    likely = greedy_after(target, [*prompts[3], sessions[3].last_token], 2)
+    other = [(t + 7) % vocab for t in likely]
+    rounds = [
+        Round(sessions[0], tree, 1, parents=parents),
+        Round(sessions[1], [], 4),
+        Round(sessions[2], [3, 4], 1),
+        Round(sessions[3], [other[0], likely[0], other[1], likely[1]], 1, parents=[-1, -1, 0, 1]),
+    ]
+    return sessions, rounds
+
+
+def assert_tree_rounds_share_and_equal_each_alone(target, forward_calls: list) -> None:
+    """A draft tree's nodes go into the shared forward (`forward_calls`: rows per session of
+    each, recorded) at their depths, each seeing its ancestors alone; the path kept, its rows
+    and the compacted cache are those of `verify_tree` alone, greedy and sampled."""
+    from verifier_svc.engine import rounds_many, verify, verify_tree
+
+    alone_sessions, alone_rounds = tree_rounds(target, 21)
+    alone = [
+        verify_tree(target, r.session, r.drafts, r.parents)
+        if r.parents
+        else run_rounds_alone(target, [r])[0]
+        for r in alone_rounds
+    ]
+    sessions, rounds = tree_rounds(target, 21)
+    forward_calls.clear()  # the prefills' forwards
+    together = rounds_many(target, rounds)
+    assert forward_calls[0] == [7, 1, 3, 5]  # every round's first step in one forward
+    assert together[0].num_accepted == 2 and together[3].num_accepted >= 1
+    assert_same_rounds(alone, together)
+    for got, want in zip(sessions, alone_sessions, strict=True):
+        assert (got.position, got.last_token) == (want.position, want.last_token)
+        assert got.cache[0].offset == got.position - 1
+        # the caches hold the same context: the next rounds agree
+        assert verify(target, got, []).committed == verify(target, want, []).committed

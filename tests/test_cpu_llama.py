@@ -10,8 +10,8 @@ from specd.cpu.llama import DEFAULT_MAX_ROWS as CPU_MAX_ROWS
 from specd.cpu.llama import ROPE_BLOCK, CpuLlama
 from specd.models.load import load_target
 from tests.sessions import (
-    assert_same_rounds,
     assert_sampled_rounds_share_and_equal_each_alone,
+    assert_tree_rounds_share_and_equal_each_alone,
     greedy_after,
     mixed_sampled_rounds,
     recorded_on,
@@ -424,58 +424,10 @@ def test_a_failed_shared_forward_leaves_a_sampled_session_and_its_draws_as_they_
     assert again[0].committed == want
 
 
-def _tree_rounds(target, sampled_seed: int | None):
-    """(sessions, rounds): a greedy tree whose second branch is right for two levels, a plain
-    burst, a chain, and a tree on a sampled session (`sampled_seed`) whose second branch holds
-    the target's likeliest tokens, beside each other."""
-    from verifier_svc.engine import Round
-    from verifier_svc.sampling import SamplingConfig
-
-    prompts = [_prompt(7), _prompt(12), _prompt(5), _prompt(9)]
-    right = decode(target, prefill(target, prompts[0]).session, 3).committed
-    vocab = target.identity.vocab_size
-    wrong = [(t + 1) % vocab for t in right]
-    sampling = SamplingConfig(temperature=0.3, top_k=20)  # peaked: its likeliest mostly kept
-    sessions = [prefill(target, p, (0, 1)).session for p in prompts[:3]]
-    sessions.append(prefill(target, prompts[3], (1,), sampling=sampling, seed=sampled_seed).session)
-    tree = [wrong[0], right[0], wrong[1], right[1], wrong[2], wrong[2]]
-    parents = [-1, -1, 0, 1, 2, 3]
-    likely = greedy_after(target, [*prompts[3], sessions[3].last_token], 2)
-    other = [(t + 7) % vocab for t in likely]
-    rounds = [
-        Round(sessions[0], tree, 1, parents=parents),
-        Round(sessions[1], [], 4),
-        Round(sessions[2], [3, 4], 1),
-        Round(sessions[3], [other[0], likely[0], other[1], likely[1]], 1, parents=[-1, -1, 0, 1]),
-    ]
-    return sessions, rounds
-
-
 def test_tree_rounds_share_forwards_and_equal_each_alone(pair, monkeypatch):
-    """A draft tree's nodes go into the shared forward at their depths, each seeing its
-    ancestors alone; the path kept, its rows and the compacted cache are those of
-    `verify_tree` alone, greedy and sampled."""
-    from verifier_svc.engine import rounds_many, verify
-
     _, fast = pair
-    alone_sessions, alone_rounds = _tree_rounds(fast, 21)
-    alone = [
-        verify_tree(fast, r.session, r.drafts, r.parents)
-        if r.parents
-        else run_rounds_alone(fast, [r])[0]
-        for r in alone_rounds
-    ]
-    sessions, rounds = _tree_rounds(fast, 21)
     calls = recorded_on(monkeypatch, fast.cpu_layers)
-    together = rounds_many(fast, rounds)
-    assert calls[0] == [7, 1, 3, 5]  # every round's first step in one forward
-    assert together[0].num_accepted == 2 and together[3].num_accepted >= 1
-    assert_same_rounds(alone, together)
-    for got, want in zip(sessions, alone_sessions, strict=True):
-        assert (got.position, got.last_token) == (want.position, want.last_token)
-        assert got.cache[0].offset == got.position - 1
-        # the caches hold the same context: the next rounds agree
-        assert verify(fast, got, []).committed == verify(fast, want, []).committed
+    assert_tree_rounds_share_and_equal_each_alone(fast, calls)
 
 
 def _failing_sampled_verify(target):

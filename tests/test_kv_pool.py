@@ -17,6 +17,7 @@ from tests.sessions import (
     RpcContext,
     assert_same_rounds,
     assert_sampled_rounds_share_and_equal_each_alone,
+    assert_tree_rounds_share_and_equal_each_alone,
     close,
     loaded_verifier,
     recorded,
@@ -179,8 +180,9 @@ def test_the_full_warm_up_prefills_and_steps_pooled_sessions_together(
                     row_forwards=True, kv_pool=True, pool_alone=pool_alone)  # fmt: skip
     calls = recorded(monkeypatch, target, "forward_pooled")
     full_warmup(target, 3, long_context=80)
-    # the two prompts' heads, their last tokens, then a plain step beside a verify of 4
-    assert calls[:3] == [[63, 39], [1, 1], [1, 4]]
+    # the two prompts' heads, their last tokens, two plain steps (the first beside a verify
+    # of 4), then a plain step, a sampled verify of 3 and a tree of 4 in one batch
+    assert calls[:5] == [[63, 39], [1, 1], [1, 4], [1], [1, 3, 4]]
     gc.collect()
     assert target.kv_pool.open_slots == 0  # the warm-up's sessions gave their slots back
 
@@ -359,6 +361,11 @@ def test_a_round_that_would_grow_the_pool_past_the_kv_limit_is_refused(tiny_mode
 def test_sampled_rounds_run_in_the_pooled_forward_and_equal_each_alone(pooled, monkeypatch):
     calls = recorded(monkeypatch, pooled, "forward_pooled")
     assert_sampled_rounds_share_and_equal_each_alone(pooled, calls)
+
+
+def test_tree_rounds_run_in_the_pooled_forward_and_equal_each_alone(pooled, monkeypatch):
+    calls = recorded(monkeypatch, pooled, "forward_pooled")
+    assert_tree_rounds_share_and_equal_each_alone(pooled, calls)
 
 
 def test_a_round_whose_move_into_the_pool_would_pass_the_kv_limit_is_refused(

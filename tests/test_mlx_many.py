@@ -10,6 +10,7 @@ from tests.sessions import (
     PROMPTS,
     assert_same_rounds,
     assert_sampled_rounds_share_and_equal_each_alone,
+    assert_tree_rounds_share_and_equal_each_alone,
     loaded_verifier,
     recorded,
     round_plans,
@@ -143,6 +144,11 @@ def test_sampled_rounds_share_mlx_forwards_and_equal_each_alone(target, monkeypa
     assert_sampled_rounds_share_and_equal_each_alone(target, calls)
 
 
+def test_tree_rounds_share_mlx_forwards_and_equal_each_alone(target, monkeypatch):
+    calls = recorded(monkeypatch, target, "forward_many")
+    assert_tree_rounds_share_and_equal_each_alone(target, calls)
+
+
 def test_a_tree_the_target_cannot_verify_is_refused_in_a_batch(tiny_model_dir, monkeypatch):
     """On the CPU kernels trees go to the batched rounds; one the target cannot verify runs
     alone there and is answered FAILED_PRECONDITION, its session as it was, while the other
@@ -151,7 +157,7 @@ def test_a_tree_the_target_cannot_verify_is_refused_in_a_batch(tiny_model_dir, m
 
     verifier = loaded_verifier(tiny_model_dir, gemv_rows=None)  # the CPU kernels
     target = verifier._ready()
-    assert target.shares_trees
+    assert target.shares_forwards
     monkeypatch.setattr(type(target), "supports_trees", lambda self, cache: False)
     tree, other = (prefill(target, p).session for p in PROMPTS[:2])
     position = tree.position

@@ -186,12 +186,10 @@ class Target:
         return None
 
     def joins(self, r: Round) -> bool:
-        """Whether a round, greedy or sampled, can take part in `many_forward`: chain drafts
-        and plain steps wherever forwards are shared, draft trees on the CPU kernels (their
-        forwards take each session's positions and mask)."""
-        if r.parents is not None and not (
-            self.shares_trees and self.supports_trees(r.session.cache)
-        ):
+        """Whether a round, greedy or sampled, can take part in `many_forward`: chain drafts,
+        plain steps and draft trees (each session's positions and mask) wherever forwards are
+        shared and the target can verify trees."""
+        if r.parents is not None and not self.supports_trees(r.session.cache):
             return False
         if self.kv_pool is not None:
             return isinstance(r.session.cache[0], PooledCache)
@@ -199,11 +197,6 @@ class Target:
         if layers is not None:
             return layers.can_run(1 + len(r.drafts), r.session.cache)
         return self.shares_forwards
-
-    @property
-    def shares_trees(self) -> bool:
-        """Whether draft trees' verifies can share forwards (`joins`): on the CPU kernels."""
-        return self.kv_pool is None and self.cpu_layers is not None
 
     @property
     def shares_forwards(self) -> bool:
@@ -945,7 +938,7 @@ def _take_step(
         _compact(r.session.cache, r.session.position - 1, keep)
         mx.eval([c.state for c in r.session.cache])
         if captured is not None:
-            state.rows.append(captured[np.array(keep)])
+            state.rows.append(_mx(captured)[mx.array(keep)])
         return True
     if r.session.rng is None:
         acceptance = accept_greedy(drafts, choice.tolist(), target.eos_ids)

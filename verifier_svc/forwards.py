@@ -21,12 +21,18 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.cache import KVCache
 
 from specd.cpu.llama import CpuLlama, Segment
-from specd.models.capture import Bypass, CaptureSink, CapturingLayer
+from specd.models.capture import (
+    Bypass,
+    CaptureSink,
+    CapturingLayer,
+    GroupedRoPE,
+    rotate_in_groups,
+)
 from specd.models.compiled import MAX_ROWS as COMPILED_MAX_ROWS
 from specd.models.compiled import CompiledForward
 from specd.models.rowwise import ChunkedAttention
 from verifier_svc.kv_pool import PooledStep, batched_attention
-from verifier_svc.tree import ancestor_mask, depths, rope_groups
+from verifier_svc.tree import ancestor_mask, depths, position_runs, rope_groups
 
 
 @dataclass(frozen=True)
@@ -73,9 +79,7 @@ class MlxForward:
         self.bypass.set(token_ids.size == 1 and tree is None, frozenset(capture))
         sink = self.sink
         if tree is not None:
-            sees = tree.sees()
-            seen_before = np.ones((len(sees), tree.base), dtype=bool)  # the whole cache
-            sink.mask = mx.array(np.concatenate([seen_before, sees], axis=1))
+            sink.mask = mx.array(_sees_after(tree.sees(), tree.base))
             sink.rope_groups = rope_groups(tree.parents, tree.base)
         sink.wanted, sink.outputs = frozenset(capture), {}
         try:
@@ -128,8 +132,9 @@ class MlxForward:
         """Several sessions' new tokens in one MLX graph, each at the end of its own cache:
         the norms, products and MLP over every row at once (a decode step's launches shared
         by the sessions), RoPE, the cache update and attention per session, and the logits
-        per session with the shapes it has alone. Lazy: the caller's one evaluation of the
-        greedy choices runs it. Causal masks only (no trees); `takes_many` models only."""
+        per session with the shapes it has alone. A draft tree's nodes (a segment with
+        positions and a mask) are rotated and attended as `__call__` does them alone. Lazy: the
+        caller's one evaluation of the greedy choices runs it. `takes_many` models only."""
         self.bypass.set(False)  # products of a few rows through the row-by-row wrappers
         inner = self.model.model
         spans = np.cumsum([0] + [len(s.token_ids) for s in segments]).tolist()
@@ -138,9 +143,8 @@ class MlxForward:
         kept: dict[int, mx.array] = {}
         for index, layer in enumerate(inner.layers):
             layer = layer.inner if isinstance(layer, CapturingLayer) else layer
-            caches = [s.cache[index] for s in segments]
             hidden = hidden + _attention_many(layer.self_attn, layer.input_layernorm(hidden),
-                                              spans, caches)  # fmt: skip
+                                              spans, segments, index)  # fmt: skip
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
             if index in capture:
                 kept[index] = hidden[0]
@@ -161,7 +165,8 @@ class MlxForward:
         """Several pooled sessions' new tokens (verifier_svc.kv_pool) as one batch [B, T]:
         each session's rows padded to the longest, attention through the pool with a mask
         per session, so the operations per layer do not grow with the sessions. Advances
-        each cache's offset by its real rows. Lazy, as `forward_many`; causal masks only."""
+        each cache's offset by its real rows; a draft tree's rows at their depths, each seeing
+        its ancestors. Lazy, as `forward_many`."""
         self.bypass.set(False)
         inner = self.model.model
         lengths = np.array([len(s.token_ids) for s in segments])
@@ -169,7 +174,8 @@ class MlxForward:
         ids = np.zeros((len(segments), tokens), dtype=np.int32)
         for b, s in enumerate(segments):
             ids[b, : lengths[b]] = s.token_ids
-        step = PooledStep.of([s.cache[0] for s in segments], tokens)
+        trees = [None if s.sees is None else (s.positions, s.sees) for s in segments]
+        step = PooledStep.of([s.cache[0] for s in segments], tokens, trees)
         pool = segments[0].cache[0].pool
         pool.reserve(int(step.offsets.max()) + tokens)
         hidden = inner.embed_tokens(mx.array(ids))
@@ -197,26 +203,43 @@ class MlxForward:
         ]
 
 
-def _attention_many(attn: nn.Module, x: mx.array, spans: list[int], caches: list) -> mx.array:
+def _attention_many(
+    attn: nn.Module, x: mx.array, spans: list[int], segments: list[Segment], layer: int
+) -> mx.array:
     """A Llama attention over [1, rows, H] holding several sessions' rows (spans), each session
-    rotated at its own offset and attending to its own cache, as it would alone."""
+    rotated at its own offset (a tree's nodes at their depths) and attending to its own cache
+    (a tree's nodes to their ancestors), as it would alone."""
     own = attn.inner if isinstance(attn, ChunkedAttention) else attn
+    rope = own.rope.inner if isinstance(own.rope, GroupedRoPE) else own.rope
     queries, keys, values = own.q_proj(x), own.k_proj(x), own.v_proj(x)
     parts = []
-    for (a, b), cache in zip(itertools.pairwise(spans), caches, strict=True):
-        rows = b - a
+    for (a, b), segment in zip(itertools.pairwise(spans), segments, strict=True):
+        rows, cache = b - a, segment.cache[layer]
         q = queries[:, a:b].reshape(1, rows, own.n_heads, -1).transpose(0, 2, 1, 3)
         k = keys[:, a:b].reshape(1, rows, own.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = values[:, a:b].reshape(1, rows, own.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q, k = own.rope(q, offset=cache.offset), own.rope(k, offset=cache.offset)
+        if segment.positions is None:
+            q, k = rope(q, offset=cache.offset), rope(k, offset=cache.offset)
+        else:
+            groups = position_runs(segment.positions)
+            q, k = rotate_in_groups(rope, q, groups), rotate_in_groups(rope, k, groups)
+        past = cache.offset
         k, v = cache.update_and_fetch(k, v)
-        if isinstance(attn, ChunkedAttention) and attn.chunks(rows):
+        if segment.sees is not None:  # a tree, as `MlxForward.__call__` attends it
+            mask = mx.array(_sees_after(segment.sees, past))
+            out = scaled_dot_product_attention(q, k, v, cache=cache, scale=own.scale, mask=mask)
+        elif isinstance(attn, ChunkedAttention) and attn.chunks(rows):
             out = attn.attend(q, k, v, rows)
         else:  # as the model's own attention calls it
             mask = "causal" if rows > 1 else None
             out = scaled_dot_product_attention(q, k, v, cache=cache, scale=own.scale, mask=mask)
         parts.append(out.transpose(0, 2, 1, 3).reshape(1, rows, -1))
     return own.o_proj(mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0])
+
+
+def _sees_after(sees: np.ndarray, past: int) -> np.ndarray:
+    """[T, past + T] bool: new tokens that see the whole cache and, among themselves, `sees`."""
+    return np.concatenate([np.ones((len(sees), past), dtype=bool), sees], axis=1)
 
 
 class CompiledMlxForward:

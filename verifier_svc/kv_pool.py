@@ -257,24 +257,43 @@ class PooledCache(KVCache):
         return self.pool.layer_bytes(self.layer) // max(1, self.pool.slots)
 
 
+Tree = tuple[np.ndarray, np.ndarray]  # a draft tree's rows: positions [T], which each sees [T, T]
+
+
 @dataclass(frozen=True)
 class PooledStep:
     """What every layer of one batched forward shares, made once: the sessions' slots and
     cache offsets, both as device arrays too (the gather's index, RoPE's offsets), and the
-    attention mask."""
+    attention mask. With draft trees in the batch, RoPE takes every row's own position."""
 
     slots: np.ndarray  # [B]
     offsets: np.ndarray  # [B]
     slot_index: mx.array  # [B] int32
-    positions: mx.array  # [B] int32
+    positions: mx.array  # [B] int32: each session's rows at offset, offset + 1, ...
     mask: mx.array  # [B, 1, T, L] bool
+    row_positions: mx.array | None = None  # [B * T] int32, where a tree is in the batch
 
     @classmethod
-    def of(cls, caches: list[PooledCache], tokens: int) -> PooledStep:
+    def of(
+        cls,
+        caches: list[PooledCache],
+        tokens: int,
+        trees: list[Tree | None] | None = None,
+    ) -> PooledStep:
+        """trees: per session None (rows in a causal line) or a draft tree's (positions [T_b],
+        sees [T_b, T_b]: which of its rows each one attends)."""
         slots = np.array([c.slot for c in caches])
         offsets = np.array([c.offset for c in caches])
+        row_positions = None
+        if trees is not None and any(tree is not None for tree in trees):
+            rows = offsets[:, None] + np.arange(tokens)[None, :]  # padding rows too
+            for b, tree in enumerate(trees):
+                if tree is not None:
+                    rows[b, : len(tree[0])] = tree[0]
+            row_positions = mx.array(rows.reshape(-1).astype(np.int32))
         return cls(slots, offsets, mx.array(slots.astype(np.int32)),
-                   mx.array(offsets.astype(np.int32)), batch_mask(offsets, tokens))  # fmt: skip
+                   mx.array(offsets.astype(np.int32)), batch_mask(offsets, tokens, trees),
+                   row_positions)  # fmt: skip
 
 
 def batched_attention(attn, x: mx.array, pool: KVPool, layer: int, step: PooledStep) -> mx.array:
@@ -287,8 +306,11 @@ def batched_attention(attn, x: mx.array, pool: KVPool, layer: int, step: PooledS
     queries = attn.q_proj(x).reshape(batch, tokens, attn.n_heads, -1).transpose(0, 2, 1, 3)
     keys = attn.k_proj(x).reshape(batch, tokens, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     values = attn.v_proj(x).reshape(batch, tokens, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    queries = attn.rope(queries, offset=step.positions)
-    keys = attn.rope(keys, offset=step.positions)
+    if step.row_positions is None:
+        queries = attn.rope(queries, offset=step.positions)
+        keys = attn.rope(keys, offset=step.positions)
+    else:
+        queries, keys = (_rotated_by_row(attn.rope, a, step.row_positions) for a in (queries, keys))
     rows = pool.new_rows(step.slots, step.offsets, attn.n_kv_heads, tokens)
     pool.write(layer, rows, keys, values)
     flat_keys, flat_values = pool.arrays(layer)
@@ -301,9 +323,25 @@ def batched_attention(attn, x: mx.array, pool: KVPool, layer: int, step: PooledS
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, tokens, -1))
 
 
-def batch_mask(offsets: np.ndarray, tokens: int) -> mx.array:
-    """[B, 1, T, L] bool: query t of session b sees keys 0..offsets[b]+t (L = the furthest)."""
+def _rotated_by_row(rope, x: mx.array, positions: mx.array) -> mx.array:
+    """x [B, H, T, D] with row t of session b rotated at positions[b * T + t]: each row a
+    sequence of one in the batch axis, as a tree's nodes are rotated alone."""
+    batch, heads, tokens, dim = x.shape
+    rows = x.transpose(0, 2, 1, 3).reshape(batch * tokens, heads, 1, dim)
+    turned = rope(rows, offset=positions)
+    return turned.reshape(batch, tokens, heads, dim).transpose(0, 2, 1, 3)
+
+
+def batch_mask(
+    offsets: np.ndarray, tokens: int, trees: list[Tree | None] | None = None
+) -> mx.array:
+    """[B, 1, T, L] bool: query t of session b sees keys 0..offsets[b]+t (L = the furthest);
+    a draft tree's rows (`PooledStep.of`) see the cache and, of the tree, what its mask says."""
     seen = int(offsets.max()) + tokens
     limit = offsets[:, None] + np.arange(tokens)[None, :]  # [B, T]
     sees = np.arange(seen)[None, None, :] <= limit[:, :, None]
+    for b, tree in enumerate(trees or []):
+        if tree is not None:
+            n, start = len(tree[1]), int(offsets[b])
+            sees[b, :n, start : start + n] = tree[1]
     return mx.array(sees[:, None])

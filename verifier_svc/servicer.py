@@ -276,9 +276,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
         if steps > 1 and drafts:
             raise InvalidArgument("plain_steps > 1 takes no drafts: send them in their own call")
-        if target.shares_forwards and (parents is None or target.shares_trees):
-            # chains, plain steps and (on the CPU kernels) trees, greedy or sampled: the
-            # sessions waiting together share forwards
+        if target.shares_forwards:
+            # chains, plain steps and trees, greedy or sampled: the sessions waiting together
+            # share forwards
             result = await self.mlx.run_batched(
                 self._rounds, RoundAsked(session, request.position, drafts, steps, probs, parents)
             )

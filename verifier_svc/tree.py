@@ -49,11 +49,15 @@ def ancestor_mask(parents: Sequence[int]) -> np.ndarray:
 
 def rope_groups(parents: Sequence[int], base: int) -> list[tuple[int, int, int]]:
     """(start, stop, position) runs of forward indices sharing a position (= base + depth)."""
-    positions = [base, *[base + d for d in depths(parents)]]
+    return position_runs([base, *[base + d for d in depths(parents)]])
+
+
+def position_runs(positions: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(start, stop, position) runs of consecutive indices sharing a position."""
     groups, start = [], 0
     for i in range(1, len(positions) + 1):
         if i == len(positions) or positions[i] != positions[start]:
-            groups.append((start, i, positions[start]))
+            groups.append((start, i, int(positions[start])))
             start = i
     return groups
 

@@ -5,7 +5,8 @@ with MLX's CUDA build: about 15 s per kernel module; a 4-bit SmolLM2 met new one
 17 tokens per forward and at its first long prefill). Without a warm-up the first client pays
 for all of them. The full warm-up runs, at a short and at a long context: verifies of every size
 up to max_draft_tokens + 1, draft trees of every size, a decode burst, a sampled verify, with and
-without hidden-row capture. The compiled kernels are kept on disk (specd.mlx_settings), so a
+without hidden-row capture; with a KV pool, batched rounds of plain steps, chains, a tree and a
+sampled verify. The compiled kernels are kept on disk (specd.mlx_settings), so a
 restart on the same machine spends seconds here, not minutes. On a CPU nothing is compiled per
 shape and a token's round trip is all a warm-up needs.
 
@@ -90,7 +91,16 @@ def full_warmup(target: Target, max_draft_tokens: int, long_context: int = PREFI
         asks = [PromptToPrefill(_prompt(target, n, seed)) for n, seed in ((64, 5), (40, 6))]
         pair = [opened.session for opened in prefill_many(target, asks)]
         rounds_many(target, [Round(pair[0], [], 2), Round(pair[1], _prompt(target, 3, 7), 1)])
-        calls += 4
+        # a tree and a sampled verify in the batch: per-row positions, tree masks, draws
+        drawn = prefill(target, _prompt(target, 48, 11), sampling=SamplingConfig(1.0), seed=1)
+        vocab = target.identity.vocab_size
+        mixed = [Round(pair[1], [], 1),
+                 Round(drawn.session, _prompt(target, 2, 12), 1,
+                       draft_probs=np.full((2, vocab), 1 / vocab))]  # fmt: skip
+        if target.supports_trees(pair[0].cache):
+            mixed.append(Round(pair[0], _prompt(target, 3, 13), 1, parents=[-1, -1, 0]))
+        rounds_many(target, mixed)
+        calls += 7
     sampled = SamplingConfig(temperature=1.0)
     session = prefill(target, _prompt(target, 64, 3), (), sampling=sampled, seed=0).session
     vocab = target.identity.vocab_size

@@ -72,16 +72,22 @@ class GroupedRoPE(nn.Module):
         groups = self._sink.rope_groups
         if groups is None:
             return self.inner(x, offset=offset)
-        parts = []
-        for a, b, pos in groups:
-            # RoPE numbers tokens offset, offset+1, ...: put a run's tokens in the batch axis
-            # so each one is a length-1 sequence at `pos`
-            run = x[..., a:b, :]
-            lead, n, dim = run.shape[:-2], b - a, run.shape[-1]
-            flat = mx.moveaxis(run, -2, 0).reshape(n, -1, 1, dim)
-            turned = self.inner(flat, offset=pos).reshape(n, *lead, dim)
-            parts.append(mx.moveaxis(turned, 0, -2))
-        return mx.concatenate(parts, axis=-2)
+        return rotate_in_groups(self.inner, x, groups)
+
+
+def rotate_in_groups(rope: nn.Module, x: mx.array, groups: list[tuple[int, int, int]]) -> mx.array:
+    """x [..., T, D] rotated by `rope` with the tokens of each (start, stop, position) run of
+    `verifier_svc.tree.rope_groups` at that position."""
+    parts = []
+    for a, b, pos in groups:
+        # RoPE numbers tokens offset, offset+1, ...: put a run's tokens in the batch axis
+        # so each one is a length-1 sequence at `pos`
+        run = x[..., a:b, :]
+        lead, n, dim = run.shape[:-2], b - a, run.shape[-1]
+        flat = mx.moveaxis(run, -2, 0).reshape(n, -1, 1, dim)
+        turned = rope(flat, offset=pos).reshape(n, *lead, dim)
+        parts.append(mx.moveaxis(turned, 0, -2))
+    return mx.concatenate(parts, axis=-2)
 
 
 def install_tree_positions(model: nn.Module, sink: CaptureSink) -> bool:
