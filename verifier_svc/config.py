@@ -118,7 +118,8 @@ class VerifierConfig:
     log_stats_s: float = option(
         10.0,
         "log the load every SECONDS while calls come: verify calls, tokens committed, "
-        "sessions per batched forward, open sessions, KV memory (0: never)",
+        "sessions per batched forward, how long a call was held (waiting, then in forwards) "
+        "and a session away between calls, open sessions, KV memory (0: never)",
         type=non_negative_float,
         metavar="SECONDS",
     )

@@ -253,6 +253,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def Verify(self, request, context):
         target = self._ready()
         session = self.sessions.get(request.session_id)
+        arrived = self.load_stats.arrived(request.session_id)
         drafts = check_token_ids(request.draft_ids, target.identity.vocab_size, "draft_ids")
         if len(drafts) > self.config.max_draft_tokens:
             raise InvalidArgument(
@@ -290,7 +291,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 self._verify_in_order, target, session, request.position, drafts, probs,
                 parents, steps,
             )  # fmt: skip
-        self.load_stats.answered(len(result.committed))
+        self.load_stats.answered(len(result.committed), request.session_id, arrived,
+                                 result.compute_s)  # fmt: skip
         return verifier_pb2.VerifyResponse(
             committed_ids=result.committed,
             num_accepted=result.num_accepted,
@@ -431,6 +433,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def CloseSession(self, request, context):
         session = self.sessions.pop(request.session_id)
         self._rounds.forget(id(session))  # its rounds are not waited for any more
+        self.load_stats.closed(request.session_id)
         return common_pb2.CloseSessionResponse()
 
 
