@@ -68,11 +68,8 @@ def _sampling(n: int, sampled: bool) -> common_pb2.SamplingParams | None:
 
 
 FORWARDS = {"cpu-kernels": [], "mlx": MLX, "mlx-pooled": [*MLX, "--kv-pool", "on"]}
-# draft trees share forwards on the CPU kernels alone (MLX's shared forwards are causal)
-CASES = [(name, mode) for name in FORWARDS for mode in ("greedy", "sampled")] + [
-    ("cpu-kernels", "trees"),
-    ("cpu-kernels", "sampled-trees"),
-]
+MODES = ("greedy", "sampled", "trees", "sampled-trees")
+CASES = [(name, mode) for name in FORWARDS for mode in MODES]
 
 
 @pytest.mark.parametrize(("forwards", "mode"), CASES, ids=[f"{f}-{m}" for f, m in CASES])

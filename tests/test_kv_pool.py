@@ -397,3 +397,39 @@ def test_a_round_whose_move_into_the_pool_would_pass_the_kv_limit_is_refused(
     assert not isinstance(alone.cache[0], PooledCache) and target.kv_pool.nbytes == held
     verifier.config = replace(verifier.config, max_kv_bytes=2 * held)
     verifier._check_round(alone, alone.position, 0, 4)  # room for the pool at its length
+
+
+def test_a_trees_rows_see_the_cache_and_their_ancestors_and_padding_stays_apart():
+    from types import SimpleNamespace
+
+    from verifier_svc.kv_pool import PooledStep
+    from verifier_svc.tree import ancestor_mask
+
+    caches = [SimpleNamespace(slot=2, offset=3), SimpleNamespace(slot=0, offset=5)]
+    tree = (np.array([5, 6, 6]), ancestor_mask([-1, -1]))  # a root and two children
+    step = PooledStep.of(caches, 3, [None, tree])
+    mask = np.array(step.mask)[:, 0]  # [B, T, L]
+    assert mask.shape == (2, 3, 8)
+    assert mask[0, 0].tolist() == [True] * 4 + [False] * 4  # a plain row: its cache and itself
+    assert mask[1, 1].tolist() == [True] * 7 + [False]  # a child: the cache, the root, itself
+    assert mask[1, 2].tolist() == [True] * 6 + [False, True]  # not its sibling
+    # each row rotated at its own position: the plain session's (padding too) in a line
+    assert np.array(step.row_positions).tolist() == [3, 4, 5, 5, 6, 6]
+    assert PooledStep.of(caches, 3, [None, None]).row_positions is None
+
+
+def test_a_pooled_forward_counts_its_padding_against_the_row_limit(pooled, monkeypatch):
+    """A tree of 4 beside two plain steps would make a batch of 3 x 4 rows: past a limit of 8
+    it waits for them, then runs with the plain round behind it (2 x 4)."""
+    from verifier_svc import engine
+
+    monkeypatch.setattr(engine, "POOLED_MAX_ROWS", 8)
+    sessions = _sessions(pooled)[:4]
+    greedy = decode(pooled, prefill(pooled, PROMPTS[2]).session, 1).committed
+    rounds = [Round(sessions[0], [], 2), Round(sessions[1], [], 2),
+              Round(sessions[2], [greedy[0], 7, 8], 1, parents=[-1, -1, 0]),
+              Round(sessions[3], [], 1)]  # fmt: skip
+    calls = recorded(monkeypatch, pooled, "forward_pooled")
+    results = rounds_many(pooled, rounds)
+    assert calls == [[1, 1], [1, 1], [4, 1]]
+    assert results[2].num_accepted >= 1 and [len(r.committed) for r in results] == [2, 2, 2, 1]

@@ -38,40 +38,23 @@ def test_an_interval_counts_calls_tokens_and_sessions_per_forward_then_resets():
 def test_an_interval_says_how_long_calls_were_held_and_sessions_away_between_them():
     now = [10.0]
     stats = LoadStats(clock=lambda: now[0])
-    first = stats.arrived("a")  # a session's first call: nothing to be away from
+    first = stats.arrived(None)  # a session's first call: nothing to be away from
     now[0] = 10.030
-    stats.answered(3, "a", first, computing=0.020)  # held 30 ms, 20 of them in forwards
+    a_answered = stats.answered(3, first, computing=0.020)  # held 30 ms, 20 in forwards
     now[0] = 10.080
-    second = stats.arrived("a")  # back 50 ms after its answer
-    other = stats.arrived("b")
+    second = stats.arrived(a_answered)  # back 50 ms after its answer
+    other = stats.arrived(None)
     now[0] = 10.090
-    stats.answered(1, "a", second, computing=0.004)  # held 10 ms, 6 waiting
-    stats.answered(1, "b", other, computing=0.010)
-    stats.closed("b")
-    now[0] = 10.300
-    stats.arrived("b")  # closed: its earlier answer is forgotten
+    a_answered = stats.answered(1, second, computing=0.004)  # held 10 ms, 6 waiting
+    stats.answered(1, other, computing=0.010)
     now[0] = 10.400
-    stats.arrived("a")  # 310 ms away
+    stats.arrived(a_answered)  # 310 ms away
     interval = stats.take()
     assert (interval.returns, interval.timed) == (2, 3)
     assert interval.line(2, 0).endswith(
         "; a call held 16.7 ms (5.3 waiting), away 180.0 ms between calls (longest 310); "
         "2 sessions open, KV 0.0 MiB"
     )
-
-
-def test_sessions_left_unclosed_are_forgotten_once_stale(monkeypatch):
-    from verifier_svc import load_log
-
-    monkeypatch.setattr(load_log, "PRUNE_FROM", 4)
-    now = [0.0]
-    stats = LoadStats(clock=lambda: now[0])
-    for n in range(3):
-        stats.answered(1, f"old{n}", stats.arrived(f"old{n}"))
-    now[0] = load_log.FORGET_AFTER_S + 1
-    for n in range(2):  # the fifth remembered: the stale ones go
-        stats.answered(1, f"new{n}", stats.arrived(f"new{n}"))
-    assert sorted(stats._answered_at) == ["new0", "new1"]
 
 
 def test_a_serving_verifier_logs_its_load_after_calls_and_not_while_idle(tiny_model_dir, caplog):

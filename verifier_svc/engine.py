@@ -49,7 +49,7 @@ from verifier_svc.tree import (
 )
 
 GREEDY = SamplingConfig()
-POOLED_MAX_ROWS = 1024  # rows of one batched forward over pooled sessions
+POOLED_MAX_ROWS = 1024  # rows of one batched forward over pooled sessions, padding included
 PREFILL_CHUNK = 2048  # mlx-lm's prefill step: same chunks, same numerics as plain decoding
 
 
@@ -185,6 +185,14 @@ class Target:
             return self._mlx.forward_many, rowwise.DEFAULT_MAX_ROWS
         return None
 
+    def forward_rows(self, lengths: list[int]) -> int:
+        """The rows a shared forward computes for sessions of these many new tokens each: the
+        pool's batch pads every session to the longest (one tree of 17 beside 63 plain steps
+        is 64 x 17 rows), the other paths take each session's own."""
+        if self.kv_pool is not None:
+            return len(lengths) * max(lengths, default=0)
+        return sum(lengths)
+
     def joins(self, r: Round) -> bool:
         """Whether a round, greedy or sampled, can take part in `many_forward`: chain drafts,
         plain steps and draft trees (each session's positions and mask) wherever forwards are
@@ -291,6 +299,7 @@ class Session:
     # greedy sessions only: the forward of last_token, queued when the last call returned so
     # the device works while the answer travels; its KV is in the cache (one past position-1)
     ahead: Ahead | None = None
+    last_answer_s: float | None = None  # when the server last answered it (its load log)
 
 
 @dataclass
@@ -733,10 +742,11 @@ def rounds_stream(
     running (`Target.many_forward`: on the CPU kernels each weight read once for all, in MLX
     a decode step's launches shared, pooled sessions as one batch), each round answered
     (`answer(round, result)`) the step it finishes, and rounds that arrived since (`more()`,
-    asked between steps) joining the next step while the forward has rows to spare. Rounds
-    that cannot share (`Target.joins`: another architecture, a cache it cannot read, a draft
-    tree off the CPU kernels, more rows than a forward takes) and a round with no other to
-    share with run alone, as `verify`, `verify_tree` or `decode`. A sampled round
+    asked between steps) joining the next step while the forward has rows to spare
+    (`Target.forward_rows`). Rounds that cannot share (`Target.joins`: another architecture,
+    a cache it cannot read, a draft tree the target cannot verify, more rows than a forward
+    takes) and a round with no other to share with run alone, as `verify`, `verify_tree` or
+    `decode`. A sampled round
     draws from its session's generator as it would alone. A shared forward that fails
     leaves the sessions in it as they were and answers each with the error. `stepped(n)`:
     the sessions of each shared forward (1 for each forward of a round run alone). A plain
@@ -767,10 +777,10 @@ def rounds_stream(
             answer(r, _alone(target, r))
         if alone:
             continue
-        rows = sum(len(state.tokens()) for state in running)
+        lengths = [len(state.tokens()) for state in running]  # each one's rows this step
         while pending and target.joins(pending[0]):
             r = pending[0]
-            if running and rows + 1 + len(r.drafts) > max_rows:
+            if running and target.forward_rows([*lengths, 1 + len(r.drafts)]) > max_rows:
                 break
             took = _took_ahead(r)
             pending.popleft()
@@ -784,14 +794,14 @@ def rounds_stream(
                 answer(r, state.result(target, state.seconds))
                 continue
             running.append(state)
-            rows += len(state.tokens())
+            lengths.append(len(state.tokens()))
         if not running:
             finished = []
             continue
         for session in finished:  # the rows to spare, in the order their rounds finished
-            if rows + 1 <= max_rows:
+            if target.forward_rows([*lengths, 1]) <= max_rows:
                 running.append(_Running(Round(session), looks_ahead=True))
-                rows += 1
+                lengths.append(1)
         finished = []
         if stepped is not None:
             stepped(len(running))
@@ -872,9 +882,10 @@ def _step(
         outs = forward_many(segments, capture)
         sampled = [s.round.session.rng is not None for s in running]
         greedy_logits = [x for (x, _), s in zip(outs, sampled, strict=True) if not s]
-        greedy = iter(_greedy_choices(greedy_logits) if greedy_logits else [])
+        drawn_logits = [x for (x, _), s in zip(outs, sampled, strict=True) if s]
+        greedy = iter(_greedy_choices(greedy_logits, drawn_logits))
         choices = [None if s else next(greedy) for s in sampled]
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start  # every session's logits computed by now
         step_rows = sum(len(segment.token_ids) for segment in segments)
         for state, segment, (logits, outputs), choice in zip(running, segments, outs, choices,
                                                              strict=True):  # fmt: skip
@@ -984,17 +995,20 @@ def _accept_tree(target: Target, session: Session, draft_ids, parents, logits, g
     )
 
 
-def _greedy_choices(logits: list) -> list[mx.array]:
+def _greedy_choices(logits: list, drawn: list = ()) -> list[mx.array]:
     """Each session's greedy choices, evaluated: float32 numpy logits (the CPU kernels') all in
     one pass on the host where no row holds a near-tie, else each as `_greedy_next` takes them
-    in one evaluation (one wait for the device a step)."""
-    if all(isinstance(x, np.ndarray) and x.dtype == np.float32 for x in logits):
+    in one evaluation (one wait for the device a step), with the sampled sessions' MLX logits
+    (`drawn`) in it too."""
+    pending = [x for x in drawn if isinstance(x, mx.array)]
+    if logits and all(isinstance(x, np.ndarray) and x.dtype == np.float32 for x in logits):
         together = greedy_on_host(np.concatenate(logits) if len(logits) > 1 else logits[0])
         if together is not None:
+            mx.eval(pending)
             bounds = np.cumsum([len(x) for x in logits])[:-1]
             return [mx.array(part) for part in np.split(together, bounds)]
     choices = [_greedy_next(_mx(x)) for x in logits]
-    mx.eval(choices)
+    mx.eval(choices, pending)
     return choices
 
 

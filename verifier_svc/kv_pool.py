@@ -298,7 +298,8 @@ class PooledStep:
 
 def batched_attention(attn, x: mx.array, pool: KVPool, layer: int, step: PooledStep) -> mx.array:
     """mlx-lm Llama attention for B sessions at once: x [B, T, hidden] holds each session's
-    new rows (the first few real, the rest padding), at its cache offset. Writes every row's
+    new rows (the first few real, the rest padding), at its cache offset (a draft tree's rows
+    at their depths: `PooledStep.row_positions`). Writes every row's
     keys and values to the pool (padding rows past the session's real ones, where its next
     write overwrites them) and attends each query to its own session's keys through the
     step's mask. The caller reserves the room and advances the caches' offsets, once."""

@@ -11,9 +11,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-FORGET_AFTER_S = 3600.0  # a session's last answer this old is not waited for any more
-PRUNE_FROM = 1024  # sessions remembered before the stale ones are dropped
-
 
 @dataclass
 class Interval:
@@ -60,13 +57,11 @@ class LoadStats:
         self._clock = clock
         self._lock = threading.Lock()
         self._since = clock()
-        self._interval = self._empty(0.0)
-        self._answered_at: dict[str, float] = {}  # per session: its last answer
-        self._prune_at = PRUNE_FROM
+        self._interval = self._empty()
 
     @staticmethod
-    def _empty(seconds: float) -> Interval:
-        return Interval(seconds, 0, 0, 0, 0, 0)
+    def _empty() -> Interval:
+        return Interval(0.0, 0, 0, 0, 0, 0)
 
     def stepped(self, sessions: int) -> None:
         with self._lock:
@@ -75,48 +70,37 @@ class LoadStats:
             now.sessions += sessions
             now.widest = max(now.widest, sessions)
 
-    def arrived(self, session_id: str) -> float:
-        """A verify call came: counts the time since the session's last answer; returns the
-        arrival time for `answered`."""
+    def arrived(self, last_answer: float | None) -> float:
+        """A verify call came for a session last answered at `last_answer` (None: never):
+        counts the time it was away; returns the arrival time for `answered`."""
         with self._lock:
             at = self._clock()
-            last = self._answered_at.pop(session_id, None)
-            if last is not None:
+            if last_answer is not None:
                 now = self._interval
                 now.returns += 1
-                now.away += at - last
-                now.longest_away = max(now.longest_away, at - last)
+                now.away += at - last_answer
+                now.longest_away = max(now.longest_away, at - last_answer)
             return at
 
-    def answered(
-        self, tokens: int, session_id: str | None = None, arrived: float | None = None,
-        computing: float = 0.0,
-    ) -> None:  # fmt: skip
-        """A verify call answered with `tokens` committed; with the session and its `arrived`
-        time, how long it was held here and how much of that its forwards took."""
+    def answered(self, tokens: int, arrived: float | None = None, computing: float = 0.0) -> float:
+        """A verify call answered with `tokens` committed; with its `arrived` time, how long it
+        was held here and how much of that its forwards took. Returns the answer's time (the
+        session's next `arrived` takes it)."""
         with self._lock:
             now = self._interval
             now.calls += 1
             now.tokens += tokens
-            if session_id is not None and arrived is not None:
-                at = self._clock()
+            at = self._clock()
+            if arrived is not None:
                 now.timed += 1
                 now.held += at - arrived
                 now.computing += min(computing, at - arrived)
-                self._answered_at[session_id] = at
-                if len(self._answered_at) > self._prune_at:  # sessions dropped unclosed
-                    stale = at - FORGET_AFTER_S
-                    self._answered_at = {k: t for k, t in self._answered_at.items() if t > stale}
-                    self._prune_at = max(PRUNE_FROM, 2 * len(self._answered_at))
-
-    def closed(self, session_id: str) -> None:
-        with self._lock:
-            self._answered_at.pop(session_id, None)
+            return at
 
     def take(self) -> Interval:
         with self._lock:
             now = self._clock()
-            interval, self._interval = self._interval, self._empty(0.0)
+            interval, self._interval = self._interval, self._empty()
             interval.seconds = now - self._since
             self._since = now
         return interval

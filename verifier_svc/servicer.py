@@ -253,7 +253,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def Verify(self, request, context):
         target = self._ready()
         session = self.sessions.get(request.session_id)
-        arrived = self.load_stats.arrived(request.session_id)
         drafts = check_token_ids(request.draft_ids, target.identity.vocab_size, "draft_ids")
         if len(drafts) > self.config.max_draft_tokens:
             raise InvalidArgument(
@@ -277,6 +276,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
         if steps > 1 and drafts:
             raise InvalidArgument("plain_steps > 1 takes no drafts: send them in their own call")
+        arrived = self.load_stats.arrived(session.last_answer_s)
         if target.shares_forwards:
             # chains, plain steps and trees, greedy or sampled: the sessions waiting together
             # share forwards
@@ -291,8 +291,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 self._verify_in_order, target, session, request.position, drafts, probs,
                 parents, steps,
             )  # fmt: skip
-        self.load_stats.answered(len(result.committed), request.session_id, arrived,
-                                 result.compute_s)  # fmt: skip
+        session.last_answer_s = self.load_stats.answered(len(result.committed), arrived,
+                                                         result.compute_s)  # fmt: skip
         return verifier_pb2.VerifyResponse(
             committed_ids=result.committed,
             num_accepted=result.num_accepted,
@@ -433,7 +433,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def CloseSession(self, request, context):
         session = self.sessions.pop(request.session_id)
         self._rounds.forget(id(session))  # its rounds are not waited for any more
-        self.load_stats.closed(request.session_id)
         return common_pb2.CloseSessionResponse()
 
 

@@ -100,7 +100,7 @@ def full_warmup(target: Target, max_draft_tokens: int, long_context: int = PREFI
         if target.supports_trees(pair[0].cache):
             mixed.append(Round(pair[0], _prompt(target, 3, 13), 1, parents=[-1, -1, 0]))
         rounds_many(target, mixed)
-        calls += 7
+        calls += 4 + 1 + len(mixed)  # the prefills and rounds before, this prefill, its rounds
     sampled = SamplingConfig(temperature=1.0)
     session = prefill(target, _prompt(target, 64, 3), (), sampling=sampled, seed=0).session
     vocab = target.identity.vocab_size
