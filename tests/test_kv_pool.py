@@ -416,12 +416,29 @@ def test_a_trees_rows_see_the_cache_and_their_ancestors_and_padding_stays_apart(
     # each row rotated at its own position: the plain session's (padding too) in a line
     assert np.array(step.row_positions).tolist() == [3, 4, 5, 5, 6, 6]
     assert PooledStep.of(caches, 3, [None, None]).row_positions is None
+    # the same sessions with their real rows (1 and 3): ragged, the products over 4 rows
+    ragged = PooledStep.of(caches, 3, [None, tree], np.array([1, 3]))
+    assert ragged.row_positions is None and np.array_equal(ragged.mask, step.mask)
+    assert np.array(ragged.ragged.positions).tolist() == [3, 5, 6, 6]
+    assert np.array(ragged.ragged.padded).tolist() == [0, 0, 0, 1, 2, 3]  # padding: its last
+    assert np.array(ragged.ragged.real).tolist() == [0, 3, 4, 5]
 
 
-def test_a_pooled_forward_counts_its_padding_against_the_row_limit(pooled, monkeypatch):
-    """A tree of 4 beside two plain steps would make a batch of 3 x 4 rows: past a limit of 8
-    it waits for them, then runs with the plain round behind it (2 x 4)."""
-    from verifier_svc import engine
+def test_a_ragged_steps_writes_go_to_each_sessions_own_rows():
+    pool = KVPool(1)
+    pool.reserve(10)
+    index = np.array(pool.ragged_rows(np.array([1, 0]), np.array([4, 2]), np.array([1, 2]), 2))
+    capacity = pool.capacity
+    # (row, head): session 1's row at 4, then session 0's rows at 2 and 3
+    want = [(1 * 2 + h) * capacity + pos for pos in [4] for h in range(2)]
+    want += [(0 * 2 + h) * capacity + pos for pos in [2, 3] for h in range(2)]
+    assert index.tolist() == want
+
+
+def test_sessions_of_different_lengths_run_as_one_ragged_forward(pooled, monkeypatch):
+    """A tree of 4 beside three plain steps: 7 real rows, within a limit of 8 (a batch padded
+    to the longest would be 16), as one forward whose products take the real rows alone."""
+    from verifier_svc import engine, kv_pool
 
     monkeypatch.setattr(engine, "POOLED_MAX_ROWS", 8)
     sessions = _sessions(pooled)[:4]
@@ -430,6 +447,15 @@ def test_a_pooled_forward_counts_its_padding_against_the_row_limit(pooled, monke
               Round(sessions[2], [greedy[0], 7, 8], 1, parents=[-1, -1, 0]),
               Round(sessions[3], [], 1)]  # fmt: skip
     calls = recorded(monkeypatch, pooled, "forward_pooled")
+    products = []
+    real = kv_pool._ragged_attention
+
+    def recording(attn, x, pool, layer, step):
+        products.append(x.shape)
+        return real(attn, x, pool, layer, step)
+
+    monkeypatch.setattr(kv_pool, "_ragged_attention", recording)
     results = rounds_many(pooled, rounds)
-    assert calls == [[1, 1], [1, 1], [4, 1]]
+    assert calls == [[1, 1, 4, 1], [1, 1]]
+    assert products and all(shape[:2] == (1, 7) for shape in products)  # the first forward's
     assert results[2].num_accepted >= 1 and [len(r.committed) for r in results] == [2, 2, 2, 1]

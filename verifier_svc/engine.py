@@ -49,7 +49,7 @@ from verifier_svc.tree import (
 )
 
 GREEDY = SamplingConfig()
-POOLED_MAX_ROWS = 1024  # rows of one batched forward over pooled sessions, padding included
+POOLED_MAX_ROWS = 1024  # rows of one batched forward over pooled sessions
 PREFILL_CHUNK = 2048  # mlx-lm's prefill step: same chunks, same numerics as plain decoding
 
 
@@ -184,14 +184,6 @@ class Target:
         if self.shares_forwards:
             return self._mlx.forward_many, rowwise.DEFAULT_MAX_ROWS
         return None
-
-    def forward_rows(self, lengths: list[int]) -> int:
-        """The rows a shared forward computes for sessions of these many new tokens each: the
-        pool's batch pads every session to the longest (one tree of 17 beside 63 plain steps
-        is 64 x 17 rows), the other paths take each session's own."""
-        if self.kv_pool is not None:
-            return len(lengths) * max(lengths, default=0)
-        return sum(lengths)
 
     def joins(self, r: Round) -> bool:
         """Whether a round, greedy or sampled, can take part in `many_forward`: chain drafts,
@@ -742,12 +734,11 @@ def rounds_stream(
     running (`Target.many_forward`: on the CPU kernels each weight read once for all, in MLX
     a decode step's launches shared, pooled sessions as one batch), each round answered
     (`answer(round, result)`) the step it finishes, and rounds that arrived since (`more()`,
-    asked between steps) joining the next step while the forward has rows to spare
-    (`Target.forward_rows`). Rounds that cannot share (`Target.joins`: another architecture,
-    a cache it cannot read, a draft tree the target cannot verify, more rows than a forward
-    takes) and a round with no other to share with run alone, as `verify`, `verify_tree` or
-    `decode`. A sampled round
-    draws from its session's generator as it would alone. A shared forward that fails
+    asked between steps) joining the next step while the forward has rows to spare. Rounds
+    that cannot share (`Target.joins`: another architecture, a cache it cannot read, a draft
+    tree the target cannot verify, more rows than a forward takes) and a round with no other
+    to share with run alone, as `verify`, `verify_tree` or `decode`. A sampled round draws
+    from its session's generator as it would alone. A shared forward that fails
     leaves the sessions in it as they were and answers each with the error. `stepped(n)`:
     the sessions of each shared forward (1 for each forward of a round run alone). A plain
     round answered while others run on takes a row of the next forward if it asks
@@ -777,10 +768,10 @@ def rounds_stream(
             answer(r, _alone(target, r))
         if alone:
             continue
-        lengths = [len(state.tokens()) for state in running]  # each one's rows this step
+        rows = sum(len(state.tokens()) for state in running)
         while pending and target.joins(pending[0]):
             r = pending[0]
-            if running and target.forward_rows([*lengths, 1 + len(r.drafts)]) > max_rows:
+            if running and rows + 1 + len(r.drafts) > max_rows:
                 break
             took = _took_ahead(r)
             pending.popleft()
@@ -794,14 +785,14 @@ def rounds_stream(
                 answer(r, state.result(target, state.seconds))
                 continue
             running.append(state)
-            lengths.append(len(state.tokens()))
+            rows += len(state.tokens())
         if not running:
             finished = []
             continue
         for session in finished:  # the rows to spare, in the order their rounds finished
-            if target.forward_rows([*lengths, 1]) <= max_rows:
+            if rows + 1 <= max_rows:
                 running.append(_Running(Round(session), looks_ahead=True))
-                lengths.append(1)
+                rows += 1
         finished = []
         if stepped is not None:
             stepped(len(running))

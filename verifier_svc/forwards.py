@@ -162,20 +162,23 @@ class MlxForward:
     def forward_pooled(
         self, segments: list[Segment], capture: frozenset[int]
     ) -> list[tuple[mx.array, dict[int, mx.array]]]:
-        """Several pooled sessions' new tokens (verifier_svc.kv_pool) as one batch [B, T]:
-        each session's rows padded to the longest, attention through the pool with a mask
-        per session, so the operations per layer do not grow with the sessions. Advances
-        each cache's offset by its real rows; a draft tree's rows at their depths, each seeing
-        its ancestors. Lazy, as `forward_many`."""
+        """Several pooled sessions' new tokens (verifier_svc.kv_pool) as one batch: [B, T]
+        where every session brings T, else the real rows alone [1, N] for the products and a
+        grid padded to the longest for attention (`RaggedRows`); attention through the pool
+        with a mask per session, so the operations per layer do not grow with the sessions.
+        Advances each cache's offset by its real rows; a draft tree's rows at their depths,
+        each seeing its ancestors. Lazy, as `forward_many`."""
         self.bypass.set(False)
         inner = self.model.model
         lengths = np.array([len(s.token_ids) for s in segments])
         tokens = int(lengths.max())
-        ids = np.zeros((len(segments), tokens), dtype=np.int32)
-        for b, s in enumerate(segments):
-            ids[b, : lengths[b]] = s.token_ids
+        ragged = int(lengths.min()) != tokens
+        if ragged:
+            ids = np.concatenate([s.token_ids for s in segments]).astype(np.int32)[None]
+        else:
+            ids = np.stack([s.token_ids for s in segments]).astype(np.int32)
         trees = [None if s.sees is None else (s.positions, s.sees) for s in segments]
-        step = PooledStep.of([s.cache[0] for s in segments], tokens, trees)
+        step = PooledStep.of([s.cache[0] for s in segments], tokens, trees, lengths)
         pool = segments[0].cache[0].pool
         pool.reserve(int(step.offsets.max()) + tokens)
         hidden = inner.embed_tokens(mx.array(ids))
@@ -197,6 +200,10 @@ class MlxForward:
             logits = inner.embed_tokens.as_linear(final)
         else:
             logits = self.model.lm_head(final)
+        if ragged:
+            spans = list(itertools.pairwise(np.cumsum([0, *lengths.tolist()]).tolist()))
+            return [(logits[0, a:b], {i: rows[0, a:b] for i, rows in kept.items()})
+                    for a, b in spans]  # fmt: skip
         return [
             (logits[b, :n], {i: rows[b, :n] for i, rows in kept.items()})
             for b, n in enumerate(lengths.tolist())

@@ -144,6 +144,22 @@ class KVPool:
             index = self._indices[key] = mx.array(rows.astype(np.int32))
         return index
 
+    def ragged_rows(self, slots: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
+                    heads: int) -> mx.array:  # fmt: skip
+        """The flat rows of a ragged step's real rows, [N * heads] in the order (row, head):
+        session b's `lengths[b]` new positions after its offset, per head."""
+        key = ("ragged", slots.tobytes(), offsets.tobytes(), lengths.tobytes(), heads,
+               self.capacity)  # fmt: skip
+        index = self._indices.get(key)
+        if index is None:
+            if len(self._indices) > 8:
+                self._indices.clear()
+            parts = [self.rows_index(slots[b : b + 1], offsets[b : b + 1], heads, int(n))[0].T
+                     for b, n in enumerate(lengths)]  # fmt: skip
+            rows = np.concatenate(parts).reshape(-1)
+            index = self._indices[key] = mx.array(rows.astype(np.int32))
+        return index
+
     def made(self, layer: int) -> bool:
         """Whether the layer's arrays exist (a write made them since the pool was last empty)."""
         return self._keys[layer] is not None
@@ -261,17 +277,49 @@ Tree = tuple[np.ndarray, np.ndarray]  # a draft tree's rows: positions [T], whic
 
 
 @dataclass(frozen=True)
+class RaggedRows:
+    """A batch whose sessions bring different numbers of new rows (a verify beside plain
+    steps): its products run over the real rows alone, [1, N, hidden], and only attention
+    places them in the padded [B, T] grid, so a verify of 16 beside 63 plain steps computes 79
+    rows of products, not 64 x 16."""
+
+    lengths: np.ndarray  # [B] real rows per session
+    positions: mx.array  # [N] int32: each real row's RoPE position
+    padded: mx.array  # [B * T] int32: the real row each grid slot reads (padding: its last)
+    real: mx.array  # [N] int32: each real row's grid slot
+
+    @classmethod
+    def of(cls, offsets: np.ndarray, lengths: np.ndarray, tokens: int, trees) -> RaggedRows:
+        starts = np.cumsum(lengths) - lengths
+        t = np.arange(tokens)[None, :]
+        padded = starts[:, None] + np.minimum(t, lengths[:, None] - 1)
+        real = np.concatenate([b * tokens + np.arange(n) for b, n in enumerate(lengths)])
+        positions = [
+            offsets[b] + np.arange(n) if tree is None else np.asarray(tree[0])
+            for b, (n, tree) in enumerate(zip(lengths, trees, strict=True))
+        ]
+        return cls(lengths, _int32(np.concatenate(positions)), _int32(padded.reshape(-1)),
+                   _int32(real))  # fmt: skip
+
+
+def _int32(values: np.ndarray) -> mx.array:
+    return mx.array(np.asarray(values).astype(np.int32))
+
+
+@dataclass(frozen=True)
 class PooledStep:
     """What every layer of one batched forward shares, made once: the sessions' slots and
     cache offsets, both as device arrays too (the gather's index, RoPE's offsets), and the
-    attention mask. With draft trees in the batch, RoPE takes every row's own position."""
+    attention mask. With draft trees in the batch, RoPE takes every row's own position; with
+    sessions of different lengths, the rows are ragged (`RaggedRows`)."""
 
     slots: np.ndarray  # [B]
     offsets: np.ndarray  # [B]
     slot_index: mx.array  # [B] int32
     positions: mx.array  # [B] int32: each session's rows at offset, offset + 1, ...
     mask: mx.array  # [B, 1, T, L] bool
-    row_positions: mx.array | None = None  # [B * T] int32, where a tree is in the batch
+    row_positions: mx.array | None = None  # [B * T] int32, where a tree is in an even batch
+    ragged: RaggedRows | None = None
 
     @classmethod
     def of(
@@ -279,30 +327,37 @@ class PooledStep:
         caches: list[PooledCache],
         tokens: int,
         trees: list[Tree | None] | None = None,
+        lengths: np.ndarray | None = None,
     ) -> PooledStep:
         """trees: per session None (rows in a causal line) or a draft tree's (positions [T_b],
-        sees [T_b, T_b]: which of its rows each one attends)."""
+        sees [T_b, T_b]: which of its rows each one attends). lengths: each session's real
+        rows, where they differ (the batch is then ragged); None: `tokens` each."""
         slots = np.array([c.slot for c in caches])
         offsets = np.array([c.offset for c in caches])
-        row_positions = None
-        if trees is not None and any(tree is not None for tree in trees):
+        trees = trees if trees is not None else [None] * len(caches)
+        row_positions = ragged = None
+        if lengths is not None and int(lengths.min()) != int(lengths.max()):
+            ragged = RaggedRows.of(offsets, np.asarray(lengths), tokens, trees)
+        elif any(tree is not None for tree in trees):
             rows = offsets[:, None] + np.arange(tokens)[None, :]  # padding rows too
             for b, tree in enumerate(trees):
                 if tree is not None:
                     rows[b, : len(tree[0])] = tree[0]
-            row_positions = mx.array(rows.reshape(-1).astype(np.int32))
-        return cls(slots, offsets, mx.array(slots.astype(np.int32)),
-                   mx.array(offsets.astype(np.int32)), batch_mask(offsets, tokens, trees),
-                   row_positions)  # fmt: skip
+            row_positions = _int32(rows.reshape(-1))
+        return cls(slots, offsets, _int32(slots), _int32(offsets),
+                   batch_mask(offsets, tokens, trees), row_positions, ragged)  # fmt: skip
 
 
 def batched_attention(attn, x: mx.array, pool: KVPool, layer: int, step: PooledStep) -> mx.array:
     """mlx-lm Llama attention for B sessions at once: x [B, T, hidden] holds each session's
     new rows (the first few real, the rest padding), at its cache offset (a draft tree's rows
-    at their depths: `PooledStep.row_positions`). Writes every row's
-    keys and values to the pool (padding rows past the session's real ones, where its next
-    write overwrites them) and attends each query to its own session's keys through the
-    step's mask. The caller reserves the room and advances the caches' offsets, once."""
+    at their depths: `PooledStep.row_positions`), or for a ragged step x [1, N, hidden] the
+    real rows alone. Writes the rows' keys and values to the pool (padding rows past the
+    session's real ones, where its next write overwrites them) and attends each query to its
+    own session's keys through the step's mask. The caller reserves the room and advances the
+    caches' offsets, once."""
+    if step.ragged is not None:
+        return _ragged_attention(attn, x, pool, layer, step)
     batch, tokens, _ = x.shape
     queries = attn.q_proj(x).reshape(batch, tokens, attn.n_heads, -1).transpose(0, 2, 1, 3)
     keys = attn.k_proj(x).reshape(batch, tokens, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -314,14 +369,40 @@ def batched_attention(attn, x: mx.array, pool: KVPool, layer: int, step: PooledS
         queries, keys = (_rotated_by_row(attn.rope, a, step.row_positions) for a in (queries, keys))
     rows = pool.new_rows(step.slots, step.offsets, attn.n_kv_heads, tokens)
     pool.write(layer, rows, keys, values)
+    out = _attend(attn, queries, pool, layer, step)
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, tokens, -1))
+
+
+def _attend(attn, queries: mx.array, pool: KVPool, layer: int, step: PooledStep) -> mx.array:
+    """queries [B, heads, T, D] over each session's keys in the pool, through the step's mask."""
     flat_keys, flat_values = pool.arrays(layer)
     seen = step.mask.shape[-1]
     all_keys = mx.take(pool.grid(flat_keys)[:, :, :seen], step.slot_index, axis=0)
     all_values = mx.take(pool.grid(flat_values)[:, :, :seen], step.slot_index, axis=0)
-    out = mx.fast.scaled_dot_product_attention(
+    return mx.fast.scaled_dot_product_attention(
         queries, all_keys, all_values, scale=attn.scale, mask=step.mask
     )
-    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, tokens, -1))
+
+
+def _ragged_attention(attn, x: mx.array, pool: KVPool, layer: int, step: PooledStep) -> mx.array:
+    """`batched_attention` of a ragged step: x [1, N, hidden]; each real row rotated at its own
+    position and its keys and values written to the pool, the queries placed in the [B, T]
+    grid for one masked attention, the real rows' outputs taken back."""
+    ragged = step.ragged
+    rows = x.shape[1]
+    batch, tokens = len(step.slots), step.mask.shape[-2]
+    queries = attn.q_proj(x).reshape(rows, attn.n_heads, 1, -1)
+    keys = attn.k_proj(x).reshape(rows, attn.n_kv_heads, 1, -1)
+    values = attn.v_proj(x).reshape(rows, attn.n_kv_heads, 1, -1)
+    queries = attn.rope(queries, offset=ragged.positions)
+    keys = attn.rope(keys, offset=ragged.positions)
+    index = pool.ragged_rows(step.slots, step.offsets, ragged.lengths, attn.n_kv_heads)
+    pool.write(layer, index, keys, values)  # [N, kv_heads, 1, D]: rows in `index`'s order
+    grid = mx.take(queries.reshape(rows, attn.n_heads, -1), ragged.padded, axis=0)
+    grid = grid.reshape(batch, tokens, attn.n_heads, -1).transpose(0, 2, 1, 3)
+    out = _attend(attn, grid, pool, layer, step).transpose(0, 2, 1, 3)
+    out = mx.take(out.reshape(batch * tokens, -1), ragged.real, axis=0)
+    return attn.o_proj(out[None])
 
 
 def _rotated_by_row(rope, x: mx.array, positions: mx.array) -> mx.array:

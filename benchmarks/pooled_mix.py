@@ -1,0 +1,73 @@
+"""The pooled batch's forward (`MlxForward.forward_pooled`, a GPU's path) when its sessions ask
+for different numbers of new tokens: N sessions' plain steps, then the same beside one verify
+of K drafts, timed in one process, the caches trimmed back after each forward. Its rows cost
+what the batch computes: where sessions are padded to the longest, one verify of 15 drafts
+beside 15 plain steps makes 16 x 16 rows. The GPU is what this is for: on a CPU a product of
+2-16 rows runs as that many matrix-vector products (specd.models.rowwise), each reading the
+weights, so there a few ragged rows can cost more than a padded batch past 16 rows that one
+matrix product takes.
+
+    python benchmarks/pooled_mix.py [--target DIR] [--dtype float32] [--sessions 8]
+        [--drafts 0 3 15] [--calls 10] [--context 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from specd.cpu.llama import Segment
+from specd.models.load import load_target
+from verifier_svc.engine import Target, _rollback, prefill
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", help="model (default: the embedded SmolLM2)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--drafts", type=int, nargs="+", default=[0, 3, 15])
+    parser.add_argument("--calls", type=int, default=10, help="timed forwards per mix")
+    parser.add_argument("--context", type=int, default=64, help="prompt tokens per session")
+    args = parser.parse_args()
+    target = Target(load_target(args.target, args.dtype), gemv_rows=0, row_forwards=True,
+                    kv_pool=True)  # fmt: skip
+    if target.kv_pool is None:
+        raise SystemExit("this target's forward takes no pooled sessions (mlx-lm Llama only)")
+    vocab = target.identity.vocab_size
+    rng = np.random.default_rng(0)
+    sessions = [
+        prefill(target, rng.integers(100, vocab - 1, args.context).tolist()).session
+        for _ in range(args.sessions)
+    ]
+    forward = target._mlx.forward_pooled
+    print(f"device {mx.default_device()}, {args.sessions} pooled sessions, {args.context} tokens "
+          f"of context each; ms per forward, median of {args.calls}")  # fmt: skip
+    base = None
+    for drafts in args.drafts:
+        lengths = [1] * (args.sessions - 1) + [1 + drafts]
+        times = []
+        for call in range(args.calls + 2):  # the first two compile the shapes
+            segments = [
+                Segment(rng.integers(100, vocab - 1, n), s.cache)
+                for n, s in zip(lengths, sessions, strict=True)
+            ]
+            start = time.perf_counter()
+            outs = forward(segments, frozenset())
+            mx.eval([logits for logits, _ in outs])
+            if call >= 2:
+                times.append(time.perf_counter() - start)
+            for s in sessions:
+                _rollback(s.cache, s.position - 1)
+        ms = 1000 * statistics.median(times)
+        base = ms if base is None else base
+        print(f"{args.sessions - 1} plain steps + a verify of {drafts:2d}: {ms:8.1f} ms "
+              f"({ms / base:.2f}x the first mix; {sum(lengths)} real rows)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
