@@ -32,6 +32,8 @@
 # verify   what a verify of 1..16 tokens and a decode call of 16 steps cost the engine as the
 #          verifier serves a session, keeping the drafters' hidden rows or none, drafts
 #          rejected, then every draft kept
+# mix      the pooled batch's forward with plain steps beside one verify of 0-15 drafts, at 16
+#          and 64 sessions (pooled_mix.py: what a verify costs the batch)
 # pool     many clients on the KV pool: the verifier alone, the services, the fault drill (issue 28)
 # distill [SECONDS [DTYPE]]  the target's replies to ShareGPT prompts (every user turn, the
 #          whole prompt range up to 1024 tokens, in shuffled order), appended to ~/dd.jsonl
@@ -133,6 +135,13 @@ verify)
   echo "== --accept" >> "$OUT/verify.log"
   timeout 100 python3 benchmarks/verify_cost.py --target "$model" --dtype float32 \
     --drafts 0 1 3 6 15 --calls 15 --accept >> "$OUT/verify.log" 2>&1 ;;
+mix)
+  # a pooled batch of plain steps beside one verify of K drafts (ragged since 29d79a3): what
+  # the verify costs the batch, at 16 and 64 sessions
+  for sessions in 16 64; do
+    timeout 200 python3 benchmarks/pooled_mix.py --target "$model" --sessions "$sessions" \
+      --drafts 0 1 3 8 15 --calls 10 >> "$OUT/mix.log" 2>&1
+  done ;;
 pool)
   # the KV pool is the verifier's default on a GPU: the verifier alone with it, then the
   # services (drafting off and n-gram), then the fault drill at 16 sessions
