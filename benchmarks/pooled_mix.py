@@ -1,11 +1,12 @@
 """The pooled batch's forward (`MlxForward.forward_pooled`, a GPU's path) when its sessions ask
 for different numbers of new tokens: N sessions' plain steps, then the same beside one verify
-of K drafts, timed in one process, the caches trimmed back after each forward. Its rows cost
-what the batch computes: where sessions are padded to the longest, one verify of 15 drafts
-beside 15 plain steps makes 16 x 16 rows. The GPU is what this is for: on a CPU a product of
-2-16 rows runs as that many matrix-vector products (specd.models.rowwise), each reading the
-weights, so there a few ragged rows can cost more than a padded batch past 16 rows that one
-matrix product takes.
+of K drafts, timed in one process, the caches trimmed back after each forward a token further
+each time (each forward meets new offsets, as in serving). A batch padded to its longest
+session would compute 16 x 16 rows for one verify of 15 beside 15 plain steps; a ragged one
+(`verifier_svc.kv_pool.RaggedRows`) computes the products of 31. The GPU is what this is for:
+on a CPU a product of 2-16 rows runs as that many matrix-vector products
+(specd.models.rowwise), each reading the weights, so there a few ragged rows can cost more than
+a padded batch past 16 rows that one matrix product takes.
 
     python benchmarks/pooled_mix.py [--target DIR] [--dtype float32] [--sessions 8]
         [--drafts 0 3 15] [--calls 10] [--context 64]
@@ -32,7 +33,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--drafts", type=int, nargs="+", default=[0, 3, 15])
     parser.add_argument("--calls", type=int, default=10, help="timed forwards per mix")
-    parser.add_argument("--context", type=int, default=64, help="prompt tokens per session")
+    parser.add_argument("--context", type=int, default=64, help="the shortest prompt's tokens")
     args = parser.parse_args()
     target = Target(load_target(args.target, args.dtype), gemv_rows=0, row_forwards=True,
                     kv_pool=True)  # fmt: skip
@@ -40,12 +41,12 @@ def main() -> None:
         raise SystemExit("this target's forward takes no pooled sessions (mlx-lm Llama only)")
     vocab = target.identity.vocab_size
     rng = np.random.default_rng(0)
-    sessions = [
-        prefill(target, rng.integers(100, vocab - 1, args.context).tolist()).session
-        for _ in range(args.sessions)
+    sessions = [  # contexts of different lengths, as a batch's sessions have
+        prefill(target, rng.integers(100, vocab - 1, args.context + 3 * n).tolist()).session
+        for n in range(args.sessions)
     ]
     forward = target._mlx.forward_pooled
-    print(f"device {mx.default_device()}, {args.sessions} pooled sessions, {args.context} tokens "
+    print(f"device {mx.default_device()}, {args.sessions} pooled sessions, {args.context}+ tokens "
           f"of context each; ms per forward, median of {args.calls}")  # fmt: skip
     base = None
     for drafts in args.drafts:
@@ -62,7 +63,7 @@ def main() -> None:
             if call >= 2:
                 times.append(time.perf_counter() - start)
             for s in sessions:
-                _rollback(s.cache, s.position - 1)
+                _rollback(s.cache, max(1, s.position - 2 - call))
         ms = 1000 * statistics.median(times)
         base = ms if base is None else base
         print(f"{args.sessions - 1} plain steps + a verify of {drafts:2d}: {ms:8.1f} ms "

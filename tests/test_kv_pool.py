@@ -435,17 +435,22 @@ def test_a_ragged_steps_writes_go_to_each_sessions_own_rows():
     assert index.tolist() == want
 
 
+def _tree_beside_plain_steps(pooled) -> list[Round]:
+    """Two bursts of 2, a tree of 4 rows (its first draft right), a plain step."""
+    sessions = _sessions(pooled)[:4]
+    greedy = decode(pooled, prefill(pooled, PROMPTS[2]).session, 1).committed
+    return [Round(sessions[0], [], 2), Round(sessions[1], [], 2),
+            Round(sessions[2], [greedy[0], 7, 8], 1, parents=[-1, -1, 0]),
+            Round(sessions[3], [], 1)]  # fmt: skip
+
+
 def test_sessions_of_different_lengths_run_as_one_ragged_forward(pooled, monkeypatch):
     """A tree of 4 beside three plain steps: 7 real rows, within a limit of 8 (a batch padded
     to the longest would be 16), as one forward whose products take the real rows alone."""
     from verifier_svc import engine, kv_pool
 
     monkeypatch.setattr(engine, "POOLED_MAX_ROWS", 8)
-    sessions = _sessions(pooled)[:4]
-    greedy = decode(pooled, prefill(pooled, PROMPTS[2]).session, 1).committed
-    rounds = [Round(sessions[0], [], 2), Round(sessions[1], [], 2),
-              Round(sessions[2], [greedy[0], 7, 8], 1, parents=[-1, -1, 0]),
-              Round(sessions[3], [], 1)]  # fmt: skip
+    rounds = _tree_beside_plain_steps(pooled)
     calls = recorded(monkeypatch, pooled, "forward_pooled")
     products = []
     real = kv_pool._ragged_attention
@@ -459,3 +464,17 @@ def test_sessions_of_different_lengths_run_as_one_ragged_forward(pooled, monkeyp
     assert calls == [[1, 1, 4, 1], [1, 1]]
     assert products and all(shape[:2] == (1, 7) for shape in products)  # the first forward's
     assert results[2].num_accepted >= 1 and [len(r.committed) for r in results] == [2, 2, 2, 1]
+
+
+def test_a_pooled_batchs_attention_grid_is_bounded_too(pooled, monkeypatch):
+    """Ragged rows keep the products small, but attention runs on sessions x the longest: a
+    tree of 4 beside two plain steps would make a grid of 3 x 4, past a bound of 8, so it waits
+    for them and then runs with the plain round behind it (2 x 4)."""
+    from verifier_svc import engine
+
+    monkeypatch.setattr(engine, "POOLED_MAX_GRID", 8)
+    rounds = _tree_beside_plain_steps(pooled)
+    calls = recorded(monkeypatch, pooled, "forward_pooled")
+    results = rounds_many(pooled, rounds)
+    assert calls == [[1, 1], [1, 1], [4, 1]]
+    assert [len(r.committed) for r in results] == [2, 2, 1 + results[2].num_accepted, 1]

@@ -50,6 +50,8 @@ from verifier_svc.tree import (
 
 GREEDY = SamplingConfig()
 POOLED_MAX_ROWS = 1024  # rows of one batched forward over pooled sessions
+# its attention's grid, sessions x the longest one's rows (a ragged batch's padding included)
+POOLED_MAX_GRID = 4 * POOLED_MAX_ROWS
 PREFILL_CHUNK = 2048  # mlx-lm's prefill step: same chunks, same numerics as plain decoding
 
 
@@ -184,6 +186,12 @@ class Target:
         if self.shares_forwards:
             return self._mlx.forward_many, rowwise.DEFAULT_MAX_ROWS
         return None
+
+    def grid_fits(self, sessions: int, longest: int) -> bool:
+        """Whether a shared forward of `sessions` sessions, the longest bringing `longest`
+        rows, stays within the pool's attention grid (a pooled batch attends over a grid
+        padded to the longest; the other paths attend per session)."""
+        return self.kv_pool is None or sessions * longest <= POOLED_MAX_GRID
 
     def joins(self, r: Round) -> bool:
         """Whether a round, greedy or sampled, can take part in `many_forward`: chain drafts,
@@ -769,9 +777,13 @@ def rounds_stream(
         if alone:
             continue
         rows = sum(len(state.tokens()) for state in running)
+        longest = max((len(state.tokens()) for state in running), default=0)
         while pending and target.joins(pending[0]):
             r = pending[0]
-            if running and rows + 1 + len(r.drafts) > max_rows:
+            asks = 1 + len(r.drafts)
+            if running and (
+                rows + asks > max_rows or not target.grid_fits(len(running) + 1, max(longest, asks))
+            ):
                 break
             took = _took_ahead(r)
             pending.popleft()
@@ -786,11 +798,12 @@ def rounds_stream(
                 continue
             running.append(state)
             rows += len(state.tokens())
+            longest = max(longest, len(state.tokens()))
         if not running:
             finished = []
             continue
         for session in finished:  # the rows to spare, in the order their rounds finished
-            if rows + 1 <= max_rows:
+            if rows + 1 <= max_rows and target.grid_fits(len(running) + 1, longest):
                 running.append(_Running(Round(session), looks_ahead=True))
                 rows += 1
         finished = []

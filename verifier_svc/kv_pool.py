@@ -154,9 +154,10 @@ class KVPool:
         if index is None:
             if len(self._indices) > 8:
                 self._indices.clear()
-            parts = [self.rows_index(slots[b : b + 1], offsets[b : b + 1], heads, int(n))[0].T
-                     for b, n in enumerate(lengths)]  # fmt: skip
-            rows = np.concatenate(parts).reshape(-1)
+            session = np.repeat(np.arange(len(lengths)), lengths)  # each row's
+            place = np.arange(len(session)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            base = (slots[session, None] * heads + np.arange(heads)[None, :]) * self.capacity
+            rows = (base + (offsets[session] + place)[:, None]).reshape(-1)
             index = self._indices[key] = mx.array(rows.astype(np.int32))
         return index
 
