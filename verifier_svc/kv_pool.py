@@ -135,30 +135,31 @@ class KVPool:
 
     def new_rows(self, slots: np.ndarray, offsets: np.ndarray, heads: int, tokens: int):
         """`rows_index` flat, as a device array made once per step (every layer's is the same)."""
-        key = (slots.tobytes(), offsets.tobytes(), heads, tokens, self.capacity)
-        index = self._indices.get(key)
-        if index is None:
-            if len(self._indices) > 8:
-                self._indices.clear()
-            rows = self.rows_index(slots, offsets, heads, tokens).reshape(-1)
-            index = self._indices[key] = mx.array(rows.astype(np.int32))
-        return index
+        key = (slots.tobytes(), offsets.tobytes(), heads, tokens)
+        return self._index(key, lambda: self.rows_index(slots, offsets, heads, tokens))
 
     def ragged_rows(self, slots: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
                     heads: int) -> mx.array:  # fmt: skip
         """The flat rows of a ragged step's real rows, [N * heads] in the order (row, head):
         session b's `lengths[b]` new positions after its offset, per head."""
-        key = ("ragged", slots.tobytes(), offsets.tobytes(), lengths.tobytes(), heads,
-               self.capacity)  # fmt: skip
+
+        def rows() -> np.ndarray:
+            session = np.repeat(np.arange(len(lengths)), lengths)  # each row's
+            place = np.arange(len(session)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            base = (slots[session, None] * heads + np.arange(heads)[None, :]) * self.capacity
+            return base + (offsets[session] + place)[:, None]
+
+        key = ("ragged", slots.tobytes(), offsets.tobytes(), lengths.tobytes(), heads)
+        return self._index(key, rows)
+
+    def _index(self, key: tuple, rows) -> mx.array:
+        """The device array of `rows()` flattened, made once per step and pool capacity."""
+        key = (*key, self.capacity)
         index = self._indices.get(key)
         if index is None:
             if len(self._indices) > 8:
                 self._indices.clear()
-            session = np.repeat(np.arange(len(lengths)), lengths)  # each row's
-            place = np.arange(len(session)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-            base = (slots[session, None] * heads + np.arange(heads)[None, :]) * self.capacity
-            rows = (base + (offsets[session] + place)[:, None]).reshape(-1)
-            index = self._indices[key] = mx.array(rows.astype(np.int32))
+            index = self._indices[key] = mx.array(rows().reshape(-1).astype(np.int32))
         return index
 
     def made(self, layer: int) -> bool:
