@@ -428,8 +428,15 @@ class MlxThread:
                 settle()
 
     def _run_batch(self, batch: Batch, jobs: list, held: collections.deque) -> None:
-        """This job and every job of the same batch queued behind it, in one call; other jobs
-        met on the way keep their order and run next."""
+        """This job and every job of the same batch held or queued behind it, in one call;
+        other jobs met on the way keep their order and run next."""
+        # jobs of this batch held back by an earlier call (another batch's gather took them
+        # from the queue) join this call rather than each running a call of its own
+        if any(job[1] is batch for job in held):
+            others = [job for job in held if job[1] is not batch]
+            jobs.extend((job[0], job[2]) for job in held if job[1] is batch)
+            held.clear()
+            held.extend(others)
         deadline = time.perf_counter() + batch.gather_s
         while True:
             try:

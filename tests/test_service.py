@@ -319,6 +319,35 @@ def test_a_stream_batch_answers_each_item_when_done_and_takes_later_ones_until_o
     mlx.shutdown()
 
 
+def test_jobs_of_a_batch_held_behind_another_batch_run_in_one_call_when_it_is_done():
+    from specd.service import Batch
+
+    prefill_calls, round_calls = [], []
+    prefills = Batch(lambda items: prefill_calls.append(list(items)) or list(items))
+
+    def run_stream(items, more, answer):
+        round_calls.append(list(items))
+        for item in items:
+            answer(item, item)
+
+    rounds = Batch(lambda items: [], run_stream=run_stream)
+    mlx = MlxThread(inline_rounds=False)
+    gate = threading.Event()
+    mlx.submit(gate.wait)
+    prefill = mlx.submit_batched(prefills, "p")
+    # the prefill's call takes these from the queue and holds them while it runs
+    waiting = [mlx.submit_batched(rounds, i) for i in range(3)]
+    plain = mlx.submit(lambda: "plain")
+    waiting += [mlx.submit_batched(rounds, i) for i in range(3, 6)]
+    gate.set()
+    assert prefill.result(5) == "p" and plain.result(5) == "plain"
+    assert [f.result(5) for f in waiting] == list(range(6))
+    assert prefill_calls == [["p"]]
+    assert round_calls == [list(range(6))]  # one stream for all six, not one each
+    assert mlx._finished == mlx._submitted
+    mlx.shutdown()
+
+
 def test_a_batch_waits_briefly_for_its_recent_callers_and_never_for_strangers():
     from specd.service import Batch
 
