@@ -413,12 +413,13 @@ def test_a_trees_rows_see_the_cache_and_their_ancestors_and_padding_stays_apart(
     assert mask[0, 0].tolist() == [True] * 4 + [False] * 4  # a plain row: its cache and itself
     assert mask[1, 1].tolist() == [True] * 7 + [False]  # a child: the cache, the root, itself
     assert mask[1, 2].tolist() == [True] * 6 + [False, True]  # not its sibling
-    # each row rotated at its own position: the plain session's (padding too) in a line
-    assert np.array(step.row_positions).tolist() == [3, 4, 5, 5, 6, 6]
-    assert PooledStep.of(caches, 3, [None, None]).row_positions is None
-    # the same sessions with their real rows (1 and 3): ragged, the products over 4 rows
+    # a tree makes the rows ragged, each rotated at its own position: the plain session's in
+    # a line, the tree's at their depths
+    assert np.array(step.ragged.positions).tolist() == [3, 4, 5, 5, 6, 6]
+    assert PooledStep.of(caches, 3, [None, None]).ragged is None
+    # the same sessions with their real rows (1 and 3): the products over 4 rows
     ragged = PooledStep.of(caches, 3, [None, tree], np.array([1, 3]))
-    assert ragged.row_positions is None and np.array_equal(ragged.mask, step.mask)
+    assert np.array_equal(ragged.mask, step.mask)
     assert np.array(ragged.ragged.positions).tolist() == [3, 5, 6, 6]
     assert np.array(ragged.ragged.padded).tolist() == [0, 0, 0, 1, 2, 3]  # padding: its last
     assert np.array(ragged.ragged.real).tolist() == [0, 3, 4, 5]

@@ -172,13 +172,13 @@ class MlxForward:
         inner = self.model.model
         lengths = np.array([len(s.token_ids) for s in segments])
         tokens = int(lengths.max())
-        ragged = int(lengths.min()) != tokens
+        trees = [None if s.sees is None else (s.positions, s.sees) for s in segments]
+        step = PooledStep.of([s.cache[0] for s in segments], tokens, trees, lengths)
+        ragged = step.ragged is not None
         if ragged:
             ids = np.concatenate([s.token_ids for s in segments]).astype(np.int32)[None]
         else:
             ids = np.stack([s.token_ids for s in segments]).astype(np.int32)
-        trees = [None if s.sees is None else (s.positions, s.sees) for s in segments]
-        step = PooledStep.of([s.cache[0] for s in segments], tokens, trees, lengths)
         pool = segments[0].cache[0].pool
         pool.reserve(int(step.offsets.max()) + tokens)
         hidden = inner.embed_tokens(mx.array(ids))

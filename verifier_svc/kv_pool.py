@@ -312,15 +312,14 @@ def _int32(values: np.ndarray) -> mx.array:
 class PooledStep:
     """What every layer of one batched forward shares, made once: the sessions' slots and
     cache offsets, both as device arrays too (the gather's index, RoPE's offsets), and the
-    attention mask. With draft trees in the batch, RoPE takes every row's own position; with
-    sessions of different lengths, the rows are ragged (`RaggedRows`)."""
+    attention mask. With sessions of different lengths or a draft tree in the batch, the rows
+    are ragged (`RaggedRows`: the real rows alone, each rotated at its own position)."""
 
     slots: np.ndarray  # [B]
     offsets: np.ndarray  # [B]
     slot_index: mx.array  # [B] int32
     positions: mx.array  # [B] int32: each session's rows at offset, offset + 1, ...
     mask: mx.array  # [B, 1, T, L] bool
-    row_positions: mx.array | None = None  # [B * T] int32, where a tree is in an even batch
     ragged: RaggedRows | None = None
 
     @classmethod
@@ -333,42 +332,32 @@ class PooledStep:
     ) -> PooledStep:
         """trees: per session None (rows in a causal line) or a draft tree's (positions [T_b],
         sees [T_b, T_b]: which of its rows each one attends). lengths: each session's real
-        rows, where they differ (the batch is then ragged); None: `tokens` each."""
+        rows; None: `tokens` each. Different lengths or a tree make the batch ragged."""
         slots = np.array([c.slot for c in caches])
         offsets = np.array([c.offset for c in caches])
         trees = trees if trees is not None else [None] * len(caches)
-        row_positions = ragged = None
-        if lengths is not None and int(lengths.min()) != int(lengths.max()):
-            ragged = RaggedRows.of(offsets, np.asarray(lengths), tokens, trees)
-        elif any(tree is not None for tree in trees):
-            rows = offsets[:, None] + np.arange(tokens)[None, :]  # padding rows too
-            for b, tree in enumerate(trees):
-                if tree is not None:
-                    rows[b, : len(tree[0])] = tree[0]
-            row_positions = _int32(rows.reshape(-1))
+        lengths = np.full(len(caches), tokens) if lengths is None else np.asarray(lengths)
+        ragged = None
+        if int(lengths.min()) != int(lengths.max()) or any(tree is not None for tree in trees):
+            ragged = RaggedRows.of(offsets, lengths, tokens, trees)
         return cls(slots, offsets, _int32(slots), _int32(offsets),
-                   batch_mask(offsets, tokens, trees), row_positions, ragged)  # fmt: skip
+                   batch_mask(offsets, tokens, trees), ragged)  # fmt: skip
 
 
 def batched_attention(attn, x: mx.array, pool: KVPool, layer: int, step: PooledStep) -> mx.array:
     """mlx-lm Llama attention for B sessions at once: x [B, T, hidden] holds each session's
-    new rows (the first few real, the rest padding), at its cache offset (a draft tree's rows
-    at their depths: `PooledStep.row_positions`), or for a ragged step x [1, N, hidden] the
-    real rows alone. Writes the rows' keys and values to the pool (padding rows past the
-    session's real ones, where its next write overwrites them) and attends each query to its
-    own session's keys through the step's mask. The caller reserves the room and advances the
-    caches' offsets, once."""
+    new rows at its cache offset, or for a ragged step x [1, N, hidden] the real rows alone (a
+    draft tree's at their depths). Writes the rows' keys and values to the pool and attends
+    each query to its own session's keys through the step's mask. The caller reserves the
+    room and advances the caches' offsets, once."""
     if step.ragged is not None:
         return _ragged_attention(attn, x, pool, layer, step)
     batch, tokens, _ = x.shape
     queries = attn.q_proj(x).reshape(batch, tokens, attn.n_heads, -1).transpose(0, 2, 1, 3)
     keys = attn.k_proj(x).reshape(batch, tokens, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     values = attn.v_proj(x).reshape(batch, tokens, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    if step.row_positions is None:
-        queries = attn.rope(queries, offset=step.positions)
-        keys = attn.rope(keys, offset=step.positions)
-    else:
-        queries, keys = (_rotated_by_row(attn.rope, a, step.row_positions) for a in (queries, keys))
+    queries = attn.rope(queries, offset=step.positions)
+    keys = attn.rope(keys, offset=step.positions)
     rows = pool.new_rows(step.slots, step.offsets, attn.n_kv_heads, tokens)
     pool.write(layer, rows, keys, values)
     out = _attend(attn, queries, pool, layer, step)
@@ -405,15 +394,6 @@ def _ragged_attention(attn, x: mx.array, pool: KVPool, layer: int, step: PooledS
     out = _attend(attn, grid, pool, layer, step).transpose(0, 2, 1, 3)
     out = mx.take(out.reshape(batch * tokens, -1), ragged.real, axis=0)
     return attn.o_proj(out[None])
-
-
-def _rotated_by_row(rope, x: mx.array, positions: mx.array) -> mx.array:
-    """x [B, H, T, D] with row t of session b rotated at positions[b * T + t]: each row a
-    sequence of one in the batch axis, as a tree's nodes are rotated alone."""
-    batch, heads, tokens, dim = x.shape
-    rows = x.transpose(0, 2, 1, 3).reshape(batch * tokens, heads, 1, dim)
-    turned = rope(rows, offset=positions)
-    return turned.reshape(batch, tokens, heads, dim).transpose(0, 2, 1, 3)
 
 
 def batch_mask(
