@@ -34,6 +34,8 @@
 #          rejected, then every draft kept
 # mix      the pooled batch's forward with plain steps beside one verify of 0-15 drafts, at 16
 #          and 64 sessions (pooled_mix.py: what a verify costs the batch)
+# cpool [DRAFTERS]  the compiled pooled forward (--compiled-pooled) against the model's own:
+#          the batch at 16 and 64 sessions, the verifier alone off and on, the services on
 # pool     many clients on the KV pool: the verifier alone, the services, the fault drill (issue 28)
 # distill [SECONDS [DTYPE]]  the target's replies to ShareGPT prompts (every user turn, the
 #          whole prompt range up to 1024 tokens, in shuffled order), appended to ~/dd.jsonl
@@ -140,8 +142,24 @@ mix)
   # the verify costs the batch, at 16 and 64 sessions
   for sessions in 16 64; do
     timeout 200 python3 benchmarks/pooled_mix.py --target "$model" --sessions "$sessions" \
-      --drafts 0 1 3 8 15 --calls 10 >> "$OUT/mix.log" 2>&1
+      --drafts 0 1 3 8 15 --calls 10 --variants own compiled >> "$OUT/mix.log" 2>&1
   done ;;
+cpool)
+  # the compiled pooled forward (--compiled-pooled): its batch against the model's own at 16
+  # and 64 sessions, the verifier alone with it off and on, the services with it on
+  for sessions in 16 64; do
+    timeout 120 python3 benchmarks/pooled_mix.py --target "$model" --sessions "$sessions" \
+      --drafts 0 3 15 --calls 10 --variants own compiled compiled own >> "$OUT/cpool.log" 2>&1
+  done
+  for mode in off on; do
+    timeout 100 python3 benchmarks/batched_decode.py --target "$model" --clients 1 16 64 \
+      --verifier-args "--dtype float32 --log-stats 1 --compiled-pooled $mode" \
+      >> "$OUT/cpool.log" 2>&1
+  done
+  timeout 240 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
+    --max-tokens 128 --drafter "${2:-none,ngram}" --concurrency 1,16,64 \
+    --concurrency-requests 1 --verifier-args "--log-stats 1 --compiled-pooled on" \
+    >> "$OUT/cpool.log" 2>&1 ;;
 pool)
   # the KV pool is the verifier's default on a GPU: the verifier alone with it, then the
   # services (drafting off and n-gram), then the fault drill at 16 sessions

@@ -8,8 +8,12 @@ on a CPU a product of 2-16 rows runs as that many matrix-vector products
 (specd.models.rowwise), each reading the weights, so there a few ragged rows can cost more than
 a padded batch past 16 rows that one matrix product takes.
 
+`--variants own compiled` times the batch through the model's own modules and through the
+compiled pooled forward (the verifier's --compiled-pooled), each mix one variant after the
+other on the same sessions.
+
     python benchmarks/pooled_mix.py [--target DIR] [--dtype float32] [--sessions 8]
-        [--drafts 0 3 15] [--calls 10] [--context 64]
+        [--drafts 0 3 15] [--calls 10] [--context 64] [--variants own compiled]
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from specd.cpu.llama import Segment
 from specd.models.load import load_target
 from verifier_svc.engine import Target, _rollback, prefill
 
+VARIANTS = ("own", "compiled")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -34,11 +40,17 @@ def main() -> None:
     parser.add_argument("--drafts", type=int, nargs="+", default=[0, 3, 15])
     parser.add_argument("--calls", type=int, default=10, help="timed forwards per mix")
     parser.add_argument("--context", type=int, default=64, help="the shortest prompt's tokens")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["own"],
+                        help="the pooled forward's paths to time: the model's own modules, "
+                        "the compiled one (--compiled-pooled)")  # fmt: skip
     args = parser.parse_args()
     target = Target(load_target(args.target, args.dtype), gemv_rows=0, row_forwards=True,
-                    kv_pool=True)  # fmt: skip
+                    kv_pool=True, compiled_pooled=True)  # fmt: skip
     if target.kv_pool is None:
         raise SystemExit("this target's forward takes no pooled sessions (mlx-lm Llama only)")
+    compiled = target._mlx.compiled_pooled
+    if "compiled" in args.variants and compiled is None:
+        raise SystemExit("this target's architecture has no compiled pooled forward")
     vocab = target.identity.vocab_size
     rng = np.random.default_rng(0)
     sessions = [  # contexts of different lengths, as a batch's sessions have
@@ -48,26 +60,30 @@ def main() -> None:
     forward = target._mlx.forward_pooled
     print(f"device {mx.default_device()}, {args.sessions} pooled sessions, {args.context}+ tokens "
           f"of context each; ms per forward, median of {args.calls}")  # fmt: skip
-    base = None
+    base: dict[str, float] = {}
     for drafts in args.drafts:
         lengths = [1] * (args.sessions - 1) + [1 + drafts]
-        times = []
-        for call in range(args.calls + 2):  # the first two compile the shapes
-            segments = [
-                Segment(rng.integers(100, vocab - 1, n), s.cache)
-                for n, s in zip(lengths, sessions, strict=True)
-            ]
-            start = time.perf_counter()
-            outs = forward(segments, frozenset())
-            mx.eval([logits for logits, _ in outs])
-            if call >= 2:
-                times.append(time.perf_counter() - start)
-            for s in sessions:
-                _rollback(s.cache, max(1, s.position - 2 - call))
-        ms = 1000 * statistics.median(times)
-        base = ms if base is None else base
-        print(f"{args.sessions - 1} plain steps + a verify of {drafts:2d}: {ms:8.1f} ms "
-              f"({ms / base:.2f}x the first mix; {sum(lengths)} real rows)")  # fmt: skip
+        for variant in args.variants:
+            target._mlx.compiled_pooled = compiled if variant == "compiled" else None
+            times = []
+            for call in range(args.calls + 2):  # the first two compile the shapes
+                segments = [
+                    Segment(rng.integers(100, vocab - 1, n), s.cache)
+                    for n, s in zip(lengths, sessions, strict=True)
+                ]
+                start = time.perf_counter()
+                outs = forward(segments, frozenset())
+                mx.eval([logits for logits, _ in outs])
+                if call >= 2:
+                    times.append(time.perf_counter() - start)
+                for s in sessions:
+                    _rollback(s.cache, max(1, s.position - 2 - call))
+            ms = 1000 * statistics.median(times)
+            first = base.setdefault(variant, ms)
+            print(
+                f"{variant:8s} {args.sessions - 1} plain steps + a verify of {drafts:2d}: "
+                f"{ms:8.1f} ms ({ms / first:.2f}x the first mix; {sum(lengths)} real rows)"
+            )
 
 
 if __name__ == "__main__":

@@ -67,7 +67,12 @@ def _sampling(n: int, sampled: bool) -> common_pb2.SamplingParams | None:
     return common_pb2.SamplingParams(temperature=1.0, top_k=20, seed=n) if sampled else None
 
 
-FORWARDS = {"cpu-kernels": [], "mlx": MLX, "mlx-pooled": [*MLX, "--kv-pool", "on"]}
+FORWARDS = {
+    "cpu-kernels": [],
+    "mlx": MLX,
+    "mlx-pooled": [*MLX, "--kv-pool", "on"],
+    "mlx-pooled-compiled": [*MLX, "--kv-pool", "on", "--compiled-pooled", "on"],
+}
 MODES = ("greedy", "sampled", "trees", "sampled-trees")
 CASES = [(name, mode) for name in FORWARDS for mode in MODES]
 
@@ -76,7 +81,8 @@ CASES = [(name, mode) for name in FORWARDS for mode in MODES]
 def test_concurrent_sessions_decode_together_and_as_each_alone(
     tiny_model_dir, tmp_path, forwards, mode
 ):
-    """On the CPU kernels, and in MLX as on a GPU: per-session caches, and the KV pool."""
+    """On the CPU kernels, and in MLX as on a GPU: per-session caches, and the KV pool (its
+    batches through the model's own modules, and compiled)."""
     sampled, trees = mode.startswith("sampled"), mode.endswith("trees")
     forwards = FORWARDS[forwards]
     metrics_port, port = free_ports(2)

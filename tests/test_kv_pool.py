@@ -479,3 +479,101 @@ def test_a_pooled_batchs_attention_grid_is_bounded_too(pooled, monkeypatch):
     results = rounds_many(pooled, rounds)
     assert calls == [[1, 1], [1, 1], [4, 1]]
     assert [len(r.committed) for r in results] == [2, 2, 1 + results[2].num_accepted, 1]
+
+
+@pytest.fixture(scope="module")
+def compiled_pooled(tiny_model_dir):
+    made = Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0,
+                  row_forwards=True, kv_pool=True, compiled_pooled=True)  # fmt: skip
+    assert made._mlx.compiled_pooled is not None
+    return made
+
+
+def _rows_traced(monkeypatch) -> list[int]:
+    """Row counts of each call of the compiled pooled forward, as it runs."""
+    from specd.models.compiled import CompiledForward
+
+    counts: list[int] = []
+    real = CompiledForward.forward_rows
+
+    def recording(self, token_ids, positions, attend, capture=frozenset()):
+        counts.append(token_ids.shape[0])
+        return real(self, token_ids, positions, attend, capture)
+
+    monkeypatch.setattr(CompiledForward, "forward_rows", recording)
+    return counts
+
+
+def test_compiled_pooled_rounds_commit_what_each_session_does_alone(
+    compiled_pooled, plain, monkeypatch
+):
+    plans = round_plans(plain)
+    alone = run_alone(plain, _sessions(plain), plans)
+    traced = _rows_traced(monkeypatch)
+    sessions = _sessions(compiled_pooled)
+    together = rounds_many(
+        compiled_pooled, [Round(s, d, k) for s, (d, k) in zip(sessions, plans, strict=True)]
+    )
+    assert traced[0] == 16  # 1 + 1 + 7 + 4 + 3 rows in one compiled forward
+    assert_same_rounds(alone, together)
+    for session in sessions:
+        assert session.cache[0].offset == session.position - 1
+
+
+def test_compiled_pooled_sampled_and_tree_rounds_equal_each_alone(compiled_pooled, monkeypatch):
+    from specd.models.compiled import traced_rows
+
+    traced = _rows_traced(monkeypatch)
+    calls = recorded(monkeypatch, compiled_pooled, "forward_pooled")
+    assert_sampled_rounds_share_and_equal_each_alone(compiled_pooled, calls)
+    assert_tree_rounds_share_and_equal_each_alone(compiled_pooled, calls)
+    # the tree rounds' forwards (`calls` holds those since its prefills), each compiled, padded
+    assert traced[-len(calls) :] == [traced_rows(sum(rows)) for rows in calls]
+    assert traced_rows(7 + 1 + 3 + 5) == 16 and traced_rows(1) == 1
+
+
+def test_compiled_pooled_forwards_with_spare_rows_equal_the_models_own(
+    pooled, compiled_pooled, monkeypatch
+):
+    """Rows padded to a traced count write where nothing reads: two ragged forwards in a row
+    (10 real rows run as 16, then 3 as 3), a tree among them, give the model's own logits and
+    captured rows, and each session's cache after them is the model's own."""
+    from specd.cpu.llama import Segment
+    from verifier_svc.tree import ancestor_mask
+
+    traced = _rows_traced(monkeypatch)
+    results = []
+    for target in (pooled, compiled_pooled):
+        sessions = _sessions(target)[:3]
+        base = sessions[2].cache[0].offset
+        tree = (base + np.array([0, 1, 1, 2, 2, 3]), ancestor_mask([-1, -1, 0, 0, 2]))
+        first = target._mlx.forward_pooled(
+            [Segment(np.array([5]), sessions[0].cache), Segment(np.array([6, 7, 8]),
+             sessions[1].cache), Segment(np.arange(10, 16), sessions[2].cache, *tree)],
+            frozenset({1}),
+        )  # fmt: skip
+        second = target._mlx.forward_pooled(
+            [Segment(np.array([9]), s.cache) for s in sessions], frozenset({1})
+        )
+        results.append(first + second)
+    assert traced == [16, 3]
+    for (want_logits, want_rows), (got_logits, got_rows) in zip(*results, strict=True):
+        assert mx.allclose(got_logits, want_logits, rtol=1e-5, atol=1e-4).item()
+        assert mx.array_equal(mx.argmax(got_logits, -1), mx.argmax(want_logits, -1)).item()
+        assert mx.allclose(got_rows[1], want_rows[1], rtol=1e-5, atol=1e-4).item()
+
+
+def test_the_full_warm_up_traces_every_row_count_of_the_compiled_pooled_forward(
+    tiny_model_dir, monkeypatch
+):
+    from specd.models.compiled import traced_rows
+    from verifier_svc.warmup import POOLED_WARMUP_SESSIONS, full_warmup
+
+    target = Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0,
+                    row_forwards=True, kv_pool=True, compiled_pooled=True)  # fmt: skip
+    traced = _rows_traced(monkeypatch)
+    full_warmup(target, 3, long_context=80)
+    longest = 4 * POOLED_WARMUP_SESSIONS  # verifies of 3 drafts in each session
+    assert set(traced) >= {traced_rows(n) for n in range(2, longest + 1)}
+    gc.collect()
+    assert target.kv_pool.open_slots == 0

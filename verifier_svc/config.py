@@ -115,6 +115,15 @@ class VerifierConfig:
         "less) and moves into the pool when other sessions' rounds come; on = every session",
         choices=GPU_MODES,
     )
+    compiled_pooled: str = option(
+        "off",
+        "run the KV pool's batched forwards of up to 256 rows with the work between two "
+        "attentions as one compiled MLX function a layer, as --compiled-forwards does for one "
+        "session (row counts padded to few traced sizes; Llama-family models with unquantized "
+        "weights, no biases, no sliding window): where Python's building of the graph bounds "
+        "a batched step, as on a GPU; auto = on on a GPU",
+        choices=GPU_MODES,
+    )
     log_stats_s: float = option(
         10.0,
         "log the load every SECONDS while calls come: verify calls, tokens committed, "

@@ -78,6 +78,7 @@ class Target:
         compiled_forwards: bool = False,
         kv_pool: bool = False,
         pool_alone: bool = True,
+        compiled_pooled: bool = False,
     ):
         """gemv_rows: forwards of at most this many tokens run on numpy: whole layers for
         Llama-family models (specd.cpu.llama), else the weight products alone
@@ -89,7 +90,9 @@ class Target:
         (specd.models.compiled), where the architecture allows.
         kv_pool: sessions' caches in one pool and their rounds batched
         (verifier_svc.kv_pool), where MLX's forward takes many sessions. pool_alone: False
-        keeps a session opened while no other is open out of the pool (`new_cache`)."""
+        keeps a session opened while no other is open out of the pool (`new_cache`).
+        compiled_pooled: the pool's batches of up to compiled.MAX_POOLED_ROWS rows with the
+        work between attentions compiled, where the architecture allows."""
         self.loaded = loaded
         self.model = loaded.model
         device = device_kind()
@@ -121,13 +124,18 @@ class Target:
         self._mlx = MlxForward(self.model, self._sink)
         self.forwards: list[Forward] = [self._mlx]
         self.compiled_forwards = compiled_forwards and compiled.supports(self.model)
+        compiled_forward = None
+        if self.compiled_forwards or compiled_pooled and compiled.supports(self.model):
+            compiled_forward = CompiledForward(self.model)
         if self.compiled_forwards:
-            self.forwards.insert(0, CompiledMlxForward(CompiledForward(self.model), self._mlx))
+            self.forwards.insert(0, CompiledMlxForward(compiled_forward, self._mlx))
         if cpu_layers is not None:
             self.forwards.insert(0, CpuKernelForward(cpu_layers))
         self._tree_ready: bool | None = None
         pooled = kv_pool and self._mlx.takes_many()
         self.kv_pool = KVPool(len(self.model.layers)) if pooled else None
+        if pooled and compiled_pooled:
+            self._mlx.compiled_pooled = compiled_forward
         self.pool_alone = pool_alone
         self._open_sessions = 0  # caches made by new_cache and not yet garbage
         self._open_lock = threading.Lock()  # finalizers run on whichever thread drops a cache

@@ -28,10 +28,10 @@ from specd.models.capture import (
     GroupedRoPE,
     rotate_in_groups,
 )
+from specd.models.compiled import MAX_POOLED_ROWS, CompiledForward, traced_rows
 from specd.models.compiled import MAX_ROWS as COMPILED_MAX_ROWS
-from specd.models.compiled import CompiledForward
 from specd.models.rowwise import ChunkedAttention
-from verifier_svc.kv_pool import PooledStep, batched_attention
+from verifier_svc.kv_pool import PooledStep, attend_rows, batched_attention
 from verifier_svc.tree import ancestor_mask, depths, position_runs, rope_groups
 
 
@@ -70,6 +70,9 @@ class MlxForward:
     def __init__(self, model: nn.Module, sink: CaptureSink):
         self.model, self.sink = model, sink
         self.bypass = Bypass(model)
+        # pooled batches of up to MAX_POOLED_ROWS rows with the work between attentions
+        # compiled (the verifier's --compiled-pooled); None: the model's own modules
+        self.compiled_pooled: CompiledForward | None = None
 
     def fits(self, tokens: int, cache: list) -> bool:
         return True
@@ -167,10 +170,13 @@ class MlxForward:
         grid padded to the longest for attention (`RaggedRows`); attention through the pool
         with a mask per session, so the operations per layer do not grow with the sessions.
         Advances each cache's offset by its real rows; a draft tree's rows at their depths,
-        each seeing its ancestors. Lazy, as `forward_many`."""
+        each seeing its ancestors. Lazy, as `forward_many`. With `compiled_pooled`, batches
+        of up to its row limit run there (`_compiled_pooled`)."""
+        lengths = np.array([len(s.token_ids) for s in segments])
+        if self.compiled_pooled is not None and int(lengths.sum()) <= MAX_POOLED_ROWS:
+            return self._compiled_pooled(segments, capture, lengths)
         self.bypass.set(False)
         inner = self.model.model
-        lengths = np.array([len(s.token_ids) for s in segments])
         tokens = int(lengths.max())
         trees = [None if s.sees is None else (s.positions, s.sees) for s in segments]
         step = PooledStep.of([s.cache[0] for s in segments], tokens, trees, lengths)
@@ -201,13 +207,47 @@ class MlxForward:
         else:
             logits = self.model.lm_head(final)
         if ragged:
-            spans = list(itertools.pairwise(np.cumsum([0, *lengths.tolist()]).tolist()))
-            return [(logits[0, a:b], {i: rows[0, a:b] for i, rows in kept.items()})
-                    for a, b in spans]  # fmt: skip
+            return _per_session(logits[0], {i: rows[0] for i, rows in kept.items()}, lengths)
         return [
             (logits[b, :n], {i: rows[b, :n] for i, rows in kept.items()})
             for b, n in enumerate(lengths.tolist())
         ]
+
+    def _compiled_pooled(
+        self, segments: list[Segment], capture: frozenset[int], lengths: np.ndarray
+    ) -> list[tuple[mx.array, dict[int, mx.array]]]:
+        """`forward_pooled` through `CompiledForward.forward_rows`: every batch ragged, its
+        rows padded to a traced count (the spare rows write where nothing reads), the work
+        between attentions one compiled call a layer, attention through the pool as
+        `attend_rows` does it. The same kernels on the same rows as the model's own modules
+        but for the joined q/k/v and gate/up products."""
+        compiled = self.compiled_pooled
+        real = int(lengths.sum())
+        rows = traced_rows(real)
+        trees = [None if s.sees is None else (s.positions, s.sees) for s in segments]
+        caches = [s.cache[0] for s in segments]
+        step = PooledStep.of(caches, int(lengths.max()), trees, lengths, spare=rows - real)
+        pool = caches[0].pool
+        pool.reserve(int((step.offsets + lengths).max()) + 1)  # room for the spare rows' writes
+        ids = np.zeros(rows, np.int32)
+        ids[:real] = np.concatenate([s.token_ids for s in segments])
+        scale = compiled.shape.scale
+
+        def attend(layer: int, queries, keys, values):
+            return attend_rows(scale, pool, step, layer, queries, keys, values)
+
+        logits, kept = compiled.forward_rows(mx.array(ids), step.ragged.positions, attend,
+                                             frozenset(capture))  # fmt: skip
+        for s, n in zip(segments, lengths, strict=True):
+            for c in s.cache:
+                c.offset += int(n)
+        return _per_session(logits, kept, lengths)
+
+
+def _per_session(logits: mx.array, kept: dict[int, mx.array], lengths: np.ndarray):
+    """Rows [N, ...] of sessions bringing `lengths` rows each, session by session."""
+    spans = itertools.pairwise(np.cumsum([0, *lengths.tolist()]).tolist())
+    return [(logits[a:b], {i: rows[a:b] for i, rows in kept.items()}) for a, b in spans]
 
 
 def _attention_many(

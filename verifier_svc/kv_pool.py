@@ -139,17 +139,22 @@ class KVPool:
         return self._index(key, lambda: self.rows_index(slots, offsets, heads, tokens))
 
     def ragged_rows(self, slots: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
-                    heads: int) -> mx.array:  # fmt: skip
+                    heads: int, spare: int = 0) -> mx.array:  # fmt: skip
         """The flat rows of a ragged step's real rows, [N * heads] in the order (row, head):
-        session b's `lengths[b]` new positions after its offset, per head."""
+        session b's `lengths[b]` new positions after its offset, per head; then `spare`
+        padding rows', all at the first session's position after its new rows, which nothing
+        reads before the session writes it (the caller reserves room for it)."""
 
         def rows() -> np.ndarray:
             session = np.repeat(np.arange(len(lengths)), lengths)  # each row's
             place = np.arange(len(session)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            place = np.concatenate([offsets[session] + place,
+                                    np.full(spare, offsets[0] + lengths[0])])  # fmt: skip
+            session = np.concatenate([session, np.zeros(spare, dtype=session.dtype)])
             base = (slots[session, None] * heads + np.arange(heads)[None, :]) * self.capacity
-            return base + (offsets[session] + place)[:, None]
+            return base + place[:, None]
 
-        key = ("ragged", slots.tobytes(), offsets.tobytes(), lengths.tobytes(), heads)
+        key = ("ragged", slots.tobytes(), offsets.tobytes(), lengths.tobytes(), heads, spare)
         return self._index(key, rows)
 
     def _index(self, key: tuple, rows) -> mx.array:
@@ -286,22 +291,27 @@ class RaggedRows:
     rows of products, not 64 x 16."""
 
     lengths: np.ndarray  # [B] real rows per session
-    positions: mx.array  # [N] int32: each real row's RoPE position
+    positions: mx.array  # [N + spare] int32: each row's RoPE position
     padded: mx.array  # [B * T] int32: the real row each grid slot reads (padding: its last)
-    real: mx.array  # [N] int32: each real row's grid slot
+    real: mx.array  # [N + spare] int32: each row's grid slot (spare rows: the first's)
+    spare: int = 0  # padding rows after the real ones (a compiled forward's traced count)
 
     @classmethod
-    def of(cls, offsets: np.ndarray, lengths: np.ndarray, tokens: int, trees) -> RaggedRows:
+    def of(
+        cls, offsets: np.ndarray, lengths: np.ndarray, tokens: int, trees, spare: int = 0
+    ) -> RaggedRows:
         starts = np.cumsum(lengths) - lengths
         t = np.arange(tokens)[None, :]
         padded = starts[:, None] + np.minimum(t, lengths[:, None] - 1)
-        real = np.concatenate([b * tokens + np.arange(n) for b, n in enumerate(lengths)])
+        real = [b * tokens + np.arange(n) for b, n in enumerate(lengths)]
         positions = [
             offsets[b] + np.arange(n) if tree is None else np.asarray(tree[0])
             for b, (n, tree) in enumerate(zip(lengths, trees, strict=True))
         ]
+        positions.append(np.full(spare, offsets[0] + lengths[0]))
+        real.append(np.zeros(spare, dtype=int))
         return cls(lengths, _int32(np.concatenate(positions)), _int32(padded.reshape(-1)),
-                   _int32(real))  # fmt: skip
+                   _int32(np.concatenate(real)), spare)  # fmt: skip
 
 
 def _int32(values: np.ndarray) -> mx.array:
@@ -329,17 +339,20 @@ class PooledStep:
         tokens: int,
         trees: list[Tree | None] | None = None,
         lengths: np.ndarray | None = None,
+        spare: int | None = None,
     ) -> PooledStep:
         """trees: per session None (rows in a causal line) or a draft tree's (positions [T_b],
         sees [T_b, T_b]: which of its rows each one attends). lengths: each session's real
-        rows; None: `tokens` each. Different lengths or a tree make the batch ragged."""
+        rows; None: `tokens` each. Different lengths or a tree make the batch ragged; so does
+        `spare` (padding rows after the real ones, `attend_rows`)."""
         slots = np.array([c.slot for c in caches])
         offsets = np.array([c.offset for c in caches])
         trees = trees if trees is not None else [None] * len(caches)
         lengths = np.full(len(caches), tokens) if lengths is None else np.asarray(lengths)
         ragged = None
-        if int(lengths.min()) != int(lengths.max()) or any(tree is not None for tree in trees):
-            ragged = RaggedRows.of(offsets, lengths, tokens, trees)
+        uneven = int(lengths.min()) != int(lengths.max())
+        if spare is not None or uneven or any(tree is not None for tree in trees):
+            ragged = RaggedRows.of(offsets, lengths, tokens, trees, spare or 0)
         return cls(slots, offsets, _int32(slots), _int32(offsets),
                    batch_mask(offsets, tokens, trees), ragged)  # fmt: skip
 
@@ -360,40 +373,50 @@ def batched_attention(attn, x: mx.array, pool: KVPool, layer: int, step: PooledS
     keys = attn.rope(keys, offset=step.positions)
     rows = pool.new_rows(step.slots, step.offsets, attn.n_kv_heads, tokens)
     pool.write(layer, rows, keys, values)
-    out = _attend(attn, queries, pool, layer, step)
+    out = _attend(attn.scale, queries, pool, layer, step)
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, tokens, -1))
 
 
-def _attend(attn, queries: mx.array, pool: KVPool, layer: int, step: PooledStep) -> mx.array:
+def _attend(scale: float, queries: mx.array, pool: KVPool, layer: int, step: PooledStep):
     """queries [B, heads, T, D] over each session's keys in the pool, through the step's mask."""
     flat_keys, flat_values = pool.arrays(layer)
     seen = step.mask.shape[-1]
     all_keys = mx.take(pool.grid(flat_keys)[:, :, :seen], step.slot_index, axis=0)
     all_values = mx.take(pool.grid(flat_values)[:, :, :seen], step.slot_index, axis=0)
     return mx.fast.scaled_dot_product_attention(
-        queries, all_keys, all_values, scale=attn.scale, mask=step.mask
+        queries, all_keys, all_values, scale=scale, mask=step.mask
     )
 
 
 def _ragged_attention(attn, x: mx.array, pool: KVPool, layer: int, step: PooledStep) -> mx.array:
-    """`batched_attention` of a ragged step: x [1, N, hidden]; each real row rotated at its own
-    position and its keys and values written to the pool, the queries placed in the [B, T]
-    grid for one masked attention, the real rows' outputs taken back."""
+    """`batched_attention` of a ragged step: x [1, N, hidden], each real row rotated at its own
+    position, then `attend_rows`."""
     ragged = step.ragged
     rows = x.shape[1]
-    batch, tokens = len(step.slots), step.mask.shape[-2]
     queries = attn.q_proj(x).reshape(rows, attn.n_heads, 1, -1)
     keys = attn.k_proj(x).reshape(rows, attn.n_kv_heads, 1, -1)
     values = attn.v_proj(x).reshape(rows, attn.n_kv_heads, 1, -1)
     queries = attn.rope(queries, offset=ragged.positions)
     keys = attn.rope(keys, offset=ragged.positions)
-    index = pool.ragged_rows(step.slots, step.offsets, ragged.lengths, attn.n_kv_heads)
-    pool.write(layer, index, keys, values)  # [N, kv_heads, 1, D]: rows in `index`'s order
-    grid = mx.take(queries.reshape(rows, attn.n_heads, -1), ragged.padded, axis=0)
-    grid = grid.reshape(batch, tokens, attn.n_heads, -1).transpose(0, 2, 1, 3)
-    out = _attend(attn, grid, pool, layer, step).transpose(0, 2, 1, 3)
-    out = mx.take(out.reshape(batch * tokens, -1), ragged.real, axis=0)
-    return attn.o_proj(out[None])
+    return attn.o_proj(attend_rows(attn.scale, pool, step, layer, queries, keys, values)[None])
+
+
+def attend_rows(scale: float, pool: KVPool, step: PooledStep, layer: int, queries: mx.array,
+                keys: mx.array, values: mx.array) -> mx.array:  # fmt: skip
+    """A ragged step's attention: rows rotated at their positions, queries [R, heads, 1, D],
+    keys and values [R, kv_heads, 1, D] (the real rows, then the step's spare ones): the keys
+    and values written to the pool, the queries placed in the [B, T] grid for one masked
+    attention, each row's output taken back, [R, heads * D] (a spare row's is a real one's)."""
+    ragged = step.ragged
+    rows, heads = queries.shape[0], queries.shape[1]
+    batch, tokens = len(step.slots), step.mask.shape[-2]
+    index = pool.ragged_rows(step.slots, step.offsets, ragged.lengths, keys.shape[1],
+                             ragged.spare)  # fmt: skip
+    pool.write(layer, index, keys, values)  # rows in `index`'s order
+    grid = mx.take(queries.reshape(rows, heads, -1), ragged.padded, axis=0)
+    grid = grid.reshape(batch, tokens, heads, -1).transpose(0, 2, 1, 3)
+    out = _attend(scale, grid, pool, layer, step).transpose(0, 2, 1, 3)
+    return mx.take(out.reshape(batch * tokens, -1), ragged.real, axis=0)
 
 
 def batch_mask(

@@ -121,6 +121,7 @@ def target_for(config: VerifierConfig) -> Target:
         compiled_forwards=on_gpu(config.compiled_forwards, "compiled-forwards"),
         kv_pool=on_gpu(config.kv_pool, "kv-pool"),
         pool_alone=config.kv_pool == "on",
+        compiled_pooled=on_gpu(config.compiled_pooled, "compiled-pooled"),
     )
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specd.models.compiled import traced_rows
 from specd.models.load import warmup_mode
 from verifier_svc.engine import (
     PREFILL_CHUNK,
@@ -101,12 +102,32 @@ def full_warmup(target: Target, max_draft_tokens: int, long_context: int = PREFI
             mixed.append(Round(pair[0], _prompt(target, 3, 13), 1, parents=[-1, -1, 0]))
         rounds_many(target, mixed)
         calls += 4 + 1 + len(mixed)  # the prefills and rounds before, this prefill, its rounds
+        if target._mlx.compiled_pooled is not None:
+            calls += _compiled_pooled_rows(target, max_draft_tokens)
     sampled = SamplingConfig(temperature=1.0)
     session = prefill(target, _prompt(target, 64, 3), (), sampling=sampled, seed=0).session
     vocab = target.identity.vocab_size
     for n in (1, 2, max_draft_tokens + 1):
         verify(target, session, _prompt(target, n - 1, 4), np.full((n - 1, vocab), 1 / vocab))
     return calls + 4
+
+
+POOLED_WARMUP_SESSIONS = 4
+
+
+def _compiled_pooled_rows(target: Target, max_draft_tokens: int) -> int:
+    """Batches of every row count the compiled pooled forward is traced at (`traced_rows`), up
+    to POOLED_WARMUP_SESSIONS sessions' longest verifies; returns the calls run."""
+    asks = [PromptToPrefill(_prompt(target, 32, 20 + n)) for n in range(POOLED_WARMUP_SESSIONS)]
+    sessions = [opened.session for opened in prefill_many(target, asks)]
+    longest = max_draft_tokens + 1
+    counts = sorted({traced_rows(n) for n in range(2, longest * len(sessions) + 1)})
+    for n in counts:
+        n = min(n, longest * len(sessions))
+        shares = np.array_split(np.arange(n), min(n, len(sessions)))  # rows per session
+        rounds_many(target, [Round(session, _prompt(target, len(rows) - 1, 30 + n), 1)
+                             for session, rows in zip(sessions, shares, strict=False)])  # fmt: skip
+    return 1 + len(counts)
 
 
 def resolve_mode(requested: str) -> str:

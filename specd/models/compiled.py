@@ -67,11 +67,30 @@ def _rotated(shape: _Shape, x, offset, norm_w, qkv_w):
     return shape.rope(q, offset=offset), shape.rope(k, offset=offset), v
 
 
+def _rotated_rows(shape: _Shape, x, positions, norm_w, qkv_w):
+    """`_rotated` for rows each at its own position (rows of many sequences): queries
+    [rows, heads, 1, D], keys and values [rows, kv_heads, 1, D], row r rotated at positions[r]."""
+    rows = x.shape[0]
+    qkv = _product(mx.fast.rms_norm(x, norm_w, shape.eps), qkv_w)
+    nq = shape.heads * shape.head_dim
+    nk = shape.kv_heads * shape.head_dim
+    q = qkv[:, :nq].reshape(rows, shape.heads, 1, -1)
+    k = qkv[:, nq : nq + nk].reshape(rows, shape.kv_heads, 1, -1)
+    v = qkv[:, nq + nk :].reshape(rows, shape.kv_heads, 1, -1)
+    return shape.rope(q, offset=positions), shape.rope(k, offset=positions), v
+
+
 def _finish_layer(shape: _Shape, h, attn_parts, o_w, post_w, gate_up_w, down_w):
     """h after a layer, given its attention output in chunks [1, heads, chunk, D]."""
     attn = attn_parts[0] if len(attn_parts) == 1 else mx.concatenate(attn_parts, axis=2)
     rows = h.shape[0]
-    h = h + _product(attn.transpose(0, 2, 1, 3).reshape(rows, -1), o_w)
+    flat = attn.transpose(0, 2, 1, 3).reshape(rows, -1)
+    return _finish_rows(shape, h, flat, o_w, post_w, gate_up_w, down_w)
+
+
+def _finish_rows(shape: _Shape, h, attn, o_w, post_w, gate_up_w, down_w):
+    """h after a layer, given its attention output [rows, heads * D]."""
+    h = h + _product(attn, o_w)
     gate_up = _product(mx.fast.rms_norm(h, post_w, shape.eps), gate_up_w)
     width = gate_up.shape[-1] // 2
     return h + _product(swiglu(gate_up[:, :width], gate_up[:, width:]), down_w)
@@ -101,8 +120,12 @@ class CompiledForward:
         )
         shape = self.shape
         self._first = mx.compile(partial(_rotated, shape))
-        self._middle = mx.compile(partial(_middle, shape))
-        self._last = mx.compile(partial(_last, shape))
+        self._middle = mx.compile(partial(_middle, shape, _finish_layer, _rotated))
+        self._last = mx.compile(partial(_last, shape, _finish_layer))
+        # rows of many sequences (a pooled batch): traced per row count of `traced_rows`
+        self._first_rows = mx.compile(partial(_rotated_rows, shape))
+        self._middle_rows = mx.compile(partial(_middle, shape, _finish_rows, _rotated_rows))
+        self._last_rows = mx.compile(partial(_last, shape, _finish_rows))
 
     def forward(
         self, token_ids: mx.array, cache: list, capture: frozenset[int] = frozenset()
@@ -124,6 +147,32 @@ class CompiledForward:
                 h, q, k, v = self._middle(h, parts, offset, *tail, w[i + 1]["in"], w[i + 1]["qkv"])
             else:
                 h, logits = self._last(h, parts, *tail, self.final_norm, self.logits_w)
+            if i in capture:
+                kept[i] = h
+        return logits, kept
+
+    def forward_rows(
+        self, token_ids: mx.array, positions: mx.array, attend, capture=frozenset()
+    ) -> tuple[mx.array, dict[int, mx.array]]:
+        """Rows of many sequences at once, row r at position positions[r] of its own sequence:
+        `attend(layer, queries, keys, values)` (rotated, [rows, heads or kv_heads, 1, D])
+        stores the keys and values where each row's sequence keeps them and returns each row's
+        attention over its own sequence, [rows, heads * D]. Returns (logits [rows, V],
+        {layer: output [rows, H]} for the layers in `capture`). Lazy. A caller keeps the row
+        count to `traced_rows`' values, so few shapes are traced."""
+        h = self.embed(token_ids)
+        w = self.weights
+        kept = {}
+        q, k, v = self._first_rows(h, positions, w[0]["in"], w[0]["qkv"])
+        for i in range(len(w)):
+            out = attend(i, q, k, v)
+            tail = (w[i]["o"], w[i]["post"], w[i]["gate_up"], w[i]["down"])
+            if i + 1 < len(w):
+                h, q, k, v = self._middle_rows(
+                    h, out, positions, *tail, w[i + 1]["in"], w[i + 1]["qkv"]
+                )
+            else:
+                h, logits = self._last_rows(h, out, *tail, self.final_norm, self.logits_w)
             if i in capture:
                 kept[i] = h
         return logits, kept
@@ -152,14 +201,30 @@ class CompiledForward:
         return parts
 
 
-def _middle(shape, h, attn_parts, offset, o_w, post_w, gate_up_w, down_w, in_w, qkv_w):
-    h = _finish_layer(shape, h, attn_parts, o_w, post_w, gate_up_w, down_w)
-    return (h, *_rotated(shape, h, offset, in_w, qkv_w))
+def _middle(shape, finish, rotate, h, attn, offset, o_w, post_w, gate_up_w, down_w, in_w, qkv_w):
+    h = finish(shape, h, attn, o_w, post_w, gate_up_w, down_w)
+    return (h, *rotate(shape, h, offset, in_w, qkv_w))
 
 
-def _last(shape, h, attn_parts, o_w, post_w, gate_up_w, down_w, norm_w, logits_w):
-    h = _finish_layer(shape, h, attn_parts, o_w, post_w, gate_up_w, down_w)
+def _last(shape, finish, h, attn, o_w, post_w, gate_up_w, down_w, norm_w, logits_w):
+    h = finish(shape, h, attn, o_w, post_w, gate_up_w, down_w)
     return h, _product(mx.fast.rms_norm(h, norm_w, shape.eps), logits_w)
+
+
+EXACT_ROWS = 8  # row counts traced as they are; above, rounded up (`traced_rows`)
+MAX_POOLED_ROWS = 256  # beyond, a batch is compute-bound: the model's own forward
+
+
+def traced_rows(rows: int) -> int:
+    """The row count a batch of `rows` rows runs `forward_rows` at: each new count is a trace
+    (and on a GPU, kernels to build), so above EXACT_ROWS counts go up to a multiple of 8, and
+    above 64 to a power of two; the padding rows cost little where a step is bound by the
+    host and the weights' reads."""
+    if rows <= EXACT_ROWS:
+        return rows
+    if rows <= 64:
+        return -(-rows // 8) * 8
+    return 1 << (rows - 1).bit_length()
 
 
 def _bare(module: nn.Module) -> nn.Module:
