@@ -11,10 +11,10 @@ PROMPTS = [[5 + (7 * i + j) % 90 for j in range(4 + 5 * i)] for i in range(5)]
 CAPTURES = [(0, 1), (), (1,), (0, 1), (0,)]
 
 
-def close(got, want) -> None:
+def close(got, want, rtol: float = 1e-3) -> None:
     got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
     assert got.shape == want.shape
-    assert np.allclose(got, want, rtol=1e-3, atol=2e-3), np.abs(got - want).max()
+    assert np.allclose(got, want, rtol=rtol, atol=2e-3), np.abs(got - want).max()
 
 
 def recorded(monkeypatch, target, method: str) -> list[list[int]]:

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from specd.models.load import load_target
+from specd.models.load import device_kind, load_target
 from tests.sessions import (
     CAPTURES,
     PROMPTS,
@@ -206,7 +206,9 @@ def test_prompts_prefilled_together_open_the_sessions_each_prefill_opens(
         assert got.session.cache[0].offset == len(ask.prompt_ids)
         assert (got.rows is None) == (alone.rows is None)
         if alone.rows is not None:
-            close(got.rows, alone.rows)
+            # MLX's CUDA products of a batch of prompts and of one prompt sum in other orders
+            # (on an H200 up to 0.031 at rows near 22); the CPU's agree within 1e-3
+            close(got.rows, alone.rows, rtol=1e-3 if device_kind() == "cpu" else 5e-3)
         if ask.sampling.greedy:
             assert (
                 decode(pooled, got.session, 4).committed
