@@ -568,14 +568,35 @@ def test_compiled_pooled_forwards_with_spare_rows_equal_the_models_own(
 def test_the_full_warm_up_traces_every_row_count_of_the_compiled_pooled_forward(
     tiny_model_dir, monkeypatch
 ):
-    from specd.models.compiled import traced_rows
-    from verifier_svc.warmup import POOLED_WARMUP_SESSIONS, full_warmup
+    """Both in the full warm-up and in the serving process's (`separate` mode: traces live in
+    the process that made them), whatever the longest verify."""
+    from specd.models.compiled import MAX_POOLED_ROWS, traced_rows
+    from verifier_svc.warmup import full_warmup, serving_warmup
 
     target = Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0,
                     row_forwards=True, kv_pool=True, compiled_pooled=True)  # fmt: skip
-    traced = _rows_traced(monkeypatch)
-    full_warmup(target, 3, long_context=80)
-    longest = 4 * POOLED_WARMUP_SESSIONS  # verifies of 3 drafts in each session
-    assert set(traced) >= {traced_rows(n) for n in range(2, longest + 1)}
-    gc.collect()
-    assert target.kv_pool.open_slots == 0
+    every = {traced_rows(n) for n in range(2, MAX_POOLED_ROWS + 1)}
+    for warm_up in (lambda: full_warmup(target, 3, long_context=80),
+                    lambda: serving_warmup(target)):  # fmt: skip
+        traced = _rows_traced(monkeypatch)
+        warm_up()
+        assert set(traced) >= every and max(traced) == MAX_POOLED_ROWS
+        gc.collect()
+        assert target.kv_pool.open_slots == 0
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_long_session_beside_a_verify_of_a_short_one_finds_the_pool_grown(
+    tiny_model_dir, plain, compiled
+):
+    """The attention grid reaches the furthest offset plus the longest rows (here 251 + 8,
+    past the first 256 of capacity) though no session's own rows reach it."""
+    target = Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0,
+                    row_forwards=True, kv_pool=True, compiled_pooled=compiled)  # fmt: skip
+    prompts = [[(5 * i + 3) % 90 + 3 for i in range(n)] for n in (251, 10)]
+    runs = []
+    for made in (target, plain):
+        long_one, short = (prefill(made, p).session for p in prompts)
+        drafts = [3, 1, 4, 1, 5, 9, 2]
+        runs.append(rounds_many(made, [Round(long_one, [], 1), Round(short, drafts, 1)]))
+    assert_same_rounds(runs[1], runs[0])

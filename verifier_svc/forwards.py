@@ -226,9 +226,12 @@ class MlxForward:
         rows = traced_rows(real)
         trees = [None if s.sees is None else (s.positions, s.sees) for s in segments]
         caches = [s.cache[0] for s in segments]
-        step = PooledStep.of(caches, int(lengths.max()), trees, lengths, spare=rows - real)
+        tokens = int(lengths.max())
+        step = PooledStep.of(caches, tokens, trees, lengths, spare=rows - real)
         pool = caches[0].pool
-        pool.reserve(int((step.offsets + lengths).max()) + 1)  # room for the spare rows' writes
+        # the attention grid spans the furthest offset plus the longest rows; the spare rows
+        # write one past the first session's
+        pool.reserve(max(int(step.offsets.max()) + tokens, int(step.offsets[0] + lengths[0]) + 1))
         ids = np.zeros(rows, np.int32)
         ids[:real] = np.concatenate([s.token_ids for s in segments])
         scale = compiled.shape.scale

@@ -26,15 +26,18 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+import mlx.core as mx
 import numpy as np
 
-from specd.models.compiled import traced_rows
+from specd.cpu.llama import Segment
+from specd.models.compiled import MAX_POOLED_ROWS, traced_rows
 from specd.models.load import warmup_mode
 from verifier_svc.engine import (
     PREFILL_CHUNK,
     PromptToPrefill,
     Round,
     Target,
+    _rollback,
     decode,
     prefill,
     prefill_many,
@@ -102,8 +105,7 @@ def full_warmup(target: Target, max_draft_tokens: int, long_context: int = PREFI
             mixed.append(Round(pair[0], _prompt(target, 3, 13), 1, parents=[-1, -1, 0]))
         rounds_many(target, mixed)
         calls += 4 + 1 + len(mixed)  # the prefills and rounds before, this prefill, its rounds
-        if target._mlx.compiled_pooled is not None:
-            calls += _compiled_pooled_rows(target, max_draft_tokens)
+        calls += compiled_pooled_traces(target)
     sampled = SamplingConfig(temperature=1.0)
     session = prefill(target, _prompt(target, 64, 3), (), sampling=sampled, seed=0).session
     vocab = target.identity.vocab_size
@@ -112,21 +114,29 @@ def full_warmup(target: Target, max_draft_tokens: int, long_context: int = PREFI
     return calls + 4
 
 
-POOLED_WARMUP_SESSIONS = 4
-
-
-def _compiled_pooled_rows(target: Target, max_draft_tokens: int) -> int:
-    """Batches of every row count the compiled pooled forward is traced at (`traced_rows`), up
-    to POOLED_WARMUP_SESSIONS sessions' longest verifies; returns the calls run."""
-    asks = [PromptToPrefill(_prompt(target, 32, 20 + n)) for n in range(POOLED_WARMUP_SESSIONS)]
+def compiled_pooled_traces(target: Target) -> int:
+    """Trace the compiled pooled forward (`--compiled-pooled`) at each row count it runs at
+    (`traced_rows`, up to MAX_POOLED_ROWS): mx.compile's traces live in the process that made
+    them, so the serving process runs this too. Two pooled sessions bring the rows (a trace
+    depends on their total alone); their caches are rolled back after each forward. Returns
+    the forwards run."""
+    forward = target._mlx
+    if forward.compiled_pooled is None:
+        return 0
+    asks = [PromptToPrefill(_prompt(target, 16, 20 + n)) for n in range(2)]
     sessions = [opened.session for opened in prefill_many(target, asks)]
-    longest = max_draft_tokens + 1
-    counts = sorted({traced_rows(n) for n in range(2, longest * len(sessions) + 1)})
+    ids = np.array(_prompt(target, MAX_POOLED_ROWS, 22))
+    counts = sorted({traced_rows(n) for n in range(2, MAX_POOLED_ROWS + 1)})
     for n in counts:
-        n = min(n, longest * len(sessions))
-        shares = np.array_split(np.arange(n), min(n, len(sessions)))  # rows per session
-        rounds_many(target, [Round(session, _prompt(target, len(rows) - 1, 30 + n), 1)
-                             for session, rows in zip(sessions, shares, strict=False)])  # fmt: skip
+        kept = [s.cache[0].offset for s in sessions]
+        halves = (ids[: n // 2], ids[n // 2 : n])
+        outs = forward.forward_pooled(
+            [Segment(part, s.cache) for part, s in zip(halves, sessions, strict=True)],
+            frozenset(),
+        )
+        mx.eval([logits for logits, _ in outs])
+        for s, keep in zip(sessions, kept, strict=True):
+            _rollback(s.cache, keep)
     return 1 + len(counts)
 
 
@@ -174,7 +184,7 @@ def serving_warmup(target: Target) -> int:
     session = prefill(target, _prompt(target, 64, 8)).session
     decode(target, session, 4, look_ahead=True)
     verify(target, session, _prompt(target, 2, 9))
-    return 3 + minimal_warmup(target)
+    return 3 + compiled_pooled_traces(target) + minimal_warmup(target)
 
 
 def warm_up(target: Target, max_draft_tokens: int, mode: str = "auto") -> WarmupReport:
