@@ -124,18 +124,18 @@ class Target:
         self._mlx = MlxForward(self.model, self._sink)
         self.forwards: list[Forward] = [self._mlx]
         self.compiled_forwards = compiled_forwards and compiled.supports(self.model)
-        compiled_forward = None
-        if self.compiled_forwards or compiled_pooled and compiled.supports(self.model):
+        pooled = kv_pool and self._mlx.takes_many()
+        compiled_pooled = pooled and compiled_pooled and compiled.supports(self.model)
+        if self.compiled_forwards or compiled_pooled:  # one set of joined weights for both
             compiled_forward = CompiledForward(self.model)
-        if self.compiled_forwards:
-            self.forwards.insert(0, CompiledMlxForward(compiled_forward, self._mlx))
+            if self.compiled_forwards:
+                self.forwards.insert(0, CompiledMlxForward(compiled_forward, self._mlx))
+            if compiled_pooled:
+                self._mlx.compiled_pooled = compiled_forward
         if cpu_layers is not None:
             self.forwards.insert(0, CpuKernelForward(cpu_layers))
         self._tree_ready: bool | None = None
-        pooled = kv_pool and self._mlx.takes_many()
         self.kv_pool = KVPool(len(self.model.layers)) if pooled else None
-        if pooled and compiled_pooled:
-            self._mlx.compiled_pooled = compiled_forward
         self.pool_alone = pool_alone
         self._open_sessions = 0  # caches made by new_cache and not yet garbage
         self._open_lock = threading.Lock()  # finalizers run on whichever thread drops a cache

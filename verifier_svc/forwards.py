@@ -178,7 +178,7 @@ class MlxForward:
         self.bypass.set(False)
         inner = self.model.model
         tokens = int(lengths.max())
-        trees = [None if s.sees is None else (s.positions, s.sees) for s in segments]
+        trees = _trees(segments)
         step = PooledStep.of([s.cache[0] for s in segments], tokens, trees, lengths)
         ragged = step.ragged is not None
         if ragged:
@@ -198,9 +198,7 @@ class MlxForward:
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
             if index in capture:
                 kept[index] = hidden
-        for s, n in zip(segments, lengths, strict=True):
-            for c in s.cache:
-                c.offset += int(n)
+        _advance(segments, lengths)
         final = inner.norm(hidden)
         if self.model.args.tie_word_embeddings:
             logits = inner.embed_tokens.as_linear(final)
@@ -224,7 +222,7 @@ class MlxForward:
         compiled = self.compiled_pooled
         real = int(lengths.sum())
         rows = traced_rows(real)
-        trees = [None if s.sees is None else (s.positions, s.sees) for s in segments]
+        trees = _trees(segments)
         caches = [s.cache[0] for s in segments]
         tokens = int(lengths.max())
         step = PooledStep.of(caches, tokens, trees, lengths, spare=rows - real)
@@ -241,10 +239,20 @@ class MlxForward:
 
         logits, kept = compiled.forward_rows(mx.array(ids), step.ragged.positions, attend,
                                              frozenset(capture))  # fmt: skip
-        for s, n in zip(segments, lengths, strict=True):
-            for c in s.cache:
-                c.offset += int(n)
+        _advance(segments, lengths)
         return _per_session(logits, kept, lengths)
+
+
+def _trees(segments: list[Segment]) -> list:
+    """Per segment None (rows in a causal line) or its draft tree's (positions, sees)."""
+    return [None if s.sees is None else (s.positions, s.sees) for s in segments]
+
+
+def _advance(segments: list[Segment], lengths: np.ndarray) -> None:
+    """Each pooled cache's offset past its segment's rows, once the batch's writes are made."""
+    for s, n in zip(segments, lengths, strict=True):
+        for c in s.cache:
+            c.offset += int(n)
 
 
 def _per_session(logits: mx.array, kept: dict[int, mx.array], lengths: np.ndarray):

@@ -133,23 +133,15 @@ class CompiledForward:
         """token_ids [T] appended at the end of `cache`: (logits [T, V], {layer: output [T, H]}
         for the layers in `capture`). Lazy, as the model's own call."""
         rows = token_ids.shape[0]
-        h = self.embed(token_ids)
+
+        def attend(layer: int, q, k, v) -> list[mx.array]:
+            base = cache[layer].offset
+            keys, values = cache[layer].update_and_fetch(k, v)
+            return self._attend(q, keys, values, base, rows)
+
         offset = mx.array(cache[0].offset, dtype=mx.int32)
-        w = self.weights
-        kept = {}
-        q, k, v = self._first(h, offset, w[0]["in"], w[0]["qkv"])
-        for i, layer_cache in enumerate(cache):
-            base = layer_cache.offset
-            keys, values = layer_cache.update_and_fetch(k, v)
-            parts = self._attend(q, keys, values, base, rows)
-            tail = (w[i]["o"], w[i]["post"], w[i]["gate_up"], w[i]["down"])
-            if i + 1 < len(w):
-                h, q, k, v = self._middle(h, parts, offset, *tail, w[i + 1]["in"], w[i + 1]["qkv"])
-            else:
-                h, logits = self._last(h, parts, *tail, self.final_norm, self.logits_w)
-            if i in capture:
-                kept[i] = h
-        return logits, kept
+        return self._layers(self._first, self._middle, self._last, self.embed(token_ids),
+                            offset, attend, capture)  # fmt: skip
 
     def forward_rows(
         self, token_ids: mx.array, positions: mx.array, attend, capture=frozenset()
@@ -160,19 +152,23 @@ class CompiledForward:
         attention over its own sequence, [rows, heads * D]. Returns (logits [rows, V],
         {layer: output [rows, H]} for the layers in `capture`). Lazy. A caller keeps the row
         count to `traced_rows`' values, so few shapes are traced."""
-        h = self.embed(token_ids)
+        return self._layers(self._first_rows, self._middle_rows, self._last_rows,
+                            self.embed(token_ids), positions, attend, capture)  # fmt: skip
+
+    def _layers(self, first, middle, last, h, where, attend, capture):
+        """Every layer from the embedded rows h: `first`, `middle`, `last` are the compiled
+        pieces of one kind (a sequence at `where`, an offset, or rows at `where`, positions),
+        `attend(layer, q, k, v)` the attention between them."""
         w = self.weights
         kept = {}
-        q, k, v = self._first_rows(h, positions, w[0]["in"], w[0]["qkv"])
+        q, k, v = first(h, where, w[0]["in"], w[0]["qkv"])
         for i in range(len(w)):
             out = attend(i, q, k, v)
             tail = (w[i]["o"], w[i]["post"], w[i]["gate_up"], w[i]["down"])
             if i + 1 < len(w):
-                h, q, k, v = self._middle_rows(
-                    h, out, positions, *tail, w[i + 1]["in"], w[i + 1]["qkv"]
-                )
+                h, q, k, v = middle(h, out, where, *tail, w[i + 1]["in"], w[i + 1]["qkv"])
             else:
-                h, logits = self._last_rows(h, out, *tail, self.final_norm, self.logits_w)
+                h, logits = last(h, out, *tail, self.final_norm, self.logits_w)
             if i in capture:
                 kept[i] = h
         return logits, kept
