@@ -34,15 +34,17 @@
 #          rejected, then every draft kept
 # mix      the pooled batch's forward with plain steps beside one verify of 0-15 drafts, at 16
 #          and 64 sessions (pooled_mix.py: what a verify costs the batch)
-# cpool [DRAFTERS]  the compiled pooled forward (--compiled-pooled) against the model's own:
-#          the batch at 16 and 64 sessions, the verifier alone off and on, the services on
+# cpool    the compiled pooled forward (--compiled-pooled) against the model's own: the batch
+#          at 16 and 64 sessions, the verifier alone with it off and on
+# cpool-services [DRAFTERS]  the services with it on at 1, 16 and 64 clients
 # pool     many clients on the KV pool: the verifier alone, the services, the fault drill (issue 28)
 # distill [SECONDS [DTYPE]]  the target's replies to ShareGPT prompts (every user turn, the
 #          whole prompt range up to 1024 tokens, in shuffled order), appended to ~/dd.jsonl
 #          (resumes), for SECONDS (default 500) in DTYPE (default bfloat16)
-# selfprompts [SECONDS [DTYPE]]  the target's replies to user messages it writes itself
+# selfprompts [SECONDS [DTYPE [SEED]]]  the target's replies to user messages it writes itself
 #          (--prompts self), appended to ~/ds.jsonl (resumes), for SECONDS (default 500) in
-#          DTYPE (default bfloat16: 22.3k reply tok/s against float32's 15.8k, run X)
+#          DTYPE (default bfloat16: 22.3k reply tok/s against float32's 15.8k, run X); a SEED
+#          other than earlier machines' (0) draws messages they did not
 # dflash [DATA [SECONDS [RECORDS [LAYERS]]]]  the DFlash drafter, from the shipped one (LAYERS
 #          deepens it first: e.g. 4), on the first
 #          RECORDS (default 30000; features take 4.6 kB a token, 27 GB for 24,000 records) of DATA
@@ -155,7 +157,8 @@ cpool)
     timeout 100 python3 benchmarks/batched_decode.py --target "$model" --clients 1 16 64 \
       --verifier-args "--dtype float32 --log-stats 1 --compiled-pooled $mode" \
       >> "$OUT/cpool.log" 2>&1
-  done
+  done ;;
+cpool-services)
   timeout 240 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
     --max-tokens 128 --drafter "${2:-none,ngram}" --concurrency 1,16,64 \
     --concurrency-requests 1 --verifier-args "--log-stats 1 --compiled-pooled on" \
@@ -182,7 +185,7 @@ selfprompts)
   # messages run to at most 23 tokens: a cap of 64 ends a wave whose last rows ramble on
   timeout 590 python3 -m specd distill --target "$model" --out ~/ds.jsonl --prompts self \
     --conversations 60000 --batch-size 512 --max-prompt-tokens 64 --max-new-tokens 256 \
-    --dtype "${3:-bfloat16}" --time-limit "${2:-500}" >> "$OUT/selfprompts.log" 2>&1
+    --dtype "${3:-bfloat16}" --time-limit "${2:-500}" --seed "${4:-0}" >> "$OUT/selfprompts.log" 2>&1
   wc -l ~/ds.jsonl >> "$OUT/selfprompts.log"
   gzip -c ~/ds.jsonl > ~/ds.jsonl.gz && (cd ~ && split -b 15M ds.jsonl.gz ds.gz.)
   cp ~/ds.gz.* "$OUT/" ;;

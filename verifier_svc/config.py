@@ -116,7 +116,7 @@ class VerifierConfig:
         choices=GPU_MODES,
     )
     compiled_pooled: str = option(
-        "off",
+        "auto",
         "run the KV pool's batched forwards of up to 256 rows with the work between two "
         "attentions as one compiled MLX function a layer, as --compiled-forwards does for one "
         "session (row counts padded to few traced sizes; Llama-family models with unquantized "
