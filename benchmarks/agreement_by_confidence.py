@@ -9,8 +9,10 @@ within a bucket, the data misses what the benchmark asks.
         [--questions mt-bench] [--every 8] [--sharegpt 20] [--tokens 128] [--weights DIR]
         [--read-out head|target]
 
-The ShareGPT prompts are opening messages of conversations in a seeded shuffle (none holding a
-benchmark question), at most --max-prompt-tokens long; the target answers each greedily.
+The ShareGPT prompts are opening messages of the conversations `specd distill` reaches last
+(the end of its seed-0 shuffle, past every distilled record the shipped drafters trained on;
+none holding a benchmark question), at most --max-prompt-tokens long; the target answers each
+greedily.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ PLACE_EDGES = (0, 16, 64, 10**9)
 def sharegpt_chats(count: int, max_prompt_tokens: int, tokenizer, seed: int) -> list[list[dict]]:
     excluded = benchmark_keys()
     chosen = []
-    for chat in user_turns(sharegpt_conversations(), seed, "first"):
+    for chat in reversed(user_turns(sharegpt_conversations(), seed, "first")):
         text = chat[-1]["content"]
         if not text or benchmark_key(text) in excluded:
             continue
@@ -121,7 +123,9 @@ def main() -> None:
     p.add_argument("--every", type=int, default=8, help="every Nth question")
     p.add_argument("--sharegpt", type=int, default=20, help="ShareGPT opening messages")
     p.add_argument("--max-prompt-tokens", type=int, default=512)
-    p.add_argument("--seed", type=int, default=5, help="the ShareGPT shuffle")
+    p.add_argument(
+        "--seed", type=int, default=0, help="the ShareGPT shuffle (distill's: its last are taken)"
+    )
     p.add_argument("--tokens", type=int, default=128, help="greedy reply tokens")
     p.add_argument("--weights", type=Path, default=SHIPPED, help="the head (default: shipped)")
     p.add_argument("--read-out", choices=("head", "target"), default="head",
