@@ -37,6 +37,9 @@
 # cpool    the compiled pooled forward (--compiled-pooled) against the model's own: the batch
 #          at 16 and 64 sessions, the verifier alone with it off and on
 # cpool-services [DRAFTERS]  the services with it on at 1, 16 and 64 clients
+# pieces   the pooled attention's parts per layer (writes into the pool, the gather of each
+#          session's keys, the masked attention) against the whole pooled forward, at 16 and
+#          64 sessions (pooled_pieces.py: what a cheaper pooled forward must remove)
 # pool     many clients on the KV pool: the verifier alone, the services, the fault drill (issue 28)
 # distill [SECONDS [DTYPE]]  the target's replies to ShareGPT prompts (every user turn, the
 #          whole prompt range up to 1024 tokens, in shuffled order), appended to ~/dd.jsonl
@@ -158,6 +161,9 @@ cpool)
       --verifier-args "--dtype float32 --log-stats 1 --compiled-pooled $mode" \
       >> "$OUT/cpool.log" 2>&1
   done ;;
+pieces)
+  timeout 200 python3 benchmarks/pooled_pieces.py --target "$model" --sessions 16 64 --calls 20 \
+    > "$OUT/pieces.log" 2>&1 ;;
 cpool-services)
   timeout 240 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
     --max-tokens 128 --drafter "${2:-none,ngram}" --concurrency 1,16,64 \

@@ -1,0 +1,153 @@
+"""What the pooled batch's attention costs per layer, piece by piece, against the whole forward:
+for N pooled sessions taking one plain step each, every decoder layer's
+
+- write: the new keys and values scattered into the pool (`KVPool.write`);
+- gather: each session's keys and values taken from the pool by slot (`kv_pool._attend`);
+- slice: the same rows as a slice (made contiguous), where the sessions' slots run in order;
+- attention, masked: the batch's attention through its mask, on keys already gathered;
+- attention, unmasked: the same without the mask (a lower bound: the mask is what keeps a
+  session to its own keys);
+
+each repeated over the model's layers in one graph, as a forward runs them, and timed with the
+host's part (building the graph) apart. On a GPU, where a small model's step is bound by
+launches rather than by arithmetic, the sum of the pieces against the whole pooled forward
+(`pooled_mix.py`) says which of them a cheaper pooled attention must remove.
+
+    python benchmarks/pooled_pieces.py [--target DIR] [--dtype float32] [--sessions 16 64]
+        [--calls 20] [--context 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from specd.cpu.llama import Segment
+from specd.models.load import load_target
+from verifier_svc.engine import Target, _rollback, prefill
+from verifier_svc.kv_pool import PooledStep
+
+
+def timed(build, calls: int) -> tuple[float, float]:
+    """Median ms of building a graph and of building and evaluating it."""
+    totals, builds = [], []
+    for call in range(calls + 2):  # the first two compile the shapes
+        start = time.perf_counter()
+        outs = build()
+        built = time.perf_counter()
+        mx.eval(outs)
+        if call >= 2:
+            totals.append(time.perf_counter() - start)
+            builds.append(built - start)
+    return 1000 * statistics.median(totals), 1000 * statistics.median(builds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", help="model (default: the embedded SmolLM2)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--sessions", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--calls", type=int, default=20, help="timed graphs per piece")
+    parser.add_argument("--context", type=int, default=64, help="the shortest prompt's tokens")
+    args = parser.parse_args()
+    target = Target(load_target(args.target, args.dtype), gemv_rows=0, row_forwards=True,
+                    kv_pool=True, compiled_pooled=True)  # fmt: skip
+    if target.kv_pool is None:
+        raise SystemExit("this target's forward takes no pooled sessions (mlx-lm Llama only)")
+    vocab = target.identity.vocab_size
+    rng = np.random.default_rng(0)
+    print(f"device {mx.default_device()}, {len(target.model.layers)} layers; ms per graph of "
+          f"every layer's piece (the host's part building it in brackets), median of "
+          f"{args.calls}")  # fmt: skip
+    for count in args.sessions:
+        sessions = [
+            prefill(target, rng.integers(100, vocab - 1, args.context + 3 * n).tolist()).session
+            for n in range(count)
+        ]
+        measure(target, sessions, args.calls, rng)
+
+
+def measure(target: Target, sessions: list, calls: int, rng: np.random.Generator) -> None:
+    pool, layers, count = target.kv_pool, len(target.model.layers), len(sessions)
+    config = target.model.args
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    width = config.hidden_size // heads
+    scale = width**-0.5
+    dtype = target.model.layers[0].self_attn.q_proj.weight.dtype
+    vocab = target.identity.vocab_size
+    step = PooledStep.of([s.cache[0] for s in sessions], 1)
+    pool.reserve(int(step.offsets.max()) + 1)
+    seen = step.mask.shape[-1]
+    new_keys = mx.random.normal((count, kv_heads, 1, width)).astype(dtype)
+    queries = mx.random.normal((count, heads, 1, width)).astype(dtype)
+    rows = pool.new_rows(step.slots, step.offsets, kv_heads, 1)
+    first = int(step.slots[0])
+    in_order = bool((step.slots == np.arange(first, first + count)).all())
+
+    def write():
+        for layer in range(layers):
+            pool.write(layer, rows, new_keys, new_keys)
+        return [a for layer in range(layers) for a in pool.arrays(layer)]
+
+    def gather():
+        out = []
+        for layer in range(layers):
+            keys, values = (pool.grid(a)[:, :, :seen] for a in pool.arrays(layer))
+            out += [
+                mx.take(keys, step.slot_index, axis=0),
+                mx.take(values, step.slot_index, axis=0),
+            ]
+        return out
+
+    def sliced():
+        out = []
+        for layer in range(layers):
+            keys, values = (
+                pool.grid(a)[first : first + count, :, :seen] for a in pool.arrays(layer)
+            )
+            out += [mx.contiguous(keys), mx.contiguous(values)]
+        return out
+
+    gathered = gather()
+    mx.eval(gathered)
+
+    def attention(mask):
+        def run():
+            return [
+                mx.fast.scaled_dot_product_attention(
+                    queries, gathered[2 * layer], gathered[2 * layer + 1], scale=scale, mask=mask
+                )
+                for layer in range(layers)
+            ]
+
+        return run
+
+    def whole():
+        segments = [Segment(rng.integers(100, vocab - 1, 1), s.cache) for s in sessions]
+        outs = target._mlx.forward_pooled(segments, frozenset())
+        for s in sessions:
+            _rollback(s.cache, s.position - 1)
+        return [logits for logits, _ in outs]
+
+    pieces = {"gather": gather, "attention, masked": attention(step.mask),
+              "attention, unmasked": attention(None), "write": write}  # fmt: skip
+    if in_order:
+        pieces["slice"] = sliced
+    print(f"{count} sessions, {seen} keys at most, slots in order: {in_order}")
+    for name, build in pieces.items():
+        total, built = timed(build, calls)
+        print(f"  {name:20s} {total:7.2f} ms ({built:.2f})")
+    compiled = target._mlx.compiled_pooled
+    for variant in ("own", "compiled"):
+        target._mlx.compiled_pooled = compiled if variant == "compiled" else None
+        total, built = timed(whole, calls)
+        print(f"  whole forward, {variant:8s} {total:7.2f} ms ({built:.2f})")
+    target._mlx.compiled_pooled = compiled
+
+
+if __name__ == "__main__":
+    main()
