@@ -7,6 +7,9 @@ for N pooled sessions taking one plain step each, every decoder layer's
 - attention, masked: the batch's attention through its mask, on keys already gathered;
 - attention, unmasked: the same without the mask (a lower bound: the mask is what keeps a
   session to its own keys);
+- no gather, every slot: the masked attention over the pool's whole grid as it lies, the
+  queries placed at their sessions' slots, the batch's rows taken from its output (no copy of
+  any keys, the idle slots' attention computed for nothing);
 
 each repeated over the model's layers in one graph, as a forward runs them, and timed with the
 host's part (building the graph) apart. On a GPU, where a small model's step is bound by
@@ -126,6 +129,20 @@ def measure(target: Target, sessions: list, calls: int, rng: np.random.Generator
 
         return run
 
+    every_slot = mx.zeros((pool.slots, heads, 1, width), dtype)
+    every_mask = mx.zeros((pool.slots, 1, 1, seen), mx.bool_)
+    every_slot[step.slot_index], every_mask[step.slot_index] = queries, step.mask
+
+    def over_every_slot():
+        out = []
+        for layer in range(layers):
+            keys, values = (pool.grid(a)[:, :, :seen] for a in pool.arrays(layer))
+            attended = mx.fast.scaled_dot_product_attention(
+                every_slot, keys, values, scale=scale, mask=every_mask
+            )
+            out.append(mx.take(attended, step.slot_index, axis=0))
+        return out
+
     def whole():
         segments = [Segment(rng.integers(100, vocab - 1, 1), s.cache) for s in sessions]
         outs = target._mlx.forward_pooled(segments, frozenset())
@@ -137,6 +154,7 @@ def measure(target: Target, sessions: list, calls: int, rng: np.random.Generator
               "attention, unmasked": attention(None), "write": write}  # fmt: skip
     if in_order:
         pieces["slice"] = sliced
+    pieces["no gather: every slot"] = over_every_slot
     print(f"{count} sessions, {seen} keys at most, slots in order: {in_order}")
     for name, build in pieces.items():
         total, built = timed(build, calls)
