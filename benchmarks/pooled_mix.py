@@ -34,6 +34,25 @@ from verifier_svc.engine import Target, _rollback, prefill
 VARIANTS = ("own", "compiled")
 
 
+def pooled_target(path: str | None, dtype: str) -> Target:
+    """The target with its sessions in a KV pool and the compiled pooled forward built."""
+    target = Target(load_target(path, dtype), gemv_rows=0, row_forwards=True, kv_pool=True,
+                    compiled_pooled=True)  # fmt: skip
+    if target.kv_pool is None:
+        raise SystemExit("this target's forward takes no pooled sessions (mlx-lm Llama only)")
+    return target
+
+
+def pooled_sessions(target: Target, count: int, context: int, rng: np.random.Generator) -> list:
+    """`count` pooled sessions of random prompts, `context` tokens and 3 more for each next one:
+    contexts of different lengths, as a batch's sessions have."""
+    vocab = target.identity.vocab_size
+    return [
+        prefill(target, rng.integers(100, vocab - 1, context + 3 * n).tolist()).session
+        for n in range(count)
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", help="model (default: the embedded SmolLM2)")
@@ -46,19 +65,13 @@ def main() -> None:
                         help="the pooled forward's paths to time: the model's own modules, "
                         "the compiled one (--compiled-pooled)")  # fmt: skip
     args = parser.parse_args()
-    target = Target(load_target(args.target, args.dtype), gemv_rows=0, row_forwards=True,
-                    kv_pool=True, compiled_pooled=True)  # fmt: skip
-    if target.kv_pool is None:
-        raise SystemExit("this target's forward takes no pooled sessions (mlx-lm Llama only)")
+    target = pooled_target(args.target, args.dtype)
     compiled = target._mlx.compiled_pooled
     if "compiled" in args.variants and compiled is None:
         raise SystemExit("this target's architecture has no compiled pooled forward")
     vocab = target.identity.vocab_size
     rng = np.random.default_rng(0)
-    sessions = [  # contexts of different lengths, as a batch's sessions have
-        prefill(target, rng.integers(100, vocab - 1, args.context + 3 * n).tolist()).session
-        for n in range(args.sessions)
-    ]
+    sessions = pooled_sessions(target, args.sessions, args.context, rng)
     forward = target._mlx.forward_pooled
     print(f"device {mx.default_device()}, {args.sessions} pooled sessions, {args.context}+ tokens "
           f"of context each; ms per forward, median of {args.calls}")  # fmt: skip

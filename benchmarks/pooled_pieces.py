@@ -28,10 +28,10 @@ import time
 
 import mlx.core as mx
 import numpy as np
+from pooled_mix import pooled_sessions, pooled_target  # this directory is on the path
 
 from specd.cpu.llama import Segment
-from specd.models.load import load_target
-from verifier_svc.engine import Target, _rollback, prefill
+from verifier_svc.engine import Target, _rollback
 from verifier_svc.kv_pool import PooledStep
 
 
@@ -57,21 +57,13 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20, help="timed graphs per piece")
     parser.add_argument("--context", type=int, default=64, help="the shortest prompt's tokens")
     args = parser.parse_args()
-    target = Target(load_target(args.target, args.dtype), gemv_rows=0, row_forwards=True,
-                    kv_pool=True, compiled_pooled=True)  # fmt: skip
-    if target.kv_pool is None:
-        raise SystemExit("this target's forward takes no pooled sessions (mlx-lm Llama only)")
-    vocab = target.identity.vocab_size
+    target = pooled_target(args.target, args.dtype)
     rng = np.random.default_rng(0)
     print(f"device {mx.default_device()}, {len(target.model.layers)} layers; ms per graph of "
           f"every layer's piece (the host's part building it in brackets), median of "
           f"{args.calls}")  # fmt: skip
     for count in args.sessions:
-        sessions = [
-            prefill(target, rng.integers(100, vocab - 1, args.context + 3 * n).tolist()).session
-            for n in range(count)
-        ]
-        measure(target, sessions, args.calls, rng)
+        measure(target, pooled_sessions(target, count, args.context, rng), args.calls, rng)
 
 
 def measure(target: Target, sessions: list, calls: int, rng: np.random.Generator) -> None:

@@ -31,7 +31,7 @@ from specd.models.capture import (
 from specd.models.compiled import MAX_POOLED_ROWS, CompiledForward, traced_rows
 from specd.models.compiled import MAX_ROWS as COMPILED_MAX_ROWS
 from specd.models.rowwise import ChunkedAttention
-from verifier_svc.kv_pool import PooledStep, attend_rows, batched_attention
+from verifier_svc.kv_pool import PooledStep, attend_rows, batched_attention, spare_position
 from verifier_svc.tree import ancestor_mask, depths, position_runs, rope_groups
 
 
@@ -228,8 +228,9 @@ class MlxForward:
         step = PooledStep.of(caches, tokens, trees, lengths, spare=rows - real)
         pool = caches[0].pool
         # the attention grid spans the furthest offset plus the longest rows; the spare rows
-        # write one past the first session's
-        pool.reserve(max(int(step.offsets.max()) + tokens, int(step.offsets[0] + lengths[0]) + 1))
+        # write at their own position
+        grid_end = int(step.offsets.max()) + tokens
+        pool.reserve(max(grid_end, spare_position(step.offsets, lengths) + 1))
         ids = np.zeros(rows, np.int32)
         ids[:real] = np.concatenate([s.token_ids for s in segments])
         scale = compiled.shape.scale
@@ -238,7 +239,7 @@ class MlxForward:
             return attend_rows(scale, pool, step, layer, queries, keys, values)
 
         logits, kept = compiled.forward_rows(mx.array(ids), step.ragged.positions, attend,
-                                             frozenset(capture))  # fmt: skip
+                                             capture)  # fmt: skip
         _advance(segments, lengths)
         return _per_session(logits, kept, lengths)
 

@@ -149,7 +149,7 @@ class KVPool:
             session = np.repeat(np.arange(len(lengths)), lengths)  # each row's
             place = np.arange(len(session)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
             place = np.concatenate([offsets[session] + place,
-                                    np.full(spare, offsets[0] + lengths[0])])  # fmt: skip
+                                    np.full(spare, spare_position(offsets, lengths))])  # fmt: skip
             session = np.concatenate([session, np.zeros(spare, dtype=session.dtype)])
             base = (slots[session, None] * heads + np.arange(heads)[None, :]) * self.capacity
             return base + place[:, None]
@@ -308,10 +308,16 @@ class RaggedRows:
             offsets[b] + np.arange(n) if tree is None else np.asarray(tree[0])
             for b, (n, tree) in enumerate(zip(lengths, trees, strict=True))
         ]
-        positions.append(np.full(spare, offsets[0] + lengths[0]))
+        positions.append(np.full(spare, spare_position(offsets, lengths)))
         real.append(np.zeros(spare, dtype=int))
         return cls(lengths, _int32(np.concatenate(positions)), _int32(padded.reshape(-1)),
                    _int32(np.concatenate(real)), spare)  # fmt: skip
+
+
+def spare_position(offsets: np.ndarray, lengths: np.ndarray) -> int:
+    """Where a ragged step's spare rows go: one past the first session's new rows, which
+    nothing reads before that session writes it (the caller reserves room for it)."""
+    return int(offsets[0] + lengths[0])
 
 
 def _int32(values: np.ndarray) -> mx.array:
