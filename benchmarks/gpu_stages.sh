@@ -37,6 +37,10 @@
 # cpool    the compiled pooled forward (--compiled-pooled) against the model's own: the batch
 #          at 16 and 64 sessions, the verifier alone with it off and on
 # cpool-services [DRAFTERS]  the services with it on at 1, 16 and 64 clients
+# pkernel  the pool kernel (--pool-kernel: each pooled row's attention in one launch reading
+#          its session's keys in place) against the compiled pooled forward's masked
+#          attention: the batch at 16 and 64 sessions, the verifier alone with it off and on,
+#          then the services with it on at 1, 16 and 64 clients (drafting off, n-gram)
 # pieces   the pooled attention's parts per layer (writes into the pool, the gather of each
 #          session's keys, the masked attention) against the whole pooled forward, at 16 and
 #          64 sessions (pooled_pieces.py: what a cheaper pooled forward must remove)
@@ -161,6 +165,20 @@ cpool)
       --verifier-args "--dtype float32 --log-stats 1 --compiled-pooled $mode" \
       >> "$OUT/cpool.log" 2>&1
   done ;;
+pkernel)
+  for sessions in 16 64; do
+    timeout 100 python3 benchmarks/pooled_mix.py --target "$model" --sessions "$sessions" \
+      --drafts 0 3 15 --calls 10 --variants compiled kernel kernel compiled \
+      >> "$OUT/pkernel.log" 2>&1
+  done
+  for mode in off on; do
+    timeout 90 python3 benchmarks/batched_decode.py --target "$model" --clients 1 16 64 \
+      --verifier-args "--dtype float32 --log-stats 1 --pool-kernel $mode" \
+      >> "$OUT/pkernel.log" 2>&1
+  done
+  timeout 200 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
+    --max-tokens 128 --drafter none,ngram --concurrency 1,16,64 --concurrency-requests 1 \
+    --verifier-args "--log-stats 1 --pool-kernel on" >> "$OUT/pkernel.log" 2>&1 ;;
 pieces)
   timeout 200 python3 benchmarks/pooled_pieces.py --target "$model" --sessions 16 64 --calls 20 \
     > "$OUT/pieces.log" 2>&1 ;;
@@ -212,8 +230,8 @@ eagle3)
   for f in "$out"/model*.safetensors; do cp "$f" "$OUT/eagle3-$(basename "$f")"; done
   tar -czf "$OUT/eagle3-meta.tgz" -C "$out" config.json training.json ;;
 *)
-  echo "usage: bash benchmarks/gpu_stages.sh" \
-    "parity|grounded|mtbench [DRAFTERS [SECONDS]]|load|clients [TEMPERATURE]|compiled|drafters [SECONDS [DRAFTERS [in-process]]]|heads|verify|pool|distill [SECONDS [DTYPE]]|selfprompts [SECONDS [DTYPE]]|dflash [DATA [SECONDS [RECORDS [LAYERS]]]]|eagle3 [DATA [SECONDS [RECORDS [MLP_WIDTH [DRAFT_VOCAB [EPOCHS]]]]]]" >&2
+  echo "usage: bash benchmarks/gpu_stages.sh STAGE [ARGS]; the stages are listed at the top" \
+    "of this file" >&2
   exit 2 ;;
 esac
 tar -czf "$OUT/results.tgz" -C ~ res /tmp/specd-bench-* 2>/dev/null

@@ -8,14 +8,16 @@ on a CPU a product of 2-16 rows runs as that many matrix-vector products
 (specd.models.rowwise), each reading the weights, so there a few ragged rows can cost more than
 a padded batch past 16 rows that one matrix product takes.
 
-`--variants own compiled` times the batch through the model's own modules and through the
-compiled pooled forward (the verifier's --compiled-pooled), each mix one variant after the
-other on the same sessions. Each line also gives the host's time to build the forward's graph
+`--variants own compiled kernel` times the batch through the model's own modules, through the
+compiled pooled forward (the verifier's --compiled-pooled) with the pool's masked attention, and
+through it with each row's attention in one CUDA launch reading the pool in place (the
+verifier's --pool-kernel; CUDA only), each mix one variant after the other on the same
+sessions. Each line also gives the host's time to build the forward's graph
 before MLX evaluates it: on a GPU, where a small model's step is bound by the host, the part
 the compiled forward is meant to cut.
 
     python benchmarks/pooled_mix.py [--target DIR] [--dtype float32] [--sessions 8]
-        [--drafts 0 3 15] [--calls 10] [--context 64] [--variants own compiled]
+        [--drafts 0 3 15] [--calls 10] [--context 64] [--variants own compiled kernel]
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ from specd.cpu.llama import Segment
 from specd.models.load import load_target
 from verifier_svc.engine import Target, _rollback, prefill
 
-VARIANTS = ("own", "compiled")
+VARIANTS = ("own", "compiled", "kernel")
 
 
 def pooled_target(path: str | None, dtype: str) -> Target:
-    """The target with its sessions in a KV pool and the compiled pooled forward built."""
+    """The target with its sessions in a KV pool and the compiled pooled forward built, with
+    the pool kernel where it runs (`use_variant` chooses)."""
     target = Target(load_target(path, dtype), gemv_rows=0, row_forwards=True, kv_pool=True,
-                    compiled_pooled=True)  # fmt: skip
+                    compiled_pooled=True, pool_kernel=True)  # fmt: skip
     if target.kv_pool is None:
         raise SystemExit("this target's forward takes no pooled sessions (mlx-lm Llama only)")
     return target
@@ -53,6 +56,24 @@ def pooled_sessions(target: Target, count: int, context: int, rng: np.random.Gen
     ]
 
 
+def variant_switch(target: Target, variants: list[str]):
+    """A function that sets the pooled forward's path to one of `variants`; exits where the
+    target or device lacks one."""
+    compiled = target._mlx.compiled_pooled
+    kernel = compiled is not None and compiled.pool_kernel
+    if {"compiled", "kernel"} & set(variants) and compiled is None:
+        raise SystemExit("this target's architecture has no compiled pooled forward")
+    if "kernel" in variants and not kernel:
+        raise SystemExit("the pool kernel does not run here (CUDA, float32, checked at first use)")
+
+    def use(variant: str) -> None:
+        target._mlx.compiled_pooled = None if variant == "own" else compiled
+        if compiled is not None:
+            compiled.pool_kernel = variant == "kernel"
+
+    return use
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", help="model (default: the embedded SmolLM2)")
@@ -63,12 +84,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=64, help="the shortest prompt's tokens")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["own"],
                         help="the pooled forward's paths to time: the model's own modules, "
-                        "the compiled one (--compiled-pooled)")  # fmt: skip
+                        "the compiled one (--compiled-pooled), the compiled one with the "
+                        "pool kernel (--pool-kernel)")  # fmt: skip
     args = parser.parse_args()
     target = pooled_target(args.target, args.dtype)
-    compiled = target._mlx.compiled_pooled
-    if "compiled" in args.variants and compiled is None:
-        raise SystemExit("this target's architecture has no compiled pooled forward")
+    use_variant = variant_switch(target, args.variants)
     vocab = target.identity.vocab_size
     rng = np.random.default_rng(0)
     sessions = pooled_sessions(target, args.sessions, args.context, rng)
@@ -79,7 +99,7 @@ def main() -> None:
     for drafts in args.drafts:
         lengths = [1] * (args.sessions - 1) + [1 + drafts]
         for variant in args.variants:
-            target._mlx.compiled_pooled = compiled if variant == "compiled" else None
+            use_variant(variant)
             times, builds = [], []
             for call in range(args.calls + 2):  # the first two compile the shapes
                 segments = [

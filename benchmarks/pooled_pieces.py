@@ -10,6 +10,8 @@ for N pooled sessions taking one plain step each, every decoder layer's
 - no gather, every slot: the masked attention over the pool's whole grid as it lies, the
   queries placed at their sessions' slots, the batch's rows taken from its output (no copy of
   any keys, the idle slots' attention computed for nothing);
+- pool kernel: every row's attention in one CUDA launch reading its own slot in place
+  (specd.models.pool_attention, the verifier's --pool-kernel; where it runs);
 
 each repeated over the model's layers in one graph, as a forward runs them, and timed with the
 host's part (building the graph) apart. On a GPU, where a small model's step is bound by
@@ -28,9 +30,10 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from pooled_mix import pooled_sessions, pooled_target  # this directory is on the path
+from pooled_mix import pooled_sessions, pooled_target, variant_switch  # this directory
 
 from specd.cpu.llama import Segment
+from specd.models import pool_attention
 from verifier_svc.engine import Target, _rollback
 from verifier_svc.kv_pool import PooledStep
 
@@ -147,16 +150,33 @@ def measure(target: Target, sessions: list, calls: int, rng: np.random.Generator
     if in_order:
         pieces["slice"] = sliced
     pieces["no gather: every slot"] = over_every_slot
+    compiled = target._mlx.compiled_pooled
+    kernel = compiled is not None and compiled.pool_kernel
+    if kernel:
+        info = pool_attention.row_info(step.slots, step.offsets, np.ones(count, int))
+        info = mx.array(info)
+        flat_queries = queries.reshape(count, heads, width)
+
+        def in_place():
+            return [
+                pool_attention.attend(
+                    flat_queries, *(pool.grid(a) for a in pool.arrays(layer)), info, scale
+                )  # fmt: skip
+                for layer in range(layers)
+            ]
+
+        pieces["pool kernel"] = in_place
     print(f"{count} sessions, {seen} keys at most, slots in order: {in_order}")
     for name, build in pieces.items():
         total, built = timed(build, calls)
         print(f"  {name:20s} {total:7.2f} ms ({built:.2f})")
-    compiled = target._mlx.compiled_pooled
-    for variant in ("own", "compiled"):
-        target._mlx.compiled_pooled = compiled if variant == "compiled" else None
+    variants = ["own", "compiled", "kernel"] if kernel else ["own", "compiled"]
+    use_variant = variant_switch(target, variants)
+    for variant in variants:
+        use_variant(variant)
         total, built = timed(whole, calls)
         print(f"  whole forward, {variant:8s} {total:7.2f} ms ({built:.2f})")
-    target._mlx.compiled_pooled = compiled
+    use_variant("kernel" if kernel else "compiled")
 
 
 if __name__ == "__main__":

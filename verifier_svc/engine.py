@@ -79,6 +79,7 @@ class Target:
         kv_pool: bool = False,
         pool_alone: bool = True,
         compiled_pooled: bool = False,
+        pool_kernel: bool = False,
     ):
         """gemv_rows: forwards of at most this many tokens run on numpy: whole layers for
         Llama-family models (specd.cpu.llama), else the weight products alone
@@ -92,7 +93,8 @@ class Target:
         (verifier_svc.kv_pool), where MLX's forward takes many sessions. pool_alone: False
         keeps a session opened while no other is open out of the pool (`new_cache`).
         compiled_pooled: the pool's batches of up to compiled.MAX_POOLED_ROWS rows with the
-        work between attentions compiled, where the architecture allows."""
+        work between attentions compiled, where the architecture allows. pool_kernel: their
+        rows attend in specd.models.pool_attention's one launch, where it runs."""
         self.loaded = loaded
         self.model = loaded.model
         device = device_kind()
@@ -127,7 +129,7 @@ class Target:
         pooled = kv_pool and self._mlx.takes_many()
         compiled_pooled = pooled and compiled_pooled and compiled.supports(self.model)
         if self.compiled_forwards or compiled_pooled:  # one set of joined weights for both
-            compiled_forward = CompiledForward(self.model)
+            compiled_forward = CompiledForward(self.model, pool_kernel=pool_kernel)
             if self.compiled_forwards:
                 self.forwards.insert(0, CompiledMlxForward(compiled_forward, self._mlx))
             if compiled_pooled:

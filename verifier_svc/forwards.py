@@ -225,7 +225,7 @@ class MlxForward:
         trees = _trees(segments)
         caches = [s.cache[0] for s in segments]
         tokens = int(lengths.max())
-        step = PooledStep.of(caches, tokens, trees, lengths, spare=rows - real)
+        step = PooledStep.of(caches, tokens, trees, lengths, rows - real, compiled.pool_kernel)
         pool = caches[0].pool
         # the attention grid spans the furthest offset plus the longest rows; the spare rows
         # write at their own position

@@ -20,6 +20,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from specd.models import pool_attention
+
 CAPACITY_STEP = 256  # tokens a slot grows by, as mlx-lm's KVCache
 
 
@@ -335,8 +337,9 @@ class PooledStep:
     offsets: np.ndarray  # [B]
     slot_index: mx.array  # [B] int32
     positions: mx.array  # [B] int32: each session's rows at offset, offset + 1, ...
-    mask: mx.array  # [B, 1, T, L] bool
+    mask: mx.array | None  # [B, 1, T, L] bool; None where `row_info` replaces it
     ragged: RaggedRows | None = None
+    row_info: mx.array | None = None  # [N + spare, 4] int32: pool_attention's rows
 
     @classmethod
     def of(
@@ -346,11 +349,14 @@ class PooledStep:
         trees: list[Tree | None] | None = None,
         lengths: np.ndarray | None = None,
         spare: int | None = None,
+        pool_kernel: bool = False,
     ) -> PooledStep:
         """trees: per session None (rows in a causal line) or a draft tree's (positions [T_b],
         sees [T_b, T_b]: which of its rows each one attends). lengths: each session's real
         rows; None: `tokens` each. Different lengths or a tree make the batch ragged; so does
-        `spare` (padding rows after the real ones, `attend_rows`)."""
+        `spare` (padding rows after the real ones, `attend_rows`). pool_kernel: a ragged
+        step's rows attend in specd.models.pool_attention's one launch where they fit it (no
+        mask is made then)."""
         slots = np.array([c.slot for c in caches])
         offsets = np.array([c.offset for c in caches])
         trees = trees if trees is not None else [None] * len(caches)
@@ -359,8 +365,12 @@ class PooledStep:
         uneven = int(lengths.min()) != int(lengths.max())
         if spare is not None or uneven or any(tree is not None for tree in trees):
             ragged = RaggedRows.of(offsets, lengths, tokens, trees, spare or 0)
-        return cls(slots, offsets, _int32(slots), _int32(offsets),
-                   batch_mask(offsets, tokens, trees), ragged)  # fmt: skip
+        info = None
+        if pool_kernel and ragged is not None:
+            info = pool_attention.row_info(slots, offsets, lengths, trees, spare or 0)
+        mask = batch_mask(offsets, tokens, trees) if info is None else None
+        info = None if info is None else mx.array(info)
+        return cls(slots, offsets, _int32(slots), _int32(offsets), mask, ragged, info)
 
 
 def batched_attention(attn, x: mx.array, pool: KVPool, layer: int, step: PooledStep) -> mx.array:
@@ -415,10 +425,14 @@ def attend_rows(scale: float, pool: KVPool, step: PooledStep, layer: int, querie
     attention, each row's output taken back, [R, heads * D] (a spare row's is a real one's)."""
     ragged = step.ragged
     rows, heads = queries.shape[0], queries.shape[1]
-    batch, tokens = len(step.slots), step.mask.shape[-2]
     index = pool.ragged_rows(step.slots, step.offsets, ragged.lengths, keys.shape[1],
                              ragged.spare)  # fmt: skip
     pool.write(layer, index, keys, values)  # rows in `index`'s order
+    if step.row_info is not None:  # each row reads its own slot in place
+        flat_keys, flat_values = pool.arrays(layer)
+        return pool_attention.attend(queries.reshape(rows, heads, -1), pool.grid(flat_keys),
+                                     pool.grid(flat_values), step.row_info, scale)  # fmt: skip
+    batch, tokens = len(step.slots), step.mask.shape[-2]
     grid = mx.take(queries.reshape(rows, heads, -1), ragged.padded, axis=0)
     grid = grid.reshape(batch, tokens, heads, -1).transpose(0, 2, 1, 3)
     out = _attend(scale, grid, pool, layer, step).transpose(0, 2, 1, 3)

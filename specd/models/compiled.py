@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
-from specd.models import few_rows, row_attention
+from specd.models import few_rows, pool_attention, row_attention
 from specd.models.capture import Bypass
 from specd.models.rowwise import Joined, chunk_bounds
 
@@ -101,7 +101,9 @@ class CompiledForward:
     the decoder layers' outputs wanted by a caller (an EAGLE-3 head's rows). The model's
     wrappers (capture, row by row) are looked through: this reads their weights."""
 
-    def __init__(self, model: nn.Module, one_launch_attention: bool = True):
+    def __init__(
+        self, model: nn.Module, one_launch_attention: bool = True, pool_kernel: bool = False
+    ):
         self.model = model
         inner = model.model
         self.layers = inner.layers  # what mlx-lm's make_prompt_cache counts
@@ -117,6 +119,13 @@ class CompiledForward:
         # every query row's attention in one kernel where it runs, not chunks of three
         self.one_launch_attention = one_launch_attention and row_attention.runs_here(
             self.shape.head_dim
+        )
+        # a pooled batch's rows in one launch reading the pool in place (float32, as the
+        # one-row kernel it copies is checked in)
+        self.pool_kernel = (
+            pool_kernel
+            and self.final_norm.dtype == mx.float32
+            and pool_attention.runs_here(self.shape.head_dim)
         )
         shape = self.shape
         self._first = mx.compile(partial(_rotated, shape))

@@ -1,0 +1,251 @@
+"""Attention of a pooled batch's rows in one kernel on MLX's CUDA backend, each row reading its
+own session's keys where the KV pool keeps them (verifier_svc.kv_pool).
+
+The pool's masked attention places the rows in a [sessions, rows] grid, gathers every
+session's keys and values out of the pool, attends through a mask over the longest session's
+length and takes the rows back: several launches a layer and copies of every session's KV.
+Here one launch a layer takes every row: a block a (head, row) reads the row's slot in the
+pool in place, with the arithmetic of specd.models.row_attention (MLX's one-row vector kernel:
+32 warps, warp w taking keys w, w + 32, ..., the same online softmax and merge). A row is told
+by four numbers (`row_info`): its slot, the session's cached tokens before this step, the
+keys to scan, and a bit mask of which of the session's new rows it sees (a chain's row t the
+first t + 1, a draft tree's row its ancestors and itself). A chain's row over at most
+TWO_PASS_KEYS keys therefore sums what a decode step of that session alone sums, in the same
+order. At first use rows are compared with MLX's one-row attention; where they differ or the
+kernel does not build, the verifier logs why and keeps the masked attention.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+
+from specd.models import few_rows
+from specd.models.row_attention import _HEADER, _WARPS, HEAD_DIMS, TWO_PASS_KEYS
+
+log = logging.getLogger(__name__)
+
+MAX_NEW_ROWS = 32  # a session's new rows in one step: the bits of its mask
+
+# q [R, H, D] (any strides), keys/values the pool's grid [slots, KVH, capacity, D],
+# row_info [R, 4] int32 (slot, cached, keys to scan, sees), scale [1]; out [R, H * D].
+_SOURCE = f"""
+    constexpr int WARPS = {_WARPS};
+    constexpr int PER_LANE = D / 32;
+    const int head = blockIdx.x;
+    const int row = blockIdx.y;
+    const int heads = q_shape[1];
+    const int kv_head = head / (heads / keys_shape[1]);
+    const int slot = row_info[4 * row];
+    const int cached = row_info[4 * row + 1];
+    const int key_count = row_info[4 * row + 2];
+    const unsigned int sees = static_cast<unsigned int>(row_info[4 * row + 3]);
+    auto block = cg::this_thread_block();
+    auto warp = cg::tiled_partition<32>(block);
+    const int lane = warp.thread_rank();
+    const int w = warp.meta_group_rank();
+
+    __shared__ float merged[WARPS][WARPS + 1];
+    __shared__ float warp_max[WARPS];
+    __shared__ float warp_sum[WARPS];
+
+    const float scale_log2 = static_cast<float>(
+        static_cast<double>(scale[0]) * 1.44269504088896340736);
+    const T* query = q + row * q_strides[0] + head * q_strides[1];
+    float qv[PER_LANE];
+    float acc[PER_LANE];
+    #pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) {{
+        qv[j] = scale_log2 * static_cast<float>(query[PER_LANE * lane + j]);
+        acc[j] = 0.0f;
+    }}
+    float running_max = Limits<float>::finite_min();
+    float running_sum = 0.0f;
+
+    const T* key = keys + slot * keys_strides[0] + kv_head * keys_strides[1]
+        + w * keys_strides[2];
+    const T* value = values + slot * values_strides[0] + kv_head * values_strides[1]
+        + w * values_strides[2];
+    const int64_t key_step = WARPS * keys_strides[2];
+    const int64_t value_step = WARPS * values_strides[2];
+    for (int i = w; i < key_count; i += WARPS) {{
+        // every cached key, then the new rows the mask lets this row see
+        if (i < cached || ((sees >> (i - cached)) & 1u)) {{
+            float kv[PER_LANE];
+            #pragma unroll
+            for (int j = 0; j < PER_LANE; ++j) {{
+                kv[j] = key[PER_LANE * lane + j];
+            }}
+            float score = 0.0f;
+            #pragma unroll
+            for (int j = 0; j < PER_LANE; ++j) {{
+                score += qv[j] * kv[j];
+            }}
+            score = cg::reduce(warp, score, cg::plus<float>());
+            const float new_max = max(running_max, score);
+            const float shrink = exp2f(running_max - new_max);
+            const float weight = exp2f(score - new_max);
+            running_max = new_max;
+            running_sum = running_sum * shrink + weight;
+            #pragma unroll
+            for (int j = 0; j < PER_LANE; ++j) {{
+                acc[j] = acc[j] * shrink + weight * static_cast<float>(value[PER_LANE * lane + j]);
+            }}
+        }}
+        key += key_step;
+        value += value_step;
+    }}
+
+    if (lane == 0) {{
+        warp_max[w] = running_max;
+        warp_sum[w] = running_sum;
+    }}
+    block.sync();
+    const float lane_max = warp_max[lane];
+    const float overall_max = cg::reduce(warp, lane_max, cg::greater<float>());
+    const float lane_shrink = exp2f(lane_max - overall_max);
+    float total = cg::reduce(warp, warp_sum[lane] * lane_shrink, cg::plus<float>());
+    total = total == 0 ? 0 : __frcp_rn(total);
+
+    T* out_row = out + static_cast<int64_t>(row) * heads * D + head * D;
+    #pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) {{
+        merged[lane][w] = acc[j];
+        block.sync();
+        const float part = merged[w][lane] * lane_shrink;
+        acc[j] = cg::reduce(warp, part, cg::plus<float>()) * total;
+        block.sync();
+    }}
+    if (lane == 0) {{
+        #pragma unroll
+        for (int j = 0; j < PER_LANE; ++j) {{
+            out_row[PER_LANE * w + j] = static_cast<T>(acc[j]);
+        }}
+    }}
+"""
+
+_kernel = None
+_works: dict[int, bool] = {}  # head size -> the first use's check on this device
+_scales: dict[float, mx.array] = {}
+
+
+def row_info(
+    slots: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    trees: list | None = None,
+    spare: int = 0,
+) -> np.ndarray | None:
+    """[N + spare, 4] int32, a row per real row in session order, then `spare` copies of the
+    first (a padding row's output is never read): slot, cached tokens, keys to scan, and the
+    bits of the session's new rows it sees. trees: per session None (a chain: row t sees new
+    rows 0..t) or a draft tree's (positions, sees [T, T]). None where a session brings more
+    than MAX_NEW_ROWS rows or a row would scan more than TWO_PASS_KEYS keys (there a decode
+    step's kernel splits its keys another way)."""
+    lengths = np.asarray(lengths)
+    if int(lengths.max()) > MAX_NEW_ROWS or int((offsets + lengths).max()) > TWO_PASS_KEYS:
+        return None
+    trees = trees if trees is not None else [None] * len(lengths)
+    parts = []
+    for slot, cached, n, tree in zip(slots, offsets, lengths, trees, strict=True):
+        sees = np.tril(np.ones((n, n), bool)) if tree is None else np.asarray(tree[1], bool)
+        bits = (sees.astype(np.uint64) << np.arange(n, dtype=np.uint64)).sum(axis=1)
+        part = np.empty((n, 4), np.int64)
+        part[:, 0], part[:, 1], part[:, 2] = slot, cached, cached + n
+        part[:, 3] = bits.astype(np.uint32).view(np.int32)
+        parts.append(part)
+    info = np.concatenate(parts)
+    info = np.concatenate([info, np.repeat(info[:1], spare, axis=0)])
+    return info.astype(np.int32)
+
+
+def runs_here(head_dim: int) -> bool:
+    """Whether the kernel runs here for heads of `head_dim`: the default device is a CUDA GPU
+    and the kernel built and matched one-row attention bit for bit at its first use at that
+    size."""
+    if not few_rows.on_cuda() or head_dim not in HEAD_DIMS:
+        return False
+    if head_dim not in _works:
+        _works[head_dim] = _first_use_check(head_dim)
+    return _works[head_dim]
+
+
+def attend(q: mx.array, keys: mx.array, values: mx.array, info: mx.array, scale: float) -> mx.array:
+    """q [R, H, D] float32; keys/values the pool's grid [slots, KVH, capacity, D] with every
+    row's keys written; info `row_info`'s [R, 4] as a device array. Returns [R, H * D]."""
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="specd_pool_attention",
+            input_names=["q", "keys", "values", "row_info", "scale"],
+            output_names=["out"],
+            source=_SOURCE,
+            header=_HEADER,
+            ensure_row_contiguous=False,
+        )
+    rows, heads, head_dim = q.shape
+    if scale not in _scales:
+        _scales[scale] = mx.array([scale], dtype=mx.float32)
+    (out,) = _kernel(
+        inputs=[q, keys, values, info, _scales[scale]],
+        template=[("T", q.dtype), ("D", head_dim)],
+        grid=(32 * _WARPS * heads, rows, 1),
+        threadgroup=(32 * _WARPS, 1, 1),
+        output_shapes=[(rows, heads * head_dim)],
+        output_dtypes=[q.dtype],
+    )
+    return out
+
+
+def _first_use_check(head_dim: int) -> bool:
+    """Chains of several sessions in a pool against one-row attention over each session's
+    keys (bit for bit), and a draft tree's rows against attention over the keys each sees
+    (within float32 rounding); any difference keeps the masked attention."""
+    try:
+        heads, kv_heads, capacity, slots = 9, 3, 1280, 6
+        grid_k = mx.random.normal((slots, kv_heads, capacity, head_dim), key=mx.random.key(5))
+        grid_v = mx.random.normal((slots, kv_heads, capacity, head_dim), key=mx.random.key(6))
+        tree_sees = np.tril(np.ones((4, 4), bool))
+        tree_sees[2, 1] = tree_sees[3, 1] = tree_sees[3, 2] = False  # rows 1 and 2 siblings
+        sessions = [(4, 37, 1, None), (0, 300, 7, None), (5, 0, 16, None),
+                    (2, 1000, 16, None), (1, 64, 4, (None, tree_sees))]  # fmt: skip
+        slots_, offsets, lengths = (np.array([s[i] for s in sessions]) for i in range(3))
+        trees = [s[3] for s in sessions]
+        info = row_info(slots_, offsets, lengths, trees, spare=2)
+        rows = int(lengths.sum()) + 2
+        q = mx.random.normal((rows, heads, head_dim), key=mx.random.key(7))
+        got = attend(q, grid_k, grid_v, mx.array(info), head_dim**-0.5)
+        got = got.reshape(rows, heads, 1, head_dim)
+        sdpa = mx.fast.scaled_dot_product_attention
+        row = 0
+        for slot, cached, n, tree in sessions:
+            for t in range(n):
+                query = q[row][None, :, None]
+                if tree is None:
+                    seen = cached + t + 1
+                    k, v = grid_k[slot : slot + 1, :, :seen], grid_v[slot : slot + 1, :, :seen]
+                    exact = True
+                else:
+                    visible = [
+                        *range(cached),
+                        *(cached + int(j) for j in np.flatnonzero(tree[1][t])),
+                    ]
+                    index = mx.array(visible)
+                    k, v = grid_k[slot : slot + 1, :, index], grid_v[slot : slot + 1, :, index]
+                    exact = False
+                want = sdpa(query, k, v, scale=head_dim**-0.5)[0]
+                same = (
+                    mx.array_equal(got[row], want)
+                    if exact
+                    else mx.allclose(got[row], want, rtol=1e-5, atol=1e-6)
+                )
+                if not same.item():
+                    log.warning("pool attention disagrees with MLX's attention; keeping masks")
+                    return False
+                row += 1
+        return True
+    except Exception as error:  # a kernel that does not build must not stop the verifier
+        log.warning("pool attention unavailable here (%s); keeping masks", error)
+        return False
