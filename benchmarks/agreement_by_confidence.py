@@ -1,7 +1,8 @@
 """Where an EAGLE-3 head's first draft misses, on a benchmark's prompts against the prompts of
 its training kind: the trainer's pass-1 agreement with the target's greedy token, split by how
-sure the target is of that token (its top-1 probability) and by the token's place in the
-reply. If the two sets agree bucket by bucket, a benchmark's lower agreement is the target's
+sure the target is of that token (its top-1 probability), by the token's place in the
+reply, and by whether it copies the prompt (the token and the one before it occur together in
+the prompt). If the two sets agree bucket by bucket, a benchmark's lower agreement is the target's
 own doubt on its questions, which more data of the training kind cannot remove; if they part
 within a bucket, the data misses what the benchmark asks.
 
@@ -71,7 +72,7 @@ def first_draft_table(trainer: Trainer, feats) -> dict:
     """Per position of every reply: the target's top-1 probability, the place in the reply,
     whether the head's pass-1 argmax is the target's token."""
     read_out = np.array(head_matrix(trainer.loaded.model).astype(mx.float32))
-    sure, place, right, drawable = [], [], [], []
+    sure, place, right, drawable, copied = [], [], [], [], []
     for f in feats:
         emb_next, rows, _, _, target_next, base = trainer.batch([f])
         logits = ttt_forward(trainer.head, emb_next, rows, 1)
@@ -87,7 +88,13 @@ def first_draft_table(trainer: Trainer, feats) -> dict:
         place.append(np.nonzero(sel)[0] - start)
         right.append(predicted[sel] == target_next[0][sel])
         drawable.append(np.isin(target_next[0][sel], trainer.draft_ids))
-    columns = {"sure": sure, "place": place, "right": right, "drawable": drawable}
+        # row i drafts f.ids[i + 2] after f.ids[i + 1]
+        prompt = f.ids[: int(np.argmax(f.loss_mask))].tolist()
+        pairs = set(zip(prompt, prompt[1:], strict=False))
+        rows_at = np.nonzero(sel)[0]
+        copied.append(np.array([(int(f.ids[i + 1]), int(f.ids[i + 2])) in pairs for i in rows_at]))
+    columns = {"sure": sure, "place": place, "right": right, "drawable": drawable,
+               "copied": copied}  # fmt: skip
     return {k: np.concatenate(v) for k, v in columns.items()}
 
 
@@ -114,6 +121,10 @@ def report(name: str, table: dict) -> None:
         if sel.any():
             label = f"{lo}-{hi - 1}" if hi < 10**9 else f"{lo}+"
             print(f"  reply tokens {label}: {sel.mean():.3f} of positions, {_right(table, sel)}, "
+                  f"target sure {table['sure'][sel].mean():.3f}")  # fmt: skip
+    for label, sel in (("copies the prompt", table["copied"]), ("does not", ~table["copied"])):
+        if sel.any():
+            print(f"  {label}: {sel.mean():.3f} of positions, {_right(table, sel)}, "
                   f"target sure {table['sure'][sel].mean():.3f}")  # fmt: skip
 
 
