@@ -8,17 +8,19 @@ within a bucket, the data misses what the benchmark asks.
 
     python -m specd.platform exec -- python benchmarks/agreement_by_confidence.py \
         [--questions mt-bench] [--every 8] [--sharegpt 20] [--tokens 128] [--weights DIR]
-        [--read-out head|target]
+        [--read-out head|target] [--chats FILE ...]
 
 The ShareGPT prompts are opening messages of the conversations `specd distill` reaches last
 (the end of its seed-0 shuffle, past every distilled record the shipped drafters trained on;
 none holding a benchmark question), at most --max-prompt-tokens long; the target answers each
-greedily.
+greedily. --chats adds a set per ShareGPT-format file (e.g. `specd distill` records: their
+first user messages, answered afresh).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -51,6 +53,15 @@ def sharegpt_chats(count: int, max_prompt_tokens: int, tokenizer, seed: int) -> 
         if len(chosen) == count:
             break
     return chosen
+
+
+def first_messages(path: Path) -> list[list[dict]]:
+    """The first user message of every record of a ShareGPT-format .jsonl, as a chat."""
+    chats = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        turns = json.loads(line)["conversations"]
+        chats.append([{"role": "user", "content": turns[0]["value"]}])
+    return chats
 
 
 def replies(loaded, chats, tokens: int, capture) -> list:
@@ -142,6 +153,9 @@ def main() -> None:
     p.add_argument("--read-out", choices=("head", "target"), default="head",
                    help="head: its own draft vocabulary's rows; target: the target's read-out "
                    "over the whole vocabulary")  # fmt: skip
+    p.add_argument("--chats", type=Path, nargs="*", default=[],
+                   help="ShareGPT-format .jsonl files: their first user messages, a set "
+                   "each")  # fmt: skip
     args = p.parse_args()
 
     loaded = load_target(None, "float32")
@@ -154,6 +168,8 @@ def main() -> None:
             args.sharegpt, args.max_prompt_tokens, loaded.tokenizer, args.seed
         ),
     }
+    for path in args.chats:
+        sets[path.name] = first_messages(path)
     feats = {name: replies(loaded, chats, args.tokens, capture) for name, chats in sets.items()}
     opts = TrainOptions(target=None, out=Path("/dev/null"), ttt_steps=1, batch_size=1,
                         init_from=args.weights)  # fmt: skip

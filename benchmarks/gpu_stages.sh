@@ -48,10 +48,12 @@
 # distill [SECONDS [DTYPE]]  the target's replies to ShareGPT prompts (every user turn, the
 #          whole prompt range up to 1024 tokens, in shuffled order), appended to ~/dd.jsonl
 #          (resumes), for SECONDS (default 500) in DTYPE (default bfloat16)
-# selfprompts [SECONDS [DTYPE [SEED]]]  the target's replies to user messages it writes itself
-#          (--prompts self), appended to ~/ds.jsonl (resumes), for SECONDS (default 500) in
-#          DTYPE (default bfloat16: 22.3k reply tok/s against float32's 15.8k, run X); a SEED
-#          other than earlier machines' (0) draws messages they did not
+# selfprompts [SECONDS [DTYPE [SEED [LEADS]]]]  the target's replies to user messages it writes
+#          itself (--prompts self), appended to ~/ds.jsonl (resumes), for SECONDS (default 500)
+#          in DTYPE (default bfloat16: 22.3k reply tok/s against float32's 15.8k, run X); a SEED
+#          other than earlier machines' (0) draws messages they did not; LEADS (e.g. tasks)
+#          begins each message with an opening of a request (--prompt-leads), appended to
+#          ~/dl.jsonl instead, messages up to 128 tokens
 # dflash [DATA [SECONDS [RECORDS [LAYERS]]]]  the DFlash drafter, from the shipped one (LAYERS
 #          deepens it first: e.g. 4), on the first
 #          RECORDS (default 30000; features take 4.6 kB a token, 27 GB for 24,000 records) of DATA
@@ -79,9 +81,11 @@ model=$SPECD_GPU_MODEL
 if [ ! -s ~/dd.jsonl ] && ls .gpu/dd.gz.* > /dev/null 2>&1; then
   cat .gpu/dd.gz.* | gunzip > ~/dd.jsonl
 fi
-if [ ! -s ~/ds.jsonl ] && ls .gpu/ds.gz.* > /dev/null 2>&1; then
-  cat .gpu/ds.gz.* | gunzip > ~/ds.jsonl
-fi
+for data in ds dl; do
+  if [ ! -s ~/$data.jsonl ] && ls .gpu/$data.gz.* > /dev/null 2>&1; then
+    cat .gpu/$data.gz.* | gunzip > ~/$data.jsonl
+  fi
+done
 bench() { python3 -m specd bench --target "$model" --max-tokens 128 "$@"; }
 case "${1:-}" in
 parity)
@@ -206,13 +210,17 @@ distill)
   gzip -c ~/dd.jsonl > ~/dd.jsonl.gz && (cd ~ && split -b 15M dd.jsonl.gz dd.gz.)
   cp ~/dd.gz.* "$OUT/" ;;
 selfprompts)
-  # messages run to at most 23 tokens: a cap of 64 ends a wave whose last rows ramble on
-  timeout 590 python3 -m specd distill --target "$model" --out ~/ds.jsonl --prompts self \
-    --conversations 60000 --batch-size 512 --max-prompt-tokens 64 --max-new-tokens 256 \
-    --dtype "${3:-bfloat16}" --time-limit "${2:-500}" --seed "${4:-0}" >> "$OUT/selfprompts.log" 2>&1
-  wc -l ~/ds.jsonl >> "$OUT/selfprompts.log"
-  gzip -c ~/ds.jsonl > ~/ds.jsonl.gz && (cd ~ && split -b 15M ds.jsonl.gz ds.gz.)
-  cp ~/ds.gz.* "$OUT/" ;;
+  # messages run to at most 23 tokens: a cap of 64 ends a wave whose last rows ramble on;
+  # begun with a request's opening they run longer
+  data=ds cap=64 leads=()
+  if [ -n "${5:-}" ]; then data=dl cap=128 leads=(--prompt-leads "$5"); fi
+  timeout 590 python3 -m specd distill --target "$model" --out ~/$data.jsonl --prompts self \
+    --conversations 60000 --batch-size 512 --max-prompt-tokens $cap --max-new-tokens 256 \
+    --dtype "${3:-bfloat16}" --time-limit "${2:-500}" --seed "${4:-0}" "${leads[@]}" \
+    >> "$OUT/selfprompts.log" 2>&1
+  wc -l ~/$data.jsonl >> "$OUT/selfprompts.log"
+  gzip -c ~/$data.jsonl > ~/$data.jsonl.gz && (cd ~ && split -b 15M $data.jsonl.gz $data.gz.)
+  cp ~/$data.gz.* "$OUT/" ;;
 dflash)
   out=~/df${5:+-layers$5}  # a deeper drafter is another run
   python3 -m specd train dflash --target "$model" --out "$out" --data "${2:-$HOME/dd.jsonl}" \

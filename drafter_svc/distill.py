@@ -54,6 +54,9 @@ class DistillOptions:
     temperature: float = 0.0  # 0: greedy replies; above, sampled (seeded by seed)
     prompts: str = "data"  # "data": user turns of --data; "self": messages the target writes
     prompt_temperature: float = 1.0  # prompts="self": the messages' sampling temperature
+    # prompts="self": each message begins with one of these openings ("tasks": TASK_LEADS, or
+    # a file of one a line), the target writing the rest; None: the target writes it all
+    prompt_leads: str | None = None
     dtype: str = "float32"  # what the target computes in (specd.models.load.DTYPES)
     time_limit: float | None = None  # seconds: no wave starts after; the same command resumes
 
@@ -248,6 +251,42 @@ def _new_prompts(opts: DistillOptions, tokenizer, done: set[str], wanted: int, c
 
 SELF_PROMPT_MIN_CHARS = 8  # shorter messages ("Hi", "?") teach the drafter little
 
+# Openings of requests of the kinds a chat benchmark asks (writing, role-play, reasoning, math,
+# code, extraction, science, the humanities), which left alone a small target rarely writes:
+# its own messages run short and casual. Each is the start of a message the target finishes.
+TASK_LEADS = (
+    "Write a short story about", "Compose a blog post about", "Draft a formal email to",
+    "Write a poem that", "Write a persuasive essay arguing that", "Write a product description for",
+    "Imagine you are", "Pretend to be", "Act as a", "You are a",
+    "Here is a puzzle:", "Explain step by step why", "If every", "Which is more likely:",
+    "Solve for x:", "Calculate", "A train leaves", "What is the probability that",
+    "Find the area of", "Prove that",
+    "Write a Python function that", "Implement a", "Fix the bug in this code:",
+    "Write a SQL query that", "Explain what this JavaScript code does:",
+    "Extract the names", "Summarize the following text:", "From the passage below,",
+    "Classify the following", "List the key points of",
+    "Explain how", "What is the difference between", "Describe the process of", "How does",
+    "Discuss the impact of", "Compare and contrast", "What were the main causes of",
+    "Analyze the themes of",
+)  # fmt: skip
+
+
+def prompt_leads(spec: str | None) -> list[str]:
+    """The openings --prompt-leads names: none, the built-in TASK_LEADS ("tasks"), or a file's
+    non-empty lines."""
+    if spec is None:
+        return []
+    if spec == "tasks":
+        return list(TASK_LEADS)
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--prompt-leads: {spec!r} is neither 'tasks' nor a file")
+    leads = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    leads = [lead for lead in leads if lead]
+    if not leads:
+        raise ValueError(f"--prompt-leads: {spec} holds no opening")
+    return leads
+
 
 def user_turn_opening(tokenizer) -> list[int]:
     """The chat template's tokens before a user message's text (system turn included, if the
@@ -265,28 +304,33 @@ def _self_prompts(
     deadline: float | None,
 ):  # fmt: skip
     """(chat, prompt ids) of up to `wanted` user messages the target writes, a batch at a
-    time from its template's user-turn opening, less repeats and benchmark questions.
+    time from its template's user-turn opening (and, with --prompt-leads, an opening of a
+    request drawn for each), less repeats and benchmark questions.
     clock["message_seconds"] adds up the time spent writing them."""
     from specd.datasets import benchmark_key, benchmark_keys
 
     tokenizer, model = loaded.tokenizer, loaded.model
     opening = user_turn_opening(tokenizer)
+    leads = [list(tokenizer.encode(lead, add_special_tokens=False))
+             for lead in prompt_leads(opts.prompt_leads)]  # fmt: skip
+    draw = random.Random(opts.seed + len(done))
     excluded = benchmark_keys()
     seen = set(done)
     chosen, dry_batches = 0, 0
     while chosen < wanted and (deadline is None or time.perf_counter() < deadline):
         batch = min(opts.batch_size, 2 * (wanted - chosen))
+        begun = [draw.choice(leads) if leads else [] for _ in range(batch)]
         started = time.perf_counter()
         # the whole batch before any is handed on: a caller may spend long between two items
-        written = list(greedy_waves(model, [opening] * batch, opts.max_prompt_tokens,
-                                    loaded.identity.eos_token_ids, batch,
-                                    opts.prompt_temperature))  # fmt: skip
+        written = list(greedy_waves(model, [opening + lead for lead in begun],
+                                    opts.max_prompt_tokens, loaded.identity.eos_token_ids,
+                                    batch, opts.prompt_temperature))  # fmt: skip
         clock["message_seconds"] += time.perf_counter() - started
         new = 0
-        for _, ids in written:
+        for index, ids in written:
             if len(ids) >= opts.max_prompt_tokens:
                 continue  # cut off at the cap, not ended by the target
-            message = tokenizer.decode(ids).strip()
+            message = tokenizer.decode(begun[index] + ids).strip()
             chat = [{"role": "user", "content": message}]
             key = prompt_key(chat)
             if (len(message) < SELF_PROMPT_MIN_CHARS or key in seen
@@ -332,6 +376,9 @@ def distill(opts: DistillOptions) -> dict:
         raise ValueError(f"--prompts must be 'data' or 'self', not {opts.prompts!r}")
     if opts.prompts == "self" and not opts.prompt_temperature > 0:
         raise ValueError("--prompts self samples the messages: --prompt-temperature must be > 0")
+    if opts.prompt_leads is not None and opts.prompts != "self":
+        raise ValueError("--prompt-leads begins the messages the target writes: --prompts self")
+    prompt_leads(opts.prompt_leads)  # a wrong file fails before the model loads
     done = _done_prompts(opts.out)  # before the model loads: a wrong --out fails at once
     # a resumed run draws afresh (the same draws would repeat the messages already answered)
     mx.random.seed(opts.seed + len(done))

@@ -714,6 +714,13 @@ def _add_distill(sub) -> None:
         help="--prompts self: the temperature the messages are sampled at",
     )  # fmt: skip
     p.add_argument(
+        "--prompt-leads", metavar="tasks|FILE",
+        help="--prompts self: begin each message with an opening drawn from these, the "
+        "target writing the rest: 'tasks' (requests of the kinds a chat benchmark asks: "
+        "writing, role-play, reasoning, math, code, extraction, science, humanities) or a "
+        "file of one opening a line (default: the target writes the whole message)",
+    )  # fmt: skip
+    p.add_argument(
         "--dtype", choices=DTYPE_CHOICES, default="float32",
         help="what the target computes in; float32 gives the replies the verifier serves in "
         "float32, the model as stored (native) or half precision may run faster on a GPU and "

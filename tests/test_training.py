@@ -538,6 +538,49 @@ def test_distill_of_self_written_prompts_answers_messages_the_target_wrote(
         run("cut.jsonl", 2, cap=2)
 
 
+def test_self_written_messages_begin_with_the_openings_asked_for(tiny_model_dir, tmp_path):
+    """--prompt-leads: every message starts with one of the openings, the target writing the
+    rest after it, and its reply is the target's greedy answer to the whole message."""
+    from coordinator.bench import plain_decode
+    from drafter_svc.distill import TASK_LEADS, DistillOptions, distill, prompt_leads
+    from specd.models.load import load_target
+
+    leads = tmp_path / "leads.txt"
+    leads.write_text("Write a poem about\n\nSolve for x:\n")
+    assert prompt_leads(str(leads)) == ["Write a poem about", "Solve for x:"]
+    assert prompt_leads("tasks") == list(TASK_LEADS) and prompt_leads(None) == []
+    out = tmp_path / "led.jsonl"
+    opts = DistillOptions(target=str(tiny_model_dir), out=out, conversations=6, max_new_tokens=4,
+                          max_prompt_tokens=150, batch_size=4, prompts="self",
+                          prompt_leads=str(leads))  # fmt: skip
+    assert distill(opts)["replies"] == 6
+    messages = [
+        json.loads(line)["conversations"][0]["value"] for line in out.read_text().splitlines()
+    ]
+    assert len(set(messages)) == 6
+    assert all(m.startswith(("Write a poem about", "Solve for x:")) for m in messages)
+    assert {m.startswith("Solve") for m in messages} == {True, False}  # both drawn
+    plain = load_target(str(tiny_model_dir), "float32")
+    eos = set(plain.identity.eos_token_ids)
+    for line in out.read_text().splitlines():
+        message, reply = (t["value"] for t in json.loads(line)["conversations"])
+        chat = [{"role": "user", "content": message}]
+        prompt = plain.tokenizer.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=True
+        )
+        greedy = plain_decode(plain.model, list(prompt), 4, eos).token_ids
+        assert reply == plain.tokenizer.decode([t for t in greedy if t not in eos]).strip()
+    for bad, why in ((tmp_path / "none.txt", "neither"), (tmp_path / "empty.txt", "no opening")):
+        if "empty" in bad.name:
+            bad.write_text("\n \n")
+        with pytest.raises(ValueError, match=why):
+            distill(DistillOptions(target=str(tiny_model_dir), out=tmp_path / "x.jsonl",
+                                   prompts="self", prompt_leads=str(bad)))  # fmt: skip
+    with pytest.raises(ValueError, match="--prompts self"):
+        distill(DistillOptions(target=str(tiny_model_dir), out=tmp_path / "x.jsonl",
+                               prompt_leads="tasks"))  # fmt: skip
+
+
 def test_distill_waves_of_unequal_prompts_give_each_prompt_its_greedy_reply(tiny_model_dir):
     from coordinator.bench import plain_decode
     from drafter_svc.distill import greedy_waves
