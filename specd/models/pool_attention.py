@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from specd.models import few_rows
-from specd.models.row_attention import _HEADER, _WARPS, HEAD_DIMS, TWO_PASS_KEYS
+from specd.models.row_attention import _HEADER, _WARPS, HEAD_DIMS, TWO_PASS_KEYS, one_row_source
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +31,8 @@ MAX_NEW_ROWS = 32  # a session's new rows in one step: the bits of its mask
 
 # q [R, H, D] (any strides), keys/values the pool's grid [slots, KVH, capacity, D],
 # row_info [R, 4] int32 (slot, cached, keys to scan, sees), scale [1]; out [R, H * D].
-_SOURCE = f"""
-    constexpr int WARPS = {_WARPS};
-    constexpr int PER_LANE = D / 32;
+_SOURCE = one_row_source(
+    setup="""\
     const int head = blockIdx.x;
     const int row = blockIdx.y;
     const int heads = q_shape[1];
@@ -42,89 +41,14 @@ _SOURCE = f"""
     const int cached = row_info[4 * row + 1];
     const int key_count = row_info[4 * row + 2];
     const unsigned int sees = static_cast<unsigned int>(row_info[4 * row + 3]);
-    auto block = cg::this_thread_block();
-    auto warp = cg::tiled_partition<32>(block);
-    const int lane = warp.thread_rank();
-    const int w = warp.meta_group_rank();
-
-    __shared__ float merged[WARPS][WARPS + 1];
-    __shared__ float warp_max[WARPS];
-    __shared__ float warp_sum[WARPS];
-
-    const float scale_log2 = static_cast<float>(
-        static_cast<double>(scale[0]) * 1.44269504088896340736);
-    const T* query = q + row * q_strides[0] + head * q_strides[1];
-    float qv[PER_LANE];
-    float acc[PER_LANE];
-    #pragma unroll
-    for (int j = 0; j < PER_LANE; ++j) {{
-        qv[j] = scale_log2 * static_cast<float>(query[PER_LANE * lane + j]);
-        acc[j] = 0.0f;
-    }}
-    float running_max = Limits<float>::finite_min();
-    float running_sum = 0.0f;
-
-    const T* key = keys + slot * keys_strides[0] + kv_head * keys_strides[1]
-        + w * keys_strides[2];
-    const T* value = values + slot * values_strides[0] + kv_head * values_strides[1]
-        + w * values_strides[2];
-    const int64_t key_step = WARPS * keys_strides[2];
-    const int64_t value_step = WARPS * values_strides[2];
-    for (int i = w; i < key_count; i += WARPS) {{
-        // every cached key, then the new rows the mask lets this row see
-        if (i < cached || ((sees >> (i - cached)) & 1u)) {{
-            float kv[PER_LANE];
-            #pragma unroll
-            for (int j = 0; j < PER_LANE; ++j) {{
-                kv[j] = key[PER_LANE * lane + j];
-            }}
-            float score = 0.0f;
-            #pragma unroll
-            for (int j = 0; j < PER_LANE; ++j) {{
-                score += qv[j] * kv[j];
-            }}
-            score = cg::reduce(warp, score, cg::plus<float>());
-            const float new_max = max(running_max, score);
-            const float shrink = exp2f(running_max - new_max);
-            const float weight = exp2f(score - new_max);
-            running_max = new_max;
-            running_sum = running_sum * shrink + weight;
-            #pragma unroll
-            for (int j = 0; j < PER_LANE; ++j) {{
-                acc[j] = acc[j] * shrink + weight * static_cast<float>(value[PER_LANE * lane + j]);
-            }}
-        }}
-        key += key_step;
-        value += value_step;
-    }}
-
-    if (lane == 0) {{
-        warp_max[w] = running_max;
-        warp_sum[w] = running_sum;
-    }}
-    block.sync();
-    const float lane_max = warp_max[lane];
-    const float overall_max = cg::reduce(warp, lane_max, cg::greater<float>());
-    const float lane_shrink = exp2f(lane_max - overall_max);
-    float total = cg::reduce(warp, warp_sum[lane] * lane_shrink, cg::plus<float>());
-    total = total == 0 ? 0 : __frcp_rn(total);
-
-    T* out_row = out + static_cast<int64_t>(row) * heads * D + head * D;
-    #pragma unroll
-    for (int j = 0; j < PER_LANE; ++j) {{
-        merged[lane][w] = acc[j];
-        block.sync();
-        const float part = merged[w][lane] * lane_shrink;
-        acc[j] = cg::reduce(warp, part, cg::plus<float>()) * total;
-        block.sync();
-    }}
-    if (lane == 0) {{
-        #pragma unroll
-        for (int j = 0; j < PER_LANE; ++j) {{
-            out_row[PER_LANE * w + j] = static_cast<T>(acc[j]);
-        }}
-    }}
-"""
+""",
+    query="q + row * q_strides[0] + head * q_strides[1]",
+    bounds="",
+    keys="keys + slot * keys_strides[0] + kv_head * keys_strides[1]",
+    values="values + slot * values_strides[0] + kv_head * values_strides[1]",
+    # every cached key, then the session's new rows the mask lets this row see
+    visible="i < cached || ((sees >> (i - cached)) & 1u)",
+)
 
 _kernel = None
 _works: dict[int, bool] = {}  # head size -> the first use's check on this device

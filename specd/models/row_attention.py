@@ -30,18 +30,15 @@ TWO_PASS_KEYS = 1024  # past this many keys MLX's one-row kernel splits them ano
 _WARPS = 32  # warps a block, each a stride of the keys: MLX's block of 1024 threads
 _HEADER = "#include <cooperative_groups/reduce.h>\n"
 
-# q [1, H, rows, D] (any strides), keys/values [1, KVH, L, D] (the cache's slices, strided),
-# scale [1]; out [rows, H * D], the layout the output product reads. D is a template argument.
-_SOURCE = f"""
-    constexpr int WARPS = {_WARPS};
+# The one-row kernel's arithmetic for a block of (head, row) whose keys the caller names:
+# `setup` declares head, row, heads, kv_head and key_count (and what `bounds` reads), `query`
+# is the row's query, `bounds` what `visible` reads, `keys`/`values` key 0 of the row's kv
+# head, `visible` whether key i counts. One template keeps every kernel's sums in the one-row
+# kernel's order.
+_ONE_ROW = """
+    constexpr int WARPS = {warps};
     constexpr int PER_LANE = D / 32;
-    const int head = blockIdx.x;
-    const int row = blockIdx.y;
-    const int heads = q_shape[1];
-    const int rows = q_shape[2];
-    const int key_count = keys_shape[2];
-    const int kv_head = head / (heads / keys_shape[1]);
-    auto block = cg::this_thread_block();
+{setup}    auto block = cg::this_thread_block();
     auto warp = cg::tiled_partition<32>(block);
     const int lane = warp.thread_rank();
     const int w = warp.meta_group_rank();
@@ -53,7 +50,7 @@ _SOURCE = f"""
     // the scale times log2(e), rounded once from double as the one-row kernel rounds it
     const float scale_log2 = static_cast<float>(
         static_cast<double>(scale[0]) * 1.44269504088896340736);
-    const T* query = q + head * q_strides[1] + row * q_strides[2];
+    const T* query = {query};
     float qv[PER_LANE];
     float acc[PER_LANE];
     #pragma unroll
@@ -64,13 +61,12 @@ _SOURCE = f"""
     float running_max = Limits<float>::finite_min();
     float running_sum = 0.0f;
 
-    const int last_key = key_count - rows + row;  // the causal bound: keys 0..last_key
-    const T* key = keys + kv_head * keys_strides[1] + w * keys_strides[2];
-    const T* value = values + kv_head * values_strides[1] + w * values_strides[2];
+{bounds}    const T* key = {keys} + w * keys_strides[2];
+    const T* value = {values} + w * values_strides[2];
     const int64_t key_step = WARPS * keys_strides[2];
     const int64_t value_step = WARPS * values_strides[2];
     for (int i = w; i < key_count; i += WARPS) {{
-        if (i <= last_key) {{
+        if ({visible}) {{
             float kv[PER_LANE];
             #pragma unroll
             for (int j = 0; j < PER_LANE; ++j) {{
@@ -124,6 +120,33 @@ _SOURCE = f"""
         }}
     }}
 """
+
+
+def one_row_source(setup: str, query: str, bounds: str, keys: str, values: str,
+                   visible: str) -> str:  # fmt: skip
+    """A kernel body: `_ONE_ROW` with the caller's parts (CUDA source)."""
+    return _ONE_ROW.format(warps=_WARPS, setup=setup, query=query, bounds=bounds, keys=keys,
+                           values=values, visible=visible)  # fmt: skip
+
+
+# q [1, H, rows, D] (any strides), keys/values [1, KVH, L, D] (the cache's slices, strided),
+# scale [1]; out [rows, H * D], the layout the output product reads. D is a template argument.
+_SOURCE = one_row_source(
+    setup="""\
+    const int head = blockIdx.x;
+    const int row = blockIdx.y;
+    const int heads = q_shape[1];
+    const int rows = q_shape[2];
+    const int key_count = keys_shape[2];
+    const int kv_head = head / (heads / keys_shape[1]);
+""",
+    query="q + head * q_strides[1] + row * q_strides[2]",
+    bounds="    const int last_key = key_count - rows + row;"
+    "  // the causal bound: keys 0..last_key\n",
+    keys="keys + kv_head * keys_strides[1]",
+    values="values + kv_head * values_strides[1]",
+    visible="i <= last_key",
+)
 
 _kernel = None
 _works: dict[int, bool] = {}  # head size -> the first use's check on this device
