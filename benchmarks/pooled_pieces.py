@@ -1,7 +1,9 @@
 """What the pooled batch's attention costs per layer, piece by piece, against the whole forward:
 for N pooled sessions taking one plain step each, every decoder layer's
 
-- write: the new keys and values scattered into the pool (`KVPool.write`);
+- write: the new keys and values scattered into the pool (`KVPool.write`), two scatters a
+  layer; write, one scatter: the same rows of every layer's keys and values in one scatter
+  into one array (what a pool kept as one array for all layers would launch);
 - gather: each session's keys and values taken from the pool by slot (`kv_pool._attend`);
 - slice: the same rows as a slice (made contiguous), where the sessions' slots run in order;
 - attention, masked: the batch's attention through its mask, on keys already gathered;
@@ -91,6 +93,18 @@ def measure(target: Target, sessions: list, calls: int, rng: np.random.Generator
             pool.write(layer, rows, new_keys, new_keys)
         return [a for layer in range(layers) for a in pool.arrays(layer)]
 
+    # every layer's keys and values in one array: what the writes would cost as one scatter
+    # a forward (a pool stored so, attention reading a step's new rows from the step itself)
+    flat = pool.arrays(0)[0]
+    every_layer = mx.zeros((2 * layers * flat.shape[0], width), dtype)
+    layer_rows = (np.arange(2 * layers)[:, None] * flat.shape[0] + np.array(rows)[None]).reshape(-1)
+    layer_rows = mx.array(layer_rows.astype(np.int32))
+    stacked = mx.concatenate([new_keys.reshape(-1, width)] * (2 * layers))
+
+    def write_once():
+        every_layer[layer_rows] = stacked
+        return [every_layer]
+
     def gather():
         out = []
         for layer in range(layers):
@@ -146,7 +160,8 @@ def measure(target: Target, sessions: list, calls: int, rng: np.random.Generator
         return [logits for logits, _ in outs]
 
     pieces = {"gather": gather, "attention, masked": attention(step.mask),
-              "attention, unmasked": attention(None), "write": write}  # fmt: skip
+              "attention, unmasked": attention(None), "write": write,
+              "write, one scatter": write_once}  # fmt: skip
     if in_order:
         pieces["slice"] = sliced
     pieces["no gather: every slot"] = over_every_slot
