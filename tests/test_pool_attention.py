@@ -105,10 +105,14 @@ def test_a_step_for_the_kernel_carries_row_info_and_no_mask():
     assert even.ragged is None and even.row_info is None and even.mask is not None
 
 
-def test_off_cuda_the_compiled_forward_keeps_the_masked_attention(tiny_model_dir):
+def test_off_cuda_the_compiled_forward_keeps_the_masked_attention_and_says_so(
+    tiny_model_dir, caplog
+):
     model = load_target(str(tiny_model_dir), dtype="float32").model
     assert not pool_attention.runs_here(64)
+    assert CompiledForward(model).pool_kernel is False and not caplog.records
     assert CompiledForward(model, pool_kernel=True).pool_kernel is False
+    assert "keeps the masked attention" in caplog.text
 
 
 def _attention_by_row_info(q, keys, values, info, scale):

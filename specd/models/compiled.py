@@ -22,6 +22,7 @@ KV cache is mlx-lm's own, so trimming and rollback are unchanged.
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 
 import mlx.core as mx
@@ -31,6 +32,8 @@ from mlx_lm.models.activations import swiglu
 from specd.models import few_rows, pool_attention, row_attention
 from specd.models.capture import Bypass
 from specd.models.rowwise import Joined, chunk_bounds
+
+log = logging.getLogger(__name__)
 
 MAX_ROWS = few_rows.MAX_ROWS  # beyond, the model's own forward (a prefill)
 
@@ -127,6 +130,10 @@ class CompiledForward:
             and self.final_norm.dtype == mx.float32
             and pool_attention.runs_here(self.shape.head_dim)
         )
+        if pool_kernel and not self.pool_kernel:
+            log.warning("--pool-kernel: the pool kernel runs on a CUDA GPU with a float32 "
+                        "target whose head size is one of %s; the pooled batch keeps the "
+                        "masked attention", pool_attention.HEAD_DIMS)  # fmt: skip
         shape = self.shape
         self._first = mx.compile(partial(_rotated, shape))
         self._middle = mx.compile(partial(_middle, shape, _finish_layer, _rotated))
