@@ -39,8 +39,9 @@
 # cpool-services [DRAFTERS]  the services with it on at 1, 16 and 64 clients
 # pkernel  the pool kernel (--pool-kernel: each pooled row's attention in one launch reading
 #          its session's keys in place) against the compiled pooled forward's masked
-#          attention: the batch at 16 and 64 sessions, the verifier alone with it off and on,
-#          then the services with it on at 1, 16 and 64 clients (drafting off, n-gram)
+#          attention: the batch at 16 and 64 sessions, the verifier alone with it off and on
+# pkernel-services [DRAFTERS]  the services (default drafting off) at 1, 16 and 64 clients,
+#          with it off, then on, each beside mlx-lm batched
 # pieces   the pooled attention's parts per layer (writes into the pool, the gather of each
 #          session's keys, the masked attention) against the whole pooled forward, at 16 and
 #          64 sessions (pooled_pieces.py: what a cheaper pooled forward must remove)
@@ -179,10 +180,14 @@ pkernel)
     timeout 90 python3 benchmarks/batched_decode.py --target "$model" --clients 1 16 64 \
       --verifier-args "--dtype float32 --log-stats 1 --pool-kernel $mode" \
       >> "$OUT/pkernel.log" 2>&1
-  done
-  timeout 200 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
-    --max-tokens 128 --drafter none,ngram --concurrency 1,16,64 --concurrency-requests 1 \
-    --verifier-args "--log-stats 1 --pool-kernel on" >> "$OUT/pkernel.log" 2>&1 ;;
+  done ;;
+pkernel-services)
+  for mode in off on; do
+    timeout 270 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
+      --max-tokens 128 --drafter "${2:-none}" --concurrency 1,16,64 --concurrency-requests 1 \
+      --verifier-args "--log-stats 1 --pool-kernel $mode" --log-dir ~/res/pkernel-$mode \
+      >> "$OUT/pkernel.log" 2>&1
+  done ;;
 pieces)
   timeout 200 python3 benchmarks/pooled_pieces.py --target "$model" --sessions 16 64 --calls 20 \
     > "$OUT/pieces.log" 2>&1 ;;
