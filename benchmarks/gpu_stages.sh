@@ -79,15 +79,27 @@ python3 -c "import specd.cpu._row_kernels" 2> /dev/null \
   || echo "specd's kernels did not build here: $OUT/kernels-build.log"
 model=$SPECD_GPU_MODEL
 # distilled replies from an earlier machine: carry its $OUT/dd.gz.* parts as .gpu/dd.gz.*
-if [ ! -s ~/dd.jsonl ] && ls .gpu/dd.gz.* > /dev/null 2>&1; then
-  cat .gpu/dd.gz.* | gunzip > ~/dd.jsonl
-fi
-for data in ds dl; do
+# (ds, dl: the self-prompted ones likewise)
+for data in dd ds dl; do
   if [ ! -s ~/$data.jsonl ] && ls .gpu/$data.gz.* > /dev/null 2>&1; then
     cat .gpu/$data.gz.* | gunzip > ~/$data.jsonl
   fi
 done
 bench() { python3 -m specd bench --target "$model" --max-tokens 128 "$@"; }
+# pooled_off_on LOG FLAG VARIANTS...: the pooled batch at 16 and 64 sessions in pooled_mix.py's
+# VARIANTS, then the verifier alone with its --FLAG off and on, into $OUT/LOG
+pooled_off_on() {
+  local log=$1 flag=$2
+  shift 2
+  for sessions in 16 64; do
+    timeout 120 python3 benchmarks/pooled_mix.py --target "$model" --sessions "$sessions" \
+      --drafts 0 3 15 --calls 10 --variants "$@" >> "$OUT/$log" 2>&1
+  done
+  for mode in off on; do
+    timeout 100 python3 benchmarks/batched_decode.py --target "$model" --clients 1 16 64 \
+      --verifier-args "--dtype float32 --log-stats 1 --$flag $mode" >> "$OUT/$log" 2>&1
+  done
+}
 case "${1:-}" in
 parity)
   # first on a fresh machine: where the first request after SERVING loses its time
@@ -160,27 +172,10 @@ mix)
   done ;;
 cpool)
   # the compiled pooled forward (--compiled-pooled): its batch against the model's own at 16
-  # and 64 sessions, the verifier alone with it off and on, the services with it on
-  for sessions in 16 64; do
-    timeout 120 python3 benchmarks/pooled_mix.py --target "$model" --sessions "$sessions" \
-      --drafts 0 3 15 --calls 10 --variants own compiled compiled own >> "$OUT/cpool.log" 2>&1
-  done
-  for mode in off on; do
-    timeout 100 python3 benchmarks/batched_decode.py --target "$model" --clients 1 16 64 \
-      --verifier-args "--dtype float32 --log-stats 1 --compiled-pooled $mode" \
-      >> "$OUT/cpool.log" 2>&1
-  done ;;
+  # and 64 sessions, the verifier alone with it off and on
+  pooled_off_on cpool.log compiled-pooled own compiled compiled own ;;
 pkernel)
-  for sessions in 16 64; do
-    timeout 100 python3 benchmarks/pooled_mix.py --target "$model" --sessions "$sessions" \
-      --drafts 0 3 15 --calls 10 --variants compiled kernel kernel compiled \
-      >> "$OUT/pkernel.log" 2>&1
-  done
-  for mode in off on; do
-    timeout 90 python3 benchmarks/batched_decode.py --target "$model" --clients 1 16 64 \
-      --verifier-args "--dtype float32 --log-stats 1 --pool-kernel $mode" \
-      >> "$OUT/pkernel.log" 2>&1
-  done ;;
+  pooled_off_on pkernel.log pool-kernel compiled kernel kernel compiled ;;
 pkernel-services)
   for mode in off on; do
     timeout 270 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
