@@ -253,3 +253,10 @@ def test_declared_flags_set_their_fields():
     config, _ = _service_config(args)
     assert not config.adaptive and config.overlap_drafting and config.drafter is None
     assert config.verifier_recovery_s == 7.0 and config.draft_beside_decode
+
+
+def test_distill_with_openings_it_cannot_read_says_why_before_loading_a_model(tmp_path):
+    out = _specd("distill", "--out", str(tmp_path / "x.jsonl"), "--prompts", "self",
+                 "--prompt-leads", str(tmp_path / "missing.txt"))  # fmt: skip
+    assert out.returncode == 1 and "--prompt-leads" in out.stderr
+    assert "Traceback" not in out.stderr
