@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from specd.models import pool_attention
 from specd.models.compiled import CompiledForward
@@ -140,3 +141,11 @@ def test_the_first_use_check_takes_a_right_kernel_and_refuses_a_wrong_one(monkey
 
     monkeypatch.setattr(pool_attention, "attend", one_key_short)
     assert not pool_attention._first_use_check(64)
+
+
+def test_row_info_that_does_not_describe_the_rows_is_refused_before_any_launch():
+    q = mx.zeros((5, HEADS, HEAD_DIM))
+    grid = mx.zeros((2, KV_HEADS, 16, HEAD_DIM))
+    info = mx.array(pool_attention.row_info(np.array([0]), np.array([3]), np.array([4])))
+    with pytest.raises(ValueError, match="does not describe 5 query rows"):
+        pool_attention.attend(q, grid, grid, info, HEAD_DIM**-0.5)

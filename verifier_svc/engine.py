@@ -129,7 +129,9 @@ class Target:
         pooled = kv_pool and self._mlx.takes_many()
         compiled_pooled = pooled and compiled_pooled and compiled.supports(self.model)
         if self.compiled_forwards or compiled_pooled:  # one set of joined weights for both
-            compiled_forward = CompiledForward(self.model, pool_kernel=pool_kernel)
+            compiled_forward = CompiledForward(
+                self.model, pool_kernel=pool_kernel and compiled_pooled
+            )
             if self.compiled_forwards:
                 self.forwards.insert(0, CompiledMlxForward(compiled_forward, self._mlx))
             if compiled_pooled:

@@ -422,7 +422,10 @@ def attend_rows(scale: float, pool: KVPool, step: PooledStep, layer: int, querie
     """A ragged step's attention: rows rotated at their positions, queries [R, heads, 1, D],
     keys and values [R, kv_heads, 1, D] (the real rows, then the step's spare ones): the keys
     and values written to the pool, the queries placed in the [B, T] grid for one masked
-    attention, each row's output taken back, [R, heads * D] (a spare row's is a real one's)."""
+    attention, each row's output taken back, [R, heads * D] (a spare row's is a real one's);
+    with the step's `row_info`, every row in one launch of specd.models.pool_attention (a
+    spare row's output is its own, over the first session's keys). No caller reads a spare
+    row's output."""
     ragged = step.ragged
     rows, heads = queries.shape[0], queries.shape[1]
     index = pool.ragged_rows(step.slots, step.offsets, ragged.lengths, keys.shape[1],

@@ -100,6 +100,8 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, info: mx.array, scale:
     """q [R, H, D] float32; keys/values the pool's grid [slots, KVH, capacity, D] with every
     row's keys written; info `row_info`'s [R, 4] as a device array. Returns [R, H * D]."""
     global _kernel
+    if info.shape != (q.shape[0], 4):  # the kernel would read past row_info
+        raise ValueError(f"row_info {info.shape} does not describe {q.shape[0]} query rows")
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
             name="specd_pool_attention",
@@ -133,13 +135,17 @@ def _first_use_check(head_dim: int) -> bool:
         grid_v = mx.random.normal((slots, kv_heads, capacity, head_dim), key=mx.random.key(6))
         tree_sees = np.tril(np.ones((4, 4), bool))
         tree_sees[2, 1] = tree_sees[3, 1] = tree_sees[3, 2] = False  # rows 1 and 2 siblings
+        # the widest session the kernel takes (32 rows, up to 1,024 keys) among them
         sessions = [(4, 37, 1, None), (0, 300, 7, None), (5, 0, 16, None),
-                    (2, 1000, 16, None), (1, 64, 4, (None, tree_sees))]  # fmt: skip
+                    (2, 1000, 16, None), (1, 64, 4, (None, tree_sees)),
+                    (3, 992, 32, None)]  # fmt: skip
         slots_, offsets, lengths = (np.array([s[i] for s in sessions]) for i in range(3))
         trees = [s[3] for s in sessions]
         info = row_info(slots_, offsets, lengths, trees, spare=2)
         rows = int(lengths.sum()) + 2
-        q = mx.random.normal((rows, heads, head_dim), key=mx.random.key(7))
+        # queries strided as serving's are: a column slice of the joined q/k/v product
+        q = mx.random.normal((rows, heads + 2 * kv_heads, head_dim), key=mx.random.key(7))
+        q = q[:, :heads]
         got = attend(q, grid_k, grid_v, mx.array(info), head_dim**-0.5)
         got = got.reshape(rows, heads, 1, head_dim)
         sdpa = mx.fast.scaled_dot_product_attention
