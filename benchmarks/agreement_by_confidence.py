@@ -20,7 +20,6 @@ first user messages, answered afresh).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,7 +27,7 @@ import numpy as np
 
 from coordinator.bench import plain_decode
 from drafter_svc.config import DrafterConfig, drafter_options
-from drafter_svc.data import Example, TargetFeatures, head_matrix
+from drafter_svc.data import Example, TargetFeatures, head_matrix, read_conversations, to_messages
 from drafter_svc.distill import user_turns
 from drafter_svc.eagle3.train import Trainer, TrainOptions, ttt_forward
 from drafter_svc.server import make_proposer
@@ -56,12 +55,9 @@ def sharegpt_chats(count: int, max_prompt_tokens: int, tokenizer, seed: int) -> 
 
 
 def first_messages(path: Path) -> list[list[dict]]:
-    """The first user message of every record of a ShareGPT-format .jsonl, as a chat."""
-    chats = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        turns = json.loads(line)["conversations"]
-        chats.append([{"role": "user", "content": turns[0]["value"]}])
-    return chats
+    """The first user message of every record of a ShareGPT-format file, as a chat."""
+    chats = (to_messages(record) for record in read_conversations(path))
+    return [[chat[0]] for chat in chats if chat is not None]
 
 
 def replies(loaded, chats, tokens: int, capture) -> list:

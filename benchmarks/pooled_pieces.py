@@ -176,7 +176,7 @@ def measure(target: Target, sessions: list, calls: int, rng: np.random.Generator
             return [
                 pool_attention.attend(
                     flat_queries, *(pool.grid(a) for a in pool.arrays(layer)), info, scale
-                )  # fmt: skip
+                )
                 for layer in range(layers)
             ]
 

@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from specd.models import few_rows
-from specd.models.row_attention import _HEADER, _WARPS, HEAD_DIMS, TWO_PASS_KEYS, one_row_source
+from specd.models.row_attention import HEAD_DIMS, TWO_PASS_KEYS, OneRowKernel, one_row_source
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +50,8 @@ _SOURCE = one_row_source(
     visible="i < cached || ((sees >> (i - cached)) & 1u)",
 )
 
-_kernel = None
+_kernel = OneRowKernel("specd_pool_attention", ["q", "keys", "values", "row_info"], _SOURCE)
 _works: dict[int, bool] = {}  # head size -> the first use's check on this device
-_scales: dict[float, mx.array] = {}
 
 
 def row_info(
@@ -69,18 +68,21 @@ def row_info(
     than MAX_NEW_ROWS rows or a row would scan more than TWO_PASS_KEYS keys (there a decode
     step's kernel splits its keys another way)."""
     lengths = np.asarray(lengths)
-    if int(lengths.max()) > MAX_NEW_ROWS or int((offsets + lengths).max()) > TWO_PASS_KEYS:
+    ends = np.asarray(offsets) + lengths
+    if int(lengths.max()) > MAX_NEW_ROWS or int(ends.max()) > TWO_PASS_KEYS:
         return None
-    trees = trees if trees is not None else [None] * len(lengths)
-    parts = []
-    for slot, cached, n, tree in zip(slots, offsets, lengths, trees, strict=True):
-        sees = np.tril(np.ones((n, n), bool)) if tree is None else np.asarray(tree[1], bool)
-        bits = (sees.astype(np.uint64) << np.arange(n, dtype=np.uint64)).sum(axis=1)
-        part = np.empty((n, 4), np.int64)
-        part[:, 0], part[:, 1], part[:, 2] = slot, cached, cached + n
-        part[:, 3] = bits.astype(np.uint32).view(np.int32)
-        parts.append(part)
-    info = np.concatenate(parts)
+    # built for all rows at once: this runs on the host every pooled step
+    session = np.repeat(np.arange(len(lengths)), lengths)
+    starts = np.cumsum(lengths) - lengths
+    place = np.arange(len(session)) - starts[session]
+    bits = (np.uint64(2) << place.astype(np.uint64)) - np.uint64(1)  # a chain's row t: 0..t
+    for b, tree in enumerate(trees or ()):
+        if tree is not None:
+            sees = np.asarray(tree[1], bool).astype(np.uint64)
+            n = len(sees)
+            bits[starts[b] : starts[b] + n] = (sees << np.arange(n, dtype=np.uint64)).sum(axis=1)
+    info = np.stack([np.asarray(slots)[session], np.asarray(offsets)[session], ends[session],
+                     bits.astype(np.uint32).view(np.int32)], axis=1)  # fmt: skip
     info = np.concatenate([info, np.repeat(info[:1], spare, axis=0)])
     return info.astype(np.int32)
 
@@ -99,30 +101,10 @@ def runs_here(head_dim: int) -> bool:
 def attend(q: mx.array, keys: mx.array, values: mx.array, info: mx.array, scale: float) -> mx.array:
     """q [R, H, D] float32; keys/values the pool's grid [slots, KVH, capacity, D] with every
     row's keys written; info `row_info`'s [R, 4] as a device array. Returns [R, H * D]."""
-    global _kernel
     if info.shape != (q.shape[0], 4):  # the kernel would read past row_info
         raise ValueError(f"row_info {info.shape} does not describe {q.shape[0]} query rows")
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="specd_pool_attention",
-            input_names=["q", "keys", "values", "row_info", "scale"],
-            output_names=["out"],
-            source=_SOURCE,
-            header=_HEADER,
-            ensure_row_contiguous=False,
-        )
     rows, heads, head_dim = q.shape
-    if scale not in _scales:
-        _scales[scale] = mx.array([scale], dtype=mx.float32)
-    (out,) = _kernel(
-        inputs=[q, keys, values, info, _scales[scale]],
-        template=[("T", q.dtype), ("D", head_dim)],
-        grid=(32 * _WARPS * heads, rows, 1),
-        threadgroup=(32 * _WARPS, 1, 1),
-        output_shapes=[(rows, heads * head_dim)],
-        output_dtypes=[q.dtype],
-    )
-    return out
+    return _kernel([q, keys, values, info], scale, rows, heads, head_dim)
 
 
 def _first_use_check(head_dim: int) -> bool:

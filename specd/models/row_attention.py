@@ -148,9 +148,44 @@ _SOURCE = one_row_source(
     visible="i <= last_key",
 )
 
-_kernel = None
+
+class OneRowKernel:
+    """A kernel of `one_row_source`, built at its first call: a block a (head, row), inputs
+    `input_names` then the scale, out [rows, heads * D] in the inputs' dtype (D = head size)."""
+
+    _scales: dict[float, mx.array] = {}  # one small array a scale, not one a call
+
+    def __init__(self, name: str, input_names: list[str], source: str):
+        self.name, self.input_names, self.source = name, input_names, source
+        self._kernel = None
+
+    def __call__(self, inputs: list[mx.array], scale: float, rows: int, heads: int,
+                 head_dim: int) -> mx.array:  # fmt: skip
+        if self._kernel is None:
+            self._kernel = mx.fast.cuda_kernel(
+                name=self.name,
+                input_names=[*self.input_names, "scale"],
+                output_names=["out"],
+                source=self.source,
+                header=_HEADER,
+                ensure_row_contiguous=False,  # the caches and the pool are read in place
+            )
+        if scale not in self._scales:
+            self._scales[scale] = mx.array([scale], dtype=mx.float32)
+        dtype = inputs[0].dtype
+        (out,) = self._kernel(
+            inputs=[*inputs, self._scales[scale]],
+            template=[("T", dtype), ("D", head_dim)],
+            grid=(32 * _WARPS * heads, rows, 1),
+            threadgroup=(32 * _WARPS, 1, 1),
+            output_shapes=[(rows, heads * head_dim)],
+            output_dtypes=[dtype],
+        )
+        return out
+
+
+_kernel = OneRowKernel("specd_row_attention", ["q", "keys", "values"], _SOURCE)
 _works: dict[int, bool] = {}  # head size -> the first use's check on this device
-_scales: dict[float, mx.array] = {}  # one small array a scale, not one a call
 
 
 def runs_here(head_dim: int) -> bool:
@@ -182,27 +217,8 @@ def fits(q: mx.array, keys: mx.array, base: int) -> bool:
 def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
     """Causal attention of q [1, H, rows, D] over keys/values [1, KVH, L, D] (the rows' own
     keys last): [1, H, rows, D], a view of the kernel's [rows, H * D] output."""
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="specd_row_attention",
-            input_names=["q", "keys", "values", "scale"],
-            output_names=["out"],
-            source=_SOURCE,
-            header=_HEADER,
-            ensure_row_contiguous=False,  # the cache's slices are read in place
-        )
     _, heads, rows, head_dim = q.shape
-    if scale not in _scales:
-        _scales[scale] = mx.array([scale], dtype=mx.float32)
-    (out,) = _kernel(
-        inputs=[q, keys, values, _scales[scale]],
-        template=[("T", q.dtype), ("D", head_dim)],
-        grid=(32 * _WARPS * heads, rows, 1),
-        threadgroup=(32 * _WARPS, 1, 1),
-        output_shapes=[(rows, heads * head_dim)],
-        output_dtypes=[q.dtype],
-    )
+    out = _kernel([q, keys, values], scale, rows, heads, head_dim)
     return out.reshape(1, rows, heads, head_dim).transpose(0, 2, 1, 3)
 
 
