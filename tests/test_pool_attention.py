@@ -97,11 +97,12 @@ def test_a_step_for_the_kernel_carries_row_info_and_no_mask():
     lengths = np.array([1, 3])
     step = PooledStep.of(caches, 3, None, lengths, 1, pool_kernel=True)
     assert step.mask is None
+    assert step.ragged.padded is None and step.ragged.real is None  # no grid to place rows in
     assert np.array(step.row_info).tolist() == [[0, 4, 5, 1], [1, 6, 9, 1], [1, 6, 9, 3],
                                                  [1, 6, 9, 7], [0, 4, 5, 1]]  # fmt: skip
     # rows past what the kernel takes keep the mask; so does a batch that is not ragged
     long = PooledStep.of(caches, 33, None, np.array([1, 33]), 0, pool_kernel=True)
-    assert long.row_info is None and long.mask is not None
+    assert long.row_info is None and long.mask is not None and long.ragged.padded is not None
     even = PooledStep.of(caches, 1, pool_kernel=True)
     assert even.ragged is None and even.row_info is None and even.mask is not None
 

@@ -294,25 +294,37 @@ class RaggedRows:
 
     lengths: np.ndarray  # [B] real rows per session
     positions: mx.array  # [N + spare] int32: each row's RoPE position
-    padded: mx.array  # [B * T] int32: the real row each grid slot reads (padding: its last)
-    real: mx.array  # [N + spare] int32: each row's grid slot (spare rows: the first's)
+    padded: mx.array | None  # [B * T] int32: the real row each grid slot reads (padding: its
+    # last); None where the rows attend without the grid (pool_attention)
+    real: mx.array | None  # [N + spare] int32: each row's grid slot (spare rows: the first's)
     spare: int = 0  # padding rows after the real ones (a compiled forward's traced count)
 
     @classmethod
     def of(
-        cls, offsets: np.ndarray, lengths: np.ndarray, tokens: int, trees, spare: int = 0
+        cls,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        tokens: int,
+        trees,
+        spare: int = 0,
+        grid: bool = True,
     ) -> RaggedRows:
-        starts = np.cumsum(lengths) - lengths
-        t = np.arange(tokens)[None, :]
-        padded = starts[:, None] + np.minimum(t, lengths[:, None] - 1)
-        real = [b * tokens + np.arange(n) for b, n in enumerate(lengths)]
+        """grid: build the indices that place rows in the [B, T] grid and take them back (the
+        mask path); the pool kernel's steps need none."""
         positions = [
             offsets[b] + np.arange(n) if tree is None else np.asarray(tree[0])
             for b, (n, tree) in enumerate(zip(lengths, trees, strict=True))
         ]
         positions.append(np.full(spare, spare_position(offsets, lengths)))
+        positions = _int32(np.concatenate(positions))
+        if not grid:
+            return cls(lengths, positions, None, None, spare)
+        starts = np.cumsum(lengths) - lengths
+        t = np.arange(tokens)[None, :]
+        padded = starts[:, None] + np.minimum(t, lengths[:, None] - 1)
+        real = [b * tokens + np.arange(n) for b, n in enumerate(lengths)]
         real.append(np.zeros(spare, dtype=int))
-        return cls(lengths, _int32(np.concatenate(positions)), _int32(padded.reshape(-1)),
+        return cls(lengths, positions, _int32(padded.reshape(-1)),
                    _int32(np.concatenate(real)), spare)  # fmt: skip
 
 
@@ -361,13 +373,14 @@ class PooledStep:
         offsets = np.array([c.offset for c in caches])
         trees = trees if trees is not None else [None] * len(caches)
         lengths = np.full(len(caches), tokens) if lengths is None else np.asarray(lengths)
-        ragged = None
         uneven = int(lengths.min()) != int(lengths.max())
-        if spare is not None or uneven or any(tree is not None for tree in trees):
-            ragged = RaggedRows.of(offsets, lengths, tokens, trees, spare or 0)
+        is_ragged = spare is not None or uneven or any(tree is not None for tree in trees)
         info = None
-        if pool_kernel and ragged is not None:
+        if pool_kernel and is_ragged:
             info = pool_attention.row_info(slots, offsets, lengths, trees, spare or 0)
+        ragged = None
+        if is_ragged:
+            ragged = RaggedRows.of(offsets, lengths, tokens, trees, spare or 0, info is None)
         mask = batch_mask(offsets, tokens, trees) if info is None else None
         info = None if info is None else mx.array(info)
         return cls(slots, offsets, _int32(slots), _int32(offsets), mask, ragged, info)
