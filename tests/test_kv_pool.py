@@ -491,6 +491,15 @@ def compiled_pooled(tiny_model_dir):
     return made
 
 
+def test_the_verifier_says_how_its_batched_forwards_run(tiny_model_dir, compiled_pooled, plain):
+    # off CUDA the pool kernel (auto) cannot run: the mask says where attention looks
+    assert compiled_pooled.pooled_path == "compiled, attention through a mask"
+    op_by_op = Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0,
+                      row_forwards=True, kv_pool=True, pool_kernel="on")  # fmt: skip
+    assert op_by_op.pooled_path == "op by op, attention through a mask"
+    assert plain.pooled_path is None
+
+
 def _rows_traced(monkeypatch) -> list[int]:
     """Row counts of each call of the compiled pooled forward, as it runs."""
     from specd.models.compiled import CompiledForward

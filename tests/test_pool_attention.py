@@ -113,8 +113,13 @@ def test_off_cuda_the_compiled_forward_keeps_the_masked_attention_and_says_so(
     model = load_target(str(tiny_model_dir), dtype="float32").model
     assert not pool_attention.runs_here(64)
     assert CompiledForward(model).pool_kernel is False and not caplog.records
-    assert CompiledForward(model, pool_kernel=True).pool_kernel is False
+    # auto (the verifier's default) keeps the mask quietly; on says why it cannot run
+    assert CompiledForward(model, pool_kernel="auto").pool_kernel is False
+    assert not caplog.records
+    assert CompiledForward(model, pool_kernel="on").pool_kernel is False
     assert "keeps the masked attention" in caplog.text
+    with pytest.raises(ValueError, match="auto, on or off"):
+        CompiledForward(model, pool_kernel="yes")
 
 
 def _attention_by_row_info(q, keys, values, info, scale):

@@ -125,13 +125,14 @@ class VerifierConfig:
         choices=GPU_MODES,
     )
     pool_kernel: str = option(
-        "off",
+        "auto",
         "in the compiled pooled forward (--compiled-pooled), attend each row in one CUDA "
         "kernel launch a layer that reads the row's own session where the KV pool keeps it, "
         "instead of gathering every session's keys and attending through a mask; a chain's "
         "row sums as a decode step of that session alone (float32 targets, sessions of at "
         "most 32 new rows, rows over at most 1024 keys; checked against MLX's attention at "
-        "first use, else the mask); auto = on on a GPU",
+        "first use, else the mask); auto = where it runs (a CUDA GPU, a float32 target), "
+        "elsewhere the mask; on = the same, with a warning where it cannot run",
         choices=GPU_MODES,
     )
     log_stats_s: float = option(

@@ -79,7 +79,7 @@ class Target:
         kv_pool: bool = False,
         pool_alone: bool = True,
         compiled_pooled: bool = False,
-        pool_kernel: bool = False,
+        pool_kernel: str = "off",
     ):
         """gemv_rows: forwards of at most this many tokens run on numpy: whole layers for
         Llama-family models (specd.cpu.llama), else the weight products alone
@@ -93,8 +93,9 @@ class Target:
         (verifier_svc.kv_pool), where MLX's forward takes many sessions. pool_alone: False
         keeps a session opened while no other is open out of the pool (`new_cache`).
         compiled_pooled: the pool's batches of up to compiled.MAX_POOLED_ROWS rows with the
-        work between attentions compiled, where the architecture allows. pool_kernel: their
-        rows attend in specd.models.pool_attention's one launch, where it runs."""
+        work between attentions compiled, where the architecture allows. pool_kernel: auto, on
+        or off: their rows attend in specd.models.pool_attention's one launch (auto: where
+        it runs; on: a warning where it cannot)."""
         self.loaded = loaded
         self.model = loaded.model
         device = device_kind()
@@ -130,12 +131,20 @@ class Target:
         compiled_pooled = pooled and compiled_pooled and compiled.supports(self.model)
         if self.compiled_forwards or compiled_pooled:  # one set of joined weights for both
             compiled_forward = CompiledForward(
-                self.model, pool_kernel=pool_kernel and compiled_pooled
+                self.model, pool_kernel=pool_kernel if compiled_pooled else "off"
             )
             if self.compiled_forwards:
                 self.forwards.insert(0, CompiledMlxForward(compiled_forward, self._mlx))
             if compiled_pooled:
                 self._mlx.compiled_pooled = compiled_forward
+        self.pooled_path = None  # what the verifier's log says of its batched forwards
+        if pooled:
+            attention = (
+                "the pool kernel" if compiled_pooled and compiled_forward.pool_kernel else "a mask"
+            )
+            self.pooled_path = (
+                f"{'compiled' if compiled_pooled else 'op by op'}, attention through {attention}"
+            )
         if cpu_layers is not None:
             self.forwards.insert(0, CpuKernelForward(cpu_layers))
         self._tree_ready: bool | None = None

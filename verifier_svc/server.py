@@ -39,6 +39,8 @@ async def serve(config: VerifierConfig) -> None:
         servicer.target.gemv_rows,
         servicer.target.numpy_part,
     )
+    if servicer.target.pooled_path:
+        log.info("sessions' batched forwards: %s", servicer.target.pooled_path)
     loaded, warmup = servicer.target.loaded, servicer.warmup
     if loaded.dtype_timings:
         timed = ", ".join(f"{d} {ms:.2f} ms" for d, ms in loaded.dtype_timings.items())

@@ -122,7 +122,7 @@ def target_for(config: VerifierConfig) -> Target:
         kv_pool=on_gpu(config.kv_pool, "kv-pool"),
         pool_alone=config.kv_pool == "on",
         compiled_pooled=on_gpu(config.compiled_pooled, "compiled-pooled"),
-        pool_kernel=on_gpu(config.pool_kernel, "pool-kernel"),
+        pool_kernel=config.pool_kernel,
     )
 
 

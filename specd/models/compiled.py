@@ -105,8 +105,11 @@ class CompiledForward:
     wrappers (capture, row by row) are looked through: this reads their weights."""
 
     def __init__(
-        self, model: nn.Module, one_launch_attention: bool = True, pool_kernel: bool = False
+        self, model: nn.Module, one_launch_attention: bool = True, pool_kernel: str = "off"
     ):
+        """pool_kernel: auto, on or off: pooled batches' rows attend in
+        specd.models.pool_attention's one launch (auto: where it runs, on a CUDA GPU with a
+        float32 target; on: a warning where it cannot)."""
         self.model = model
         inner = model.model
         self.layers = inner.layers  # what mlx-lm's make_prompt_cache counts
@@ -125,12 +128,14 @@ class CompiledForward:
         )
         # a pooled batch's rows in one launch reading the pool in place (float32, as the
         # one-row kernel it copies is checked in)
+        if pool_kernel not in ("auto", "on", "off"):
+            raise ValueError(f"pool_kernel is auto, on or off, not {pool_kernel!r}")
         self.pool_kernel = (
-            pool_kernel
+            pool_kernel != "off"
             and self.final_norm.dtype == mx.float32
             and pool_attention.runs_here(self.shape.head_dim)
         )
-        if pool_kernel and not self.pool_kernel:
+        if pool_kernel == "on" and not self.pool_kernel:
             log.warning("--pool-kernel: the pool kernel runs on a CUDA GPU with a float32 "
                         "target whose head size is one of %s; the pooled batch keeps the "
                         "masked attention", pool_attention.HEAD_DIMS)  # fmt: skip
