@@ -60,12 +60,14 @@
 #          RECORDS (default 30000; features take 4.6 kB a token, 27 GB for 24,000 records) of DATA
 #          (default ~/dd.jsonl, or carried .gpu/dd.gz.*) in its seed-0 shuffle, for SECONDS (default 480, features included); a second call on the
 #          same machine resumes from its checkpoint and cached features
-# eagle3 [DATA [SECONDS [RECORDS [MLP_WIDTH [DRAFT_VOCAB [EPOCHS]]]]]]  the EAGLE-3 head, from the
+# eagle3 [DATA [SECONDS [RECORDS [MLP_WIDTH [DRAFT_VOCAB [EPOCHS [afresh]]]]]]]  the EAGLE-3 head, from the
 #          shipped one, on the same replies; both read the target features cached in ~/feat,
 #          so the second to run on the same DATA and RECORDS computes none; MLP_WIDTH (e.g.
 #          3072, or "" for the shipped width) widens the head's MLP first (a wider head, one of
 #          issue 26's levers); DRAFT_VOCAB (e.g. 16384) grows its draft vocabulary first;
 #          EPOCHS (default 1; 2 after a finished run on the same machine goes on from it)
+#          afresh chooses its draft vocabulary from DATA (--vocab-from-data: DRAFT_VOCAB, or
+#          the shipped head's size, of the tokens the target predicts most there)
 # A carried .gpu/kernels.tgz (an earlier stage's $OUT/kernels.tgz) spares compiling kernels.
 set -uo pipefail
 . ~/b/env.sh .
@@ -230,10 +232,12 @@ dflash)
   for f in "$out"/model*.safetensors; do cp "$f" "$OUT/dflash-$(basename "$f")"; done
   tar -czf "$OUT/dflash-meta.tgz" -C "$out" config.json draft_vocab.npy training.json ;;
 eagle3)
-  out=~/e3${5:+-mlp$5}${6:+-vocab$6}  # a widened head is another run
+  out=~/e3${5:+-mlp$5}${6:+-vocab$6}${8:+-$8}  # a widened head is another run
+  [ -n "${8:-}" ] && [ "$8" != afresh ] && { echo "eagle3: the 8th argument is afresh or nothing" >&2; exit 2; }
   python3 -m specd train eagle3 --target "$model" --out "$out" --data "${2:-$HOME/dd.jsonl}" \
     --cache-dir ~/feat --conversations "${4:-30000}" --max-len 1024 --epochs "${7:-1}" --batch-size 32 --held-out 200 \
     --save-every 40 --ttt-steps 6 --lr 5e-4 --time-limit "${3:-480}" ${5:+--mlp-width "$5"} ${6:+--draft-vocab "$6"} \
+    ${8:+--vocab-from-data} \
     --init-from drafter_svc/eagle3/heads/smollm2-135m-instruct > "$OUT/eagle3.log" 2>&1
   for f in "$out"/model*.safetensors; do cp "$f" "$OUT/eagle3-$(basename "$f")"; done
   tar -czf "$OUT/eagle3-meta.tgz" -C "$out" config.json training.json ;;

@@ -582,6 +582,14 @@ def _add_train(sub) -> None:
         "most frequent)",
     )
     e3.add_argument(
+        "--vocab-from-data",
+        action="store_true",
+        help="with --init-from: choose the draft vocabulary afresh, the --draft-vocab (default: "
+        "the start point's size) tokens the target most often predicts in this data, keeping "
+        "the start point's read-out rows for the tokens it held (a head for data of another "
+        "kind)",
+    )
+    e3.add_argument(
         "--ttt-steps", type=int_between(1), default=3, help="unrolled training-time-test passes"
     )
     e3.add_argument("--decay", type=float, default=0.8, help="loss weight of pass j: decay**j")

@@ -142,6 +142,15 @@ def test_out_of_range_flags_are_refused_when_parsed(argv, capsys):
     assert "must be" in capsys.readouterr().err
 
 
+def test_train_eagle3_takes_a_draft_vocabulary_chosen_from_its_data():
+    from drafter_svc.eagle3.train import TrainOptions
+    from specd.cli import build_parser
+
+    args = build_parser().parse_args(["train", "eagle3", "--out", "x", "--vocab-from-data"])
+    assert args.vocab_from_data is True and "vocab_from_data" in TrainOptions.__dataclass_fields__
+    assert build_parser().parse_args(["train", "eagle3", "--out", "x"]).vocab_from_data is False
+
+
 def _specd(*argv):
     return subprocess.run(
         [sys.executable, "-m", "specd", *argv], capture_output=True, text=True, timeout=120

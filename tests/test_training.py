@@ -214,6 +214,13 @@ def test_a_continued_head_can_grow_or_shrink_its_draft_vocabulary(tiny_model_dir
     assert less.config.draft_vocab_size == 20 and less.lm_head.weight.shape[0] == 20
     assert set(kept.tolist()) <= set(new_ids.tolist()) and (np.diff(kept) > 0).all()
     assert "draft vocabulary 60 -> 20: covers" in capsys.readouterr().err
+    # chosen afresh: the data's own most frequent tokens, as a new head of that size takes
+    train_eagle3(TrainOptions(**common, out=tmp_path / "afresh", draft_vocab=40,
+                              init_from=tmp_path / "less", vocab_from_data=True))  # fmt: skip
+    afresh, _ = load_head(tmp_path / "afresh")
+    assert (np.array(afresh.d2t) == np.array(small.d2t)).all()
+    assert afresh.lm_head.weight.shape[0] == 40
+    assert "draft vocabulary 20 -> 40: covers" in capsys.readouterr().err
 
 
 def test_a_widened_head_computes_what_it_did_then_trains_and_loads(tiny_model_dir, data,

@@ -80,6 +80,9 @@ class TrainOptions:
     held_out: int = 0  # conversations kept out of training, their agreement printed as it goes
     time_limit: float | None = None  # seconds from the start: no step after, resumable
     mlp_width: int | None = None  # the head's MLP width; None: the target's, or the start's
+    # with init_from: the draft vocabulary chosen afresh from this data's most frequent
+    # predictions (its size: draft_vocab, or the start point's), not kept or grown
+    vocab_from_data: bool = False
 
 
 def head_config(loaded, draft_vocab: int, capture: tuple[int, ...]) -> Eagle3Config:
@@ -258,7 +261,9 @@ class Trainer:
         self.cfg = cfg
         self.draft_ids = np.arange(cfg.draft_vocab_size) + np.asarray(head.d2t)
         wanted = self.opts.draft_vocab
-        if wanted is not None and wanted != cfg.draft_vocab_size:
+        if self.opts.vocab_from_data:
+            head = self._resize_vocab(head, loaded, wanted or cfg.draft_vocab_size, afresh=True)
+        elif wanted is not None and wanted != cfg.draft_vocab_size:
             head = self._resize_vocab(head, loaded, wanted)
         width = self.opts.mlp_width
         if width is not None and width != cfg.intermediate_size:
@@ -266,19 +271,24 @@ class Trainer:
             self.cfg = head.config
         return head
 
-    def _resize_vocab(self, head: Eagle3Head, loaded, size: int) -> Eagle3Head:
+    def _resize_vocab(
+        self, head: Eagle3Head, loaded, size: int, afresh: bool = False
+    ) -> Eagle3Head:
         """Grow: the start point's draft vocabulary plus the most frequent tokens it lacks, a
         new token reading out through the target's own row, as a new head starts. Shrink: the
-        `size` of its tokens the target predicts most often here (a smaller weight file)."""
+        `size` of its tokens the target predicts most often here (a smaller weight file).
+        afresh: the `size` tokens the target predicts most often here, whichever the start
+        point held (its read-out rows kept for those it did)."""
         cfg = self.cfg
         size = min(size, cfg.vocab_size)
         old_ids = self.draft_ids
         ranked = choose_draft_vocab(self.feats, cfg.vocab_size, cfg.vocab_size, sort=False)
-        if size < len(old_ids):
-            ids = np.sort(ranked[np.isin(ranked, old_ids)][:size])
-            print(f"draft vocabulary {len(old_ids)} -> {size}: covers "
+        if afresh or size < len(old_ids):
+            ids = np.sort(ranked[:size] if afresh else ranked[np.isin(ranked, old_ids)][:size])
+            print(f"draft vocabulary {len(old_ids)} -> {len(ids)}: covers "
                   f"{_coverage(self.feats, ids):.2%} of the target's predictions in the data "
-                  f"({_coverage(self.feats, old_ids):.2%} before)", file=sys.stderr)  # fmt: skip
+                  f"({_coverage(self.feats, old_ids):.2%} before), "
+                  f"{np.isin(ids, old_ids).sum()} tokens kept", file=sys.stderr)  # fmt: skip
         else:
             extra = ranked[~np.isin(ranked, old_ids)][: size - len(old_ids)]
             ids = np.sort(np.concatenate([old_ids, extra]))
