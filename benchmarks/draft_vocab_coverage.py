@@ -1,8 +1,10 @@
 """How much of the target's greedy replies to a question set a draft vocabulary holds: the
-EAGLE-3 head's (shipped, or --weights) against the N tokens most frequent in the assistant
-turns of ShareGPT-format files (what `specd train eagle3 --vocab-from-data` would choose from
-them, counted on the replies' text). A token outside the draft vocabulary is never drafted
-right, so this share bounds the head's first-draft agreement.
+EAGLE-3 head's (shipped, or --weights) and the DFlash drafter's listed tokens (--dflash)
+against the N tokens most frequent in the assistant turns of ShareGPT-format files (what
+`specd train eagle3 --vocab-from-data` would choose from them, counted on the replies' text).
+A token outside the draft vocabulary is never drafted right, so this share bounds the first
+draft's agreement. --write-list writes the data's ranking as a DFlash drafter's
+draft_vocab.npy (most frequent first), which reads out through the target's own rows.
 
     python -m specd.platform exec -- python benchmarks/draft_vocab_coverage.py \
         --data dl.jsonl --questions mt-bench --every 4
@@ -19,11 +21,14 @@ import numpy as np
 
 from coordinator.bench import plain_decode
 from drafter_svc.data import read_conversations, to_messages
+from drafter_svc.dflash.model import load_draft_vocab
 from specd.datasets import load_questions
 from specd.models.load import load_target
 from specd.prompts import encode_chat
 
-SHIPPED = Path(__file__).resolve().parents[1] / "drafter_svc/eagle3/heads/smollm2-135m-instruct"
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "drafter_svc/eagle3/heads/smollm2-135m-instruct"
+SHIPPED_DFLASH = ROOT / "drafter_svc/dflash/drafters/smollm2-135m-instruct"
 
 
 def head_vocab(weights: Path) -> np.ndarray:
@@ -52,12 +57,15 @@ def main() -> None:
     p.add_argument("--every", type=int, default=4, help="every Nth question")
     p.add_argument("--tokens", type=int, default=128, help="greedy reply tokens")
     p.add_argument("--weights", type=Path, default=SHIPPED, help="the head (default: shipped)")
+    p.add_argument("--dflash", type=Path, default=SHIPPED_DFLASH,
+                   help="a DFlash drafter's listed tokens (default: shipped)")  # fmt: skip
     p.add_argument("--sizes", type=int, nargs="+", default=[6144, 8192, 12288, 16384],
                    help="more vocabulary sizes to rank from the data")  # fmt: skip
     args = p.parse_args()
 
     loaded = load_target(None, "float32")
     shipped = head_vocab(args.weights)
+    listed = load_draft_vocab(args.dflash, loaded.identity.vocab_size)
     ranked = reply_token_ranking(args.data, loaded.tokenizer)
     eos = set(loaded.identity.eos_token_ids)
     reply: list[int] = []
@@ -70,6 +78,10 @@ def main() -> None:
     print("| draft vocabulary | tokens | holds of the replies |")
     print("| --- | ---: | ---: |")
     print(f"| the head's | {len(shipped)} | {np.isin(tokens, shipped).mean():.3f} |")
+    if listed is not None:
+        print(
+            f"| the DFlash drafter's list | {len(listed)} | {np.isin(tokens, listed).mean():.3f} |"
+        )
     for size in sorted({len(shipped), *args.sizes}):
         print(
             f"| the data's most frequent | {size} | {np.isin(tokens, ranked[:size]).mean():.3f} |"
