@@ -16,12 +16,12 @@ import argparse
 from collections import Counter
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
 from coordinator.bench import plain_decode
 from drafter_svc.data import read_conversations, to_messages
 from drafter_svc.dflash.model import load_draft_vocab
+from drafter_svc.eagle3.model import load_head
 from specd.datasets import load_questions
 from specd.models.load import load_target
 from specd.prompts import encode_chat
@@ -33,7 +33,7 @@ SHIPPED_DFLASH = ROOT / "drafter_svc/dflash/drafters/smollm2-135m-instruct"
 
 def head_vocab(weights: Path) -> np.ndarray:
     """The head's draft vocabulary: position i reads out token i + d2t[i]."""
-    d2t = np.array(mx.load(str(weights / "model.safetensors"))["d2t"]).astype(np.int64)
+    d2t = np.asarray(load_head(weights)[0].d2t).astype(np.int64)
     return np.arange(len(d2t)) + d2t
 
 

@@ -137,14 +137,6 @@ class Target:
                 self.forwards.insert(0, CompiledMlxForward(compiled_forward, self._mlx))
             if compiled_pooled:
                 self._mlx.compiled_pooled = compiled_forward
-        self.pooled_path = None  # what the verifier's log says of its batched forwards
-        if pooled:
-            attention = (
-                "the pool kernel" if compiled_pooled and compiled_forward.pool_kernel else "a mask"
-            )
-            self.pooled_path = (
-                f"{'compiled' if compiled_pooled else 'op by op'}, attention through {attention}"
-            )
         if cpu_layers is not None:
             self.forwards.insert(0, CpuKernelForward(cpu_layers))
         self._tree_ready: bool | None = None
@@ -152,6 +144,17 @@ class Target:
         self.pool_alone = pool_alone
         self._open_sessions = 0  # caches made by new_cache and not yet garbage
         self._open_lock = threading.Lock()  # finalizers run on whichever thread drops a cache
+
+    @property
+    def pooled_path(self) -> str | None:
+        """How sessions' batched forwards run, for the verifier's log; None without the pool."""
+        if self.kv_pool is None:
+            return None
+        compiled_forward = self._mlx.compiled_pooled
+        if compiled_forward is None:
+            return "op by op, attention through a mask"
+        attention = "the pool kernel" if compiled_forward.pool_kernel else "a mask"
+        return f"compiled, attention through {attention}"
 
     @property
     def cpu_layers(self) -> CpuLlama | None:
