@@ -584,10 +584,10 @@ def _add_train(sub) -> None:
     e3.add_argument(
         "--vocab-from-data",
         action="store_true",
-        help="with --init-from: choose the draft vocabulary afresh, the --draft-vocab (default: "
-        "the start point's size) tokens the target most often predicts in this data, keeping "
-        "the start point's read-out rows for the tokens it held (a head for data of another "
-        "kind)",
+        help="with --init-from (refused without it): choose the draft vocabulary afresh, the "
+        "--draft-vocab (default: the start point's size) tokens the target most often predicts "
+        "in this data, keeping the start point's read-out rows for the tokens it held (a head "
+        "for data of another kind)",
     )
     e3.add_argument(
         "--ttt-steps", type=int_between(1), default=3, help="unrolled training-time-test passes"

@@ -221,6 +221,9 @@ def test_a_continued_head_can_grow_or_shrink_its_draft_vocabulary(tiny_model_dir
     assert (np.array(afresh.d2t) == np.array(small.d2t)).all()
     assert afresh.lm_head.weight.shape[0] == 40
     assert "draft vocabulary 20 -> 40: covers" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="needs --init-from"):
+        train_eagle3(TrainOptions(**common, out=tmp_path / "new", vocab_from_data=True))
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_widened_head_computes_what_it_did_then_trains_and_loads(tiny_model_dir, data,

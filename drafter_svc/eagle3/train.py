@@ -506,6 +506,11 @@ def _cached_prefix(cache_dir: Path, suffix: str, partial: Path, examples) -> lis
 def train(opts: TrainOptions) -> dict:
     from specd.models.load import load_target
 
+    if opts.vocab_from_data and opts.init_from is None:
+        raise ValueError(
+            "--vocab-from-data chooses a continued head's vocabulary afresh; it needs "
+            "--init-from (a new head always takes its draft vocabulary from the data)"
+        )
     deadline = None if opts.time_limit is None else time.perf_counter() + opts.time_limit
     mx.random.seed(opts.seed)
     loaded = load_target(opts.target, "float32")
