@@ -18,6 +18,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+# an engine switch: auto turns it on where MLX runs the target on a GPU
+GPU_MODES = ("auto", "on", "off")
+
 _KEY = "specd.flag"
 
 

@@ -118,7 +118,7 @@ def test_off_cuda_the_compiled_forward_keeps_the_masked_attention_and_says_so(
     assert not caplog.records
     assert CompiledForward(model, pool_kernel="on").pool_kernel is False
     assert "keeps the masked attention" in caplog.text
-    with pytest.raises(ValueError, match="auto, on or off"):
+    with pytest.raises(ValueError, match="one of auto, on, off"):
         CompiledForward(model, pool_kernel="yes")
 
 

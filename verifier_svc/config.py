@@ -5,10 +5,9 @@ from pathlib import Path
 
 from specd.argtypes import byte_size, int_between, non_negative_float
 from specd.cpu import FLOAT32_COPIES_BYTES
-from specd.options import option
+from specd.options import GPU_MODES, option
 from specd.security import ServerSecurity
 
-GPU_MODES = ("auto", "on", "off")  # auto: on where MLX runs the target on a GPU
 DTYPE_CHOICES = ("auto", "native", "float32", "float16", "bfloat16")  # specd.models.load.DTYPES
 WARMUP_CHOICES = ("auto", "full", "separate", "minimal")  # verifier_svc.warmup.resolve_mode
 GEMV_HELP = (

@@ -32,6 +32,7 @@ from mlx_lm.models.activations import swiglu
 from specd.models import few_rows, pool_attention, row_attention
 from specd.models.capture import Bypass
 from specd.models.rowwise import Joined, chunk_bounds
+from specd.options import GPU_MODES
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +129,8 @@ class CompiledForward:
         )
         # a pooled batch's rows in one launch reading the pool in place (float32, as the
         # one-row kernel it copies is checked in)
-        if pool_kernel not in ("auto", "on", "off"):
-            raise ValueError(f"pool_kernel is auto, on or off, not {pool_kernel!r}")
+        if pool_kernel not in GPU_MODES:
+            raise ValueError(f"pool_kernel is one of {', '.join(GPU_MODES)}, not {pool_kernel!r}")
         self.pool_kernel = (
             pool_kernel != "off"
             and self.final_norm.dtype == mx.float32
