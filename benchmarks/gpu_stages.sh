@@ -10,9 +10,11 @@
 # mtbench [DRAFTERS [SECONDS]]  drafters (default none,ngram: issue 25's n-gram goal) on all 80
 #          MT-bench questions in the default dtype, each output against plain mlx-lm
 # load     aggregate throughput at 1, 4, 16, 64 clients, and the verifier alone (issue 28)
-# clients [TEMPERATURE [DRAFTERS]]  drafting off and n-gram (or DRAFTERS, e.g.
+# clients [TEMPERATURE [DRAFTERS [REQUESTS]]]  drafting off and n-gram (or DRAFTERS, e.g.
 #          eagle3-tree,none) at 1, 16 and 64 clients beside mlx-lm batched (issue 28); with
-#          TEMPERATURE (e.g. 0.7) sampled, each request seeded by its prompt
+#          TEMPERATURE (e.g. 0.7) sampled, each request seeded by its prompt; REQUESTS per
+#          client (default 1: a level of 16 lasts ~1 s, and mlx-lm's own rate there moved 2x
+#          between two runs of one sitting, run AO; 3 makes the steady part count)
 # drafters [SECONDS [DRAFTERS [in-process]]]  model drafters (default eagle3-k6) against
 #          drafting off and plain mlx-lm, every 4th MT-bench question; a stack's start with
 #          its warm-ups takes ~70 s, so name few; in-process also runs each question's rounds
@@ -125,7 +127,8 @@ load)
 clients)
   # the verifier logs its load each second: whether 64 sessions run in step (run Y)
   timeout 300 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
-    --max-tokens 128 --drafter "${3:-none,ngram}" --concurrency 1,16,64 --concurrency-requests 1 \
+    --max-tokens 128 --drafter "${3:-none,ngram}" --concurrency 1,16,64 \
+    --concurrency-requests "${4:-1}" \
     --temperature "${2:-0}" --verifier-args "--log-stats 1" --json ~/res/clients"${2:-}".json \
     >> "$OUT/clients.log" 2>&1
   grep -r "round forwards" /tmp/specd-bench-* > "$OUT/clients-load.log" 2>/dev/null ;;
