@@ -3,8 +3,7 @@ EAGLE-3 head's (shipped, or --weights) and the DFlash drafter's listed tokens (-
 against the N tokens most frequent in the assistant turns of ShareGPT-format files (what
 `specd train eagle3 --vocab-from-data` would choose from them, counted on the replies' text).
 A token outside the draft vocabulary is never drafted right, so this share bounds the first
-draft's agreement. --write-list writes the data's ranking as a DFlash drafter's
-draft_vocab.npy (most frequent first), which reads out through the target's own rows.
+draft's agreement.
 
     python -m specd.platform exec -- python benchmarks/draft_vocab_coverage.py \
         --data dl.jsonl --questions mt-bench --every 4
@@ -29,12 +28,6 @@ from specd.prompts import encode_chat
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "drafter_svc/eagle3/heads/smollm2-135m-instruct"
 SHIPPED_DFLASH = ROOT / "drafter_svc/dflash/drafters/smollm2-135m-instruct"
-
-
-def head_vocab(weights: Path) -> np.ndarray:
-    """The head's draft vocabulary: position i reads out token i + d2t[i]."""
-    d2t = np.asarray(load_head(weights)[0].d2t).astype(np.int64)
-    return np.arange(len(d2t)) + d2t
 
 
 def reply_token_ranking(paths: list[Path], tokenizer) -> np.ndarray:
@@ -64,7 +57,7 @@ def main() -> None:
     args = p.parse_args()
 
     loaded = load_target(None, "float32")
-    shipped = head_vocab(args.weights)
+    shipped = load_head(args.weights)[0].target_ids()
     listed = load_draft_vocab(args.dflash, loaded.identity.vocab_size)
     ranked = reply_token_ranking(args.data, loaded.tokenizer)
     eos = set(loaded.identity.eos_token_ids)

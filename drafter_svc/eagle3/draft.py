@@ -72,7 +72,7 @@ class Eagle3Drafter:
         self.d2t = np.asarray(head.d2t).astype(np.int64)
         self._steps = None  # a chain step's compiled halves, made at the first chain in MLX
         self.t2d = np.full(self.cfg.vocab_size, -1, dtype=np.int64)
-        self.t2d[np.arange(len(self.d2t)) + self.d2t] = np.arange(len(self.d2t))
+        self.t2d[head.target_ids()] = np.arange(len(self.d2t))
         self.row_width = len(self.cfg.capture_layers) * self.cfg.feature_size
 
     # ------------------------------------------------------------ committed context

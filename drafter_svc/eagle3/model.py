@@ -139,6 +139,11 @@ class Eagle3Head(nn.Module):
         # draft id -> target id offset; fixed, not trained
         self.d2t = mx.zeros((cfg.draft_vocab_size,), dtype=mx.int64)
 
+    def target_ids(self) -> np.ndarray:
+        """The target token each draft id reads out: draft id i is target id i + d2t[i]."""
+        d2t = np.asarray(self.d2t).astype(np.int64)
+        return np.arange(len(d2t)) + d2t
+
     def step(
         self,
         emb: mx.array,
@@ -345,7 +350,7 @@ def save_head(
     weights = {k: v.astype(dtype) for k, v in flat.items()}
     d2t = np.asarray(head.d2t).astype(np.int64)
     t2d = np.zeros(cfg.vocab_size, dtype=np.bool_)
-    t2d[np.arange(cfg.draft_vocab_size) + d2t] = True
+    t2d[head.target_ids()] = True
     weights["d2t"] = mx.array(d2t)
     weights["t2d"] = mx.array(t2d)
     llama = {

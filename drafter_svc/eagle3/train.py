@@ -259,7 +259,7 @@ class Trainer:
                 f"this target has vocab {loaded.identity.vocab_size}, layers {capture}"
             )
         self.cfg = cfg
-        self.draft_ids = np.arange(cfg.draft_vocab_size) + np.asarray(head.d2t)
+        self.draft_ids = head.target_ids()
         wanted = self.opts.draft_vocab
         if self.opts.vocab_from_data:
             head = self._resize_vocab(head, loaded, wanted or cfg.draft_vocab_size, afresh=True)
