@@ -40,7 +40,7 @@ def pooled_target(path: str | None, dtype: str) -> Target:
     """The target with its sessions in a KV pool and the compiled pooled forward built, with
     the pool kernel where it runs (`use_variant` chooses)."""
     target = Target(load_target(path, dtype), gemv_rows=0, row_forwards=True, kv_pool=True,
-                    compiled_pooled=True, pool_kernel=True)  # fmt: skip
+                    compiled_pooled=True, pool_kernel="auto")  # fmt: skip
     if target.kv_pool is None:
         raise SystemExit("this target's forward takes no pooled sessions (mlx-lm Llama only)")
     return target
