@@ -48,9 +48,10 @@ class CoordinatorConfig:
     )
     draft_beside_decode: bool = option(
         True,
-        "after a draft call that proposed nothing (no n-gram match), make the next call before "
-        "the verify as usual, instead of beside a decode burst of up to --decode-burst tokens "
-        "whose tokens it must then match",
+        "after a draft call that proposed nothing (no n-gram match), and for adaptive k's "
+        "probes of a drafter without hidden rows while the verifier batches the session with "
+        "others, make the next call before the verify as usual, instead of beside a decode "
+        "burst of up to --decode-burst tokens whose tokens it must then match",
         flag="--no-draft-beside-decode",
     )
     verify_timeout_s: float = option(

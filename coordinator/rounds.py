@@ -419,14 +419,33 @@ def _round_kind(request: _Request, played: Round, remaining: int) -> str:
         request.stats.predrafted_rounds += 1
         played.drafted = carried
         return "verify"
-    if plan.draft_beside_decode and link.empty_answers and played.tree is None:
-        # the last call found nothing; this one will likely find nothing too, so decode
-        # meanwhile instead of waiting for it with one token to verify: alone, a burst that
-        # grows with the empty answers; in company, drafting off's
+    if (
+        plan.draft_beside_decode
+        and played.tree is None
+        and (link.empty_answers or _probe_beside(request))
+    ):
+        # the last call found nothing (or, in company, a probe: _probe_beside); this one
+        # will likely find nothing too, so decode meanwhile instead of waiting for it with one
+        # token to verify: alone, a burst that grows with the empty answers; in company,
+        # drafting off's
         played.steps = (_burst(plan, remaining) if request.in_company
                         else min(plan.decode_burst, link.empty_answers, remaining))  # fmt: skip
         return "plain" if link.skip_call() else "beside"
     return "draft"
+
+
+def _probe_beside(request: _Request) -> bool:
+    """In company a probe's own verify call costs a whole wait for the batched forwards for
+    a token or two, where a burst gets drafting off's; a drafter that needs no hidden rows
+    (n-gram) can be asked beside the burst instead, its guess checked against the burst's
+    tokens as a verify would check it."""
+    adaptive = request.plan.adaptive
+    return (
+        request.in_company
+        and adaptive is not None
+        and adaptive.probing
+        and not request.link.drafter.capture_layers
+    )
 
 
 async def _verify_round(request: _Request, played: Round, remaining: int) -> None:

@@ -324,6 +324,31 @@ def test_in_company_rounds_without_drafts_decode_drafting_offs_bursts(target, mo
         assert stats_alone.forward_sessions == 1.0
 
 
+def test_in_company_probes_of_a_text_drafter_run_beside_bursts(target, monkeypatch):
+    """Under load a probe's own verify call would commit a token or two for a whole wait for
+    the batched forwards: a drafter that needs no hidden rows is asked beside a burst instead,
+    and its wrong guesses still count against it. Alone, probes verify their drafts."""
+    ticks = iter(range(10**9))  # adaptive k's costs from a fake clock, as above
+    monkeypatch.setattr("coordinator.rounds.time.perf_counter", lambda: next(ticks) * 0.01)
+    plain, _ = collect(LocalVerifier(target), None, PROMPTS[2], Plan(90, 0))
+    runs = {}
+    for verifier in (CountingVerifier(target), CompanyVerifier(target)):
+        adaptive = AdaptiveK(SpeculationCosts(), k_max=4, probe_every=8, probe_every_max=16)
+        garbage = LocalDrafter(GarbageProposer(target.identity.vocab_size))
+        plan = Plan(90, 4, adaptive=adaptive, decode_burst=8, draft_beside_decode=True)
+        out, stats = collect(verifier, garbage, PROMPTS[2], plan)
+        assert out == plain
+        runs[type(verifier)] = verifier.calls, stats, adaptive
+    (alone, alone_stats, _), (company, stats, adaptive) = runs.values()
+    # adaptive k drafts at first (its prior), then only probes once the drafts fail
+    first_plain = next(i for i, (drafts, _) in enumerate(company) if not drafts)
+    assert any(drafts for drafts, _ in alone[first_plain:])  # alone, probes verify drafts
+    assert not any(drafts for drafts, _ in company[first_plain:])
+    assert stats.beside_calls > alone_stats.beside_calls == 0
+    assert len(company) < len(alone)
+    assert adaptive.acceptance < 0.2  # the guesses beside the bursts were judged, and wrong
+
+
 def test_after_empty_answers_the_drafter_is_asked_every_few_rounds():
     from coordinator.rounds import EMPTY_BACKOFF_AFTER, DrafterLink
 
