@@ -393,6 +393,9 @@ async def _play_round(request: _Request, remaining: int) -> Round:
             request.position, k, plan.sampling, (), played.tree
         )
         played.called_drafter, played.kind = True, "verify"
+        if not played.drafted.ids:
+            played.steps = _steps_after_empty_answer(request, remaining)
+            played.kind = "plain" if played.steps > 1 else "verify"
     played.draft_done = time.perf_counter()
     drafts = played.drafted
     if played.kind == "verify" and plan.overlap and drafts.ids and not drafts.parents:
@@ -432,6 +435,20 @@ def _round_kind(request: _Request, played: Round, remaining: int) -> str:
                         else min(plan.decode_burst, link.empty_answers, remaining))  # fmt: skip
         return "plain" if link.skip_call() else "beside"
     return "draft"
+
+
+def _steps_after_empty_answer(request: _Request, remaining: int) -> int:
+    """Tokens to decode when the drafter, asked before the verify, proposed nothing: in
+    company, and in a request's first round, drafting off's burst, since a call of one token
+    leaves the session a whole wait for the batched forwards behind the others (on MT-bench
+    n-gram's first answer is nearly always empty); alone later, as many as the empty streak
+    allows, as beside a draft call."""
+    plan, link = request.plan, request.link
+    if plan.decode_burst <= 1:
+        return 1
+    if request.in_company or request.stats.rounds == 0:
+        return _burst(plan, remaining)
+    return min(plan.decode_burst, link.empty_answers, remaining)
 
 
 def _probe_beside(request: _Request) -> bool:

@@ -273,9 +273,10 @@ def test_draft_calls_after_empty_ones_run_beside_growing_decode_bursts(target):
     plan = Plan(41, 4, decode_burst=4, draft_beside_decode=True)
     out, stats = collect(verifier, silent, PROMPTS[2], plan)
     assert out == plain
-    # the first call finds nothing before a one-token verify; each later one runs beside a
-    # burst one token longer than the last, up to --decode-burst
-    assert verifier.calls[:6] == [(0, 0), (0, 0), (0, 2), (0, 3), (0, 4), (0, 4)]
+    # the first call finds nothing before drafting off's first burst (not a one-token
+    # verify); each later one runs beside a burst one token longer than the last, up to
+    # --decode-burst
+    assert verifier.calls[:6] == [(0, 4), (0, 0), (0, 2), (0, 3), (0, 4), (0, 4)]
     # all but the first call ran beside a burst; after four empty answers in a row some
     # bursts ran without a call (DrafterLink.skip_call)
     assert stats.beside_calls == silent.proposer.calls - 1 < len(verifier.calls) - 2
@@ -302,7 +303,7 @@ def test_in_company_rounds_without_drafts_decode_drafting_offs_bursts(target, mo
     ticks = iter(range(10**9))  # adaptive k's costs from a fake clock, as above
     monkeypatch.setattr("coordinator.rounds.time.perf_counter", lambda: next(ticks) * 0.01)
     plain, _ = collect(LocalVerifier(target), None, PROMPTS[2], Plan(60, 0))
-    produced, bursts = 2, []  # the prefill's token and the first call's (a draft round)
+    produced, bursts = 1, []  # the prefill's token
     while produced < len(plain):
         bursts.append(min(8, max(4, produced), 60 - produced))  # drafting off's (_burst)
         produced += bursts[-1]
@@ -314,10 +315,11 @@ def test_in_company_rounds_without_drafts_decode_drafting_offs_bursts(target, mo
                                          plans[0])  # fmt: skip
         out, stats = collect(company, LocalDrafter(SilentProposer(10**9)), PROMPTS[2], plans[1])
         assert out == out_alone == plain
-        # alone the bursts grow with the empty answers (1, 2, 3, ...); in company, after the
-        # first call, they are drafting off's: as long as the output so far, up to 8
-        assert [steps for _, steps in alone.calls][:4] == [0, 0, 2, 3]
-        assert [steps for _, steps in company.calls] == [0, *bursts]
+        # the first call's empty answer decodes drafting off's first burst; then alone the
+        # bursts grow with the empty answers (1, 2, 3, ...), in company they are drafting
+        # off's: as long as the output so far, up to 8
+        assert [steps for _, steps in alone.calls][:4] == [4, 0, 2, 3]
+        assert [steps for _, steps in company.calls] == bursts
         assert stats.verify_calls == len(company.calls) < len(alone.calls)
         assert stats.rounds == len(out) - 1 and stats.drafted == 0
         assert stats.forward_sessions == 2.0  # half of every forward's rows were its own
@@ -381,7 +383,7 @@ def test_a_guess_made_beside_a_burst_drafts_the_next_round_when_the_burst_matche
     # the 4th call guessed right beside a burst of 3: its other 3 drafts were verified next
     # round without a call, and drafting went on as usual after that
     assert stats.beside_calls == 3 and stats.predrafted_rounds == 1
-    assert verifier.calls[:5] == [(0, 0), (0, 0), (0, 2), (0, 3), (3, 0)]
+    assert verifier.calls[:5] == [(0, 3), (0, 0), (0, 2), (0, 3), (3, 0)]
     assert stats.accepted == stats.drafted > 3
 
 
@@ -472,7 +474,7 @@ def test_drafts_carried_from_a_guess_do_not_outlive_a_round_without_drafts(targe
     plan = Plan(30, 4, adaptive=adaptive, decode_burst=4, draft_beside_decode=True)
     out, stats = collect(verifier, LocalDrafter(oracle), prompt, plan)
     assert out == plain
-    assert verifier.calls[:4] == [(0, 0), (0, 0), (0, 4), (4, 0)]
+    assert verifier.calls[:4] == [(0, 4), (0, 0), (0, 4), (4, 0)]
     assert oracle.calls >= 3 and stats.predrafted_rounds == 0
     assert stats.accepted == stats.drafted  # the oracle's drafts: never a stale one
 
