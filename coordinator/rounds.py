@@ -429,26 +429,22 @@ def _round_kind(request: _Request, played: Round, remaining: int) -> str:
     ):
         # the last call found nothing (or, in company, a probe: _probe_beside); this one
         # will likely find nothing too, so decode meanwhile instead of waiting for it with one
-        # token to verify: alone, a burst that grows with the empty answers; in company,
-        # drafting off's
-        played.steps = (_burst(plan, remaining) if request.in_company
-                        else min(plan.decode_burst, link.empty_answers, remaining))  # fmt: skip
+        # token to verify
+        played.steps = _steps_after_empty_answer(request, remaining)
         return "plain" if link.skip_call() else "beside"
     return "draft"
 
 
 def _steps_after_empty_answer(request: _Request, remaining: int) -> int:
-    """Tokens to decode when the drafter, asked before the verify, proposed nothing: in
-    company, and in a request's first round, drafting off's burst, since a call of one token
-    leaves the session a whole wait for the batched forwards behind the others (on MT-bench
-    n-gram's first answer is nearly always empty); alone later, as many as the empty streak
-    allows, as beside a draft call."""
-    plan, link = request.plan, request.link
-    if plan.decode_burst <= 1:
-        return 1
+    """Tokens to decode after the drafter proposed nothing (asked before the verify, or
+    expected to find nothing again beside it): in company, and in a request's first round,
+    drafting off's burst, since a call of one token leaves the session a whole wait for the
+    batched forwards behind the others (on MT-bench n-gram's first answer is nearly always
+    empty); alone later, a burst as long as the empty streak."""
+    plan = request.plan
     if request.in_company or request.stats.rounds == 0:
         return _burst(plan, remaining)
-    return min(plan.decode_burst, link.empty_answers, remaining)
+    return min(plan.decode_burst, request.link.empty_answers, remaining)
 
 
 def _probe_beside(request: _Request) -> bool:
