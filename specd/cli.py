@@ -653,6 +653,14 @@ def _add_common_train_args(p, what: str) -> None:
         help="conversations kept out of training; their agreement with the target is "
         "printed at every checkpoint and written to training.json",
     )
+    p.add_argument(
+        "--held-out-data",
+        type=Path,
+        help="take the --held-out conversations from this ShareGPT-format file (its first N "
+        "in the seed's shuffle) rather than from the end of the training selection; a training "
+        "conversation equal to one of them is left out. Replies no earlier stage trained on "
+        "give a curve its start does not flatter",
+    )
     p.add_argument("--lr", type=positive_float, default=6e-4)
     p.add_argument("--warmup", type=non_negative_int, default=50, help="warm-up steps")
     p.add_argument(

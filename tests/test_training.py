@@ -151,6 +151,32 @@ def test_held_out_agreement_is_measured_at_every_checkpoint(tiny_model_dir, data
                                   conversations=6, max_len=64, data=data, held_out=6))  # fmt: skip
 
 
+def test_held_out_data_is_measured_and_never_trained_on(tiny_model_dir, data, tmp_path):
+    seen = json.loads(data.read_text().splitlines()[0])  # a record the selection trains on
+    unseen = {"conversations": [{"from": "human", "value": "something new"},
+                                {"from": "gpt", "value": REPLIES[2] * 3}]}  # fmt: skip
+    held = tmp_path / "held.jsonl"
+    held.write_text(json.dumps(seen) + "\n" + json.dumps(unseen) + "\n")
+    common = dict(target=str(tiny_model_dir), conversations=6, max_len=64, save_every=2,
+                  warmup=1, data=data, epochs=1, held_out=2, held_out_data=held)  # fmt: skip
+    eagle = train_eagle3(TrainOptions(out=tmp_path / "head", draft_vocab=100, **common))
+    # six selected, the one also held out not trained on: 5 train, both held out
+    assert eagle["conversations"] == 5 and eagle["held_out_conversations"] == 2
+    assert [p["step"] for p in eagle["held_out_curve"]] == [0, 2, 4, 5]
+    dflash = train_dflash(
+        DFlashOptions(out=tmp_path / "dflash", block_size=4, layers=1, anchors=4,
+                      draft_vocab=20, **common)
+    )  # fmt: skip
+    assert dflash["conversations"] == 5 and dflash["held_out_conversations"] == 2
+    with pytest.raises(ValueError, match="needs --held-out N"):
+        train_eagle3(TrainOptions(out=tmp_path / "x", **{**common, "held_out": 0}))
+    same_name = tmp_path / "other" / data.name
+    same_name.parent.mkdir()
+    same_name.write_text(held.read_text())
+    with pytest.raises(ValueError, match="rename one"):
+        train_eagle3(TrainOptions(out=tmp_path / "y", **{**common, "held_out_data": same_name}))
+
+
 def test_a_resumed_run_reports_the_held_out_curve_from_its_first_step(tiny_model_dir, data,
                                                                       tmp_path):  # fmt: skip
     def eagle(epochs, resume=True):

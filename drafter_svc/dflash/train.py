@@ -30,7 +30,7 @@ from drafter_svc.checkpoints import (
     run_identity,
     save_training_state,
 )
-from drafter_svc.data import Features, embedding_matrix, head_matrix, split_held_out
+from drafter_svc.data import Features, embedding_matrix, head_matrix
 from drafter_svc.dflash.model import (
     DRAFT_VOCAB,
     DFlashConfig,
@@ -40,7 +40,12 @@ from drafter_svc.dflash.model import (
     save_drafter,
 )
 from drafter_svc.eagle3.model import default_capture_layers
-from drafter_svc.eagle3.train import TrainOptions, choose_draft_vocab, prepare_features
+from drafter_svc.eagle3.train import (
+    TrainOptions,
+    choose_draft_vocab,
+    prepare_features,
+    training_and_held_out,
+)
 from drafter_svc.training import epoch_order, resume, run_steps, write_summary
 
 DEFAULT_LAYERS = 2  # decoder layers of a new drafter
@@ -71,6 +76,7 @@ class DFlashOptions:
     draft_vocab: int = 8192  # tokens listed for frequency-ranked readout; 0: none
     batch_size: int = 1  # conversations per step, packed into one context (a GPU wants many)
     held_out: int = 0  # conversations kept out of training, their acceptance printed as it goes
+    held_out_data: Path | None = None  # the held-out ones from this file (eagle3's TrainOptions)
     time_limit: float | None = None  # seconds from the start: no step after, resumable
 
 
@@ -363,12 +369,12 @@ def train(opts: DFlashOptions) -> dict:
     feature_opts = TrainOptions(
         target=opts.target, out=opts.out, conversations=opts.conversations,
         max_len=opts.max_len, seed=opts.seed, cache_dir=opts.cache_dir, data=opts.data,
-        batch_size=opts.batch_size,
+        batch_size=opts.batch_size, held_out=opts.held_out, held_out_data=opts.held_out_data,
     )  # fmt: skip
     t0 = time.perf_counter()
     feats = prepare_features(feature_opts, loaded, layer_ids)
+    feats, held = training_and_held_out(feature_opts, loaded, layer_ids, feats)
     feature_s = time.perf_counter() - t0
-    feats, held = split_held_out(feats, opts.held_out)
     trainer = DFlashTrainer(opts, loaded, feats, layer_ids)
     ckpt = opts.out / "checkpoint"
     curve = resume(trainer, ckpt, opts.resume)  # acceptance per checkpoint

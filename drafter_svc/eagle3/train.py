@@ -78,6 +78,8 @@ class TrainOptions:
     init_from: Path | None = None  # continue from this head (e.g. the shipped one)
     batch_size: int = 1  # conversations per step, padded to the longest (a GPU wants many)
     held_out: int = 0  # conversations kept out of training, their agreement printed as it goes
+    # the held-out conversations from this file instead of the selection's end (none trained on)
+    held_out_data: Path | None = None
     time_limit: float | None = None  # seconds from the start: no step after, resumable
     mlp_width: int | None = None  # the head's MLP width; None: the target's, or the start's
     # with init_from: the draft vocabulary chosen afresh from this data's most frequent
@@ -457,6 +459,39 @@ def prepare_features(opts: TrainOptions, loaded, capture) -> list[Features]:
     return feats
 
 
+def training_and_held_out(
+    opts, loaded, capture, feats: list[Features]
+) -> tuple[list[Features], list[Features]]:
+    """(training, held-out) features. Held out: the selection's last `held_out` conversations,
+    or with `held_out_data` the first `held_out` of that file (in the seed's shuffle), and then
+    any conversation of the selection equal to one of them is not trained on. A file of
+    replies no earlier stage saw gives a held-out curve no stage's training flatters."""
+    if opts.held_out_data is None:
+        return split_held_out(feats, opts.held_out)
+    if not opts.held_out:
+        raise ValueError("--held-out-data needs --held-out N: how many of its conversations "
+                         "to hold out")  # fmt: skip
+    if opts.data is not None and Path(opts.held_out_data).stem == Path(opts.data).stem:
+        raise ValueError(
+            f"--held-out-data {opts.held_out_data} and --data {opts.data} share the name "
+            f"{Path(opts.data).stem!r}, which names their feature caches: rename one"
+        )
+    held_opts = TrainOptions(
+        target=opts.target, out=opts.out, conversations=opts.held_out, max_len=opts.max_len,
+        seed=opts.seed, cache_dir=opts.cache_dir, data=opts.held_out_data,
+        batch_size=opts.batch_size,
+    )  # fmt: skip
+    held = prepare_features(held_opts, loaded, capture)
+    held_ids = {f.ids.tobytes() for f in held}
+    kept = [f for f in feats if f.ids.tobytes() not in held_ids]
+    if len(kept) < len(feats):
+        print(f"held out of training {len(feats) - len(kept)} conversations also in "
+              f"--held-out-data", file=sys.stderr)  # fmt: skip
+    if not kept:
+        raise ValueError("every training conversation is in --held-out-data: none left to train on")
+    return kept, held
+
+
 def _features_bytes(feats: list[Features]) -> int:
     return sum(sum(a.nbytes for a in vars(f).values()) for f in feats)
 
@@ -517,8 +552,8 @@ def train(opts: TrainOptions) -> dict:
     capture = default_capture_layers(loaded.identity.num_layers)
     t0 = time.perf_counter()
     feats = prepare_features(opts, loaded, capture)
+    feats, held = training_and_held_out(opts, loaded, capture, feats)
     feature_s = time.perf_counter() - t0
-    feats, held = split_held_out(feats, opts.held_out)
     trainer = Trainer(opts, loaded, feats)
     ckpt = opts.out / "checkpoint"
     curve = resume(trainer, ckpt, opts.resume)  # agreement per checkpoint
