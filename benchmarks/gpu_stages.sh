@@ -10,11 +10,12 @@
 # mtbench [DRAFTERS [SECONDS]]  drafters (default none,ngram: issue 25's n-gram goal) on all 80
 #          MT-bench questions in the default dtype, each output against plain mlx-lm
 # load     aggregate throughput at 1, 4, 16, 64 clients, and the verifier alone (issue 28)
-# clients [TEMPERATURE [DRAFTERS [REQUESTS]]]  drafting off and n-gram (or DRAFTERS, e.g.
+# clients [TEMPERATURE [DRAFTERS [REQUESTS [VERIFIER_ARGS]]]]  drafting off and n-gram (or DRAFTERS, e.g.
 #          eagle3-tree,none) at 1, 16 and 64 clients beside mlx-lm batched (issue 28); with
 #          TEMPERATURE (e.g. 0.7) sampled, each request seeded by its prompt; REQUESTS per
 #          client (default 1: a level of 16 lasts ~1 s, and mlx-lm's own rate there moved 2x
-#          between two runs of one sitting, run AO; 3 makes the steady part count)
+#          between two runs of one sitting, run AO; 3 makes the steady part count);
+#          VERIFIER_ARGS added to the verifier's (e.g. "--prefill-between-steps 8")
 # drafters [SECONDS [DRAFTERS [in-process]]]  model drafters (default eagle3-k6) against
 #          drafting off and plain mlx-lm, every 4th MT-bench question; a stack's start with
 #          its warm-ups takes ~70 s, so name few; in-process also runs each question's rounds
@@ -57,19 +58,23 @@
 #          other than earlier machines' (0) draws messages they did not; LEADS (e.g. tasks)
 #          begins each message with an opening of a request (--prompt-leads), appended to
 #          ~/dl.jsonl instead, messages up to 128 tokens
-# dflash [DATA [SECONDS [RECORDS [LAYERS]]]]  the DFlash drafter, from the shipped one (LAYERS
-#          deepens it first: e.g. 4), on the first
+# dflash [DATA [SECONDS [RECORDS [LAYERS [HELD]]]]]  the DFlash drafter, from the shipped one
+#          (LAYERS, or "", deepens it first: e.g. 4), on the first
 #          RECORDS (default 30000; features take 4.6 kB a token, 27 GB for 24,000 records) of DATA
 #          (default ~/dd.jsonl, or carried .gpu/dd.gz.*) in its seed-0 shuffle, for SECONDS (default 480, features included); a second call on the
-#          same machine resumes from its checkpoint and cached features
-# eagle3 [DATA [SECONDS [RECORDS [MLP_WIDTH [DRAFT_VOCAB [EPOCHS [afresh]]]]]]]  the EAGLE-3 head, from the
+#          same machine resumes from its checkpoint and cached features; HELD, a file of
+#          replies no stage saw (e.g. `tail -n 400 ~/dl.jsonl > ~/dl-new.jsonl` after a
+#          selfprompts run with a new seed: distill appends), holds out 200 of them
+#          (--held-out-data) instead of the selection's last 200, none trained on
+# eagle3 [DATA [SECONDS [RECORDS [MLP_WIDTH [DRAFT_VOCAB [EPOCHS [afresh [HELD]]]]]]]]  the EAGLE-3 head, from the
 #          shipped one, on the same replies; both read the target features cached in ~/feat,
 #          so the second to run on the same DATA and RECORDS computes none; MLP_WIDTH (e.g.
 #          3072, or "" for the shipped width) widens the head's MLP first (a wider head, one of
 #          issue 26's levers); DRAFT_VOCAB (e.g. 16384) grows its draft vocabulary first;
 #          EPOCHS (default 1; 2 after a finished run on the same machine goes on from it)
 #          afresh chooses its draft vocabulary from DATA (--vocab-from-data: DRAFT_VOCAB, or
-#          the shipped head's size, of the tokens the target predicts most there)
+#          the shipped head's size, of the tokens the target predicts most there; "" keeps
+#          it); HELD as for dflash
 # A carried .gpu/kernels.tgz (an earlier stage's $OUT/kernels.tgz) spares compiling kernels.
 set -uo pipefail
 . ~/b/env.sh .
@@ -129,7 +134,7 @@ clients)
   timeout 300 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
     --max-tokens 128 --drafter "${3:-none,ngram}" --concurrency 1,16,64 \
     --concurrency-requests "${4:-1}" \
-    --temperature "${2:-0}" --verifier-args "--log-stats 1" --json ~/res/clients"${2:-}".json \
+    --temperature "${2:-0}" --verifier-args "--log-stats 1 ${5:-}" --json ~/res/clients"${2:-}".json \
     >> "$OUT/clients.log" 2>&1
   grep -r "round forwards" /tmp/specd-bench-* > "$OUT/clients-load.log" 2>/dev/null ;;
 drafters)
@@ -227,20 +232,21 @@ selfprompts)
   gzip -c ~/$data.jsonl > ~/$data.jsonl.gz && (cd ~ && split -b 15M $data.jsonl.gz $data.gz.)
   cp ~/$data.gz.* "$OUT/" ;;
 dflash)
-  out=~/df${5:+-layers$5}  # a deeper drafter is another run
+  out=~/df${5:+-layers$5}${6:+-held}  # a deeper drafter, another held-out set: another run
   python3 -m specd train dflash --target "$model" --out "$out" --data "${2:-$HOME/dd.jsonl}" \
     --cache-dir ~/feat --conversations "${4:-30000}" --max-len 1024 --epochs 2 --batch-size 32 --held-out 200 \
     --save-every 50 --time-limit "${3:-480}" --block-size 16 --anchors 16 ${5:+--layers "$5"} \
+    ${6:+--held-out-data "$6"} \
     --init-from drafter_svc/dflash/drafters/smollm2-135m-instruct > "$OUT/dflash.log" 2>&1
   for f in "$out"/model*.safetensors; do cp "$f" "$OUT/dflash-$(basename "$f")"; done
   tar -czf "$OUT/dflash-meta.tgz" -C "$out" config.json draft_vocab.npy training.json ;;
 eagle3)
-  out=~/e3${5:+-mlp$5}${6:+-vocab$6}${8:+-$8}  # a widened head is another run
+  out=~/e3${5:+-mlp$5}${6:+-vocab$6}${8:+-$8}${9:+-held}  # a widened head is another run
   [ -n "${8:-}" ] && [ "$8" != afresh ] && { echo "eagle3: the 8th argument is afresh or nothing" >&2; exit 2; }
   python3 -m specd train eagle3 --target "$model" --out "$out" --data "${2:-$HOME/dd.jsonl}" \
     --cache-dir ~/feat --conversations "${4:-30000}" --max-len 1024 --epochs "${7:-1}" --batch-size 32 --held-out 200 \
     --save-every 40 --ttt-steps 6 --lr 5e-4 --time-limit "${3:-480}" ${5:+--mlp-width "$5"} ${6:+--draft-vocab "$6"} \
-    ${8:+--vocab-from-data} \
+    ${8:+--vocab-from-data} ${9:+--held-out-data "$9"} \
     --init-from drafter_svc/eagle3/heads/smollm2-135m-instruct > "$OUT/eagle3.log" 2>&1
   for f in "$out"/model*.safetensors; do cp "$f" "$OUT/eagle3-$(basename "$f")"; done
   tar -czf "$OUT/eagle3-meta.tgz" -C "$out" config.json training.json ;;

@@ -371,6 +371,11 @@ class Batch:
     run_stream: Callable[[list, Callable[[], list], Callable[[Any, Any], None]], None] | None = None
     gather_s: float = 0.005
     recent_s: float = 0.5
+    # with run_stream: None, the stream takes no more jobs once another job waits, and that
+    # job runs when the stream's items are done; N, the stream goes on taking its jobs and
+    # runs the other jobs between two of its steps once they have waited N steps (those that
+    # arrived meanwhile with them)
+    held_job_steps: int | None = None
     seen: dict = field(default_factory=dict)  # key -> when its last job ran
 
     def missing(self, items: list, now: float) -> bool:
@@ -415,17 +420,20 @@ class MlxThread:
             future, fn, args = held.popleft() if held else self._jobs.get()
             if isinstance(fn, Batch):
                 self._run_batch(fn, [(future, args)], held)
-                continue
-            settle = None
-            if future.set_running_or_notify_cancel():
-                try:
-                    settle = functools.partial(future.set_result, fn(*args))
-                except BaseException as exc:  # the caller gets it, as from an executor
-                    settle = functools.partial(future.set_exception, exc)
-            # counted before the caller can wake: its next round job sees the worker idle
-            self._finished += 1
-            if settle is not None:
-                settle()
+            else:
+                self._run_one(future, fn, args)
+
+    def _run_one(self, future: Future, fn: Callable, args) -> None:
+        settle = None
+        if future.set_running_or_notify_cancel():
+            try:
+                settle = functools.partial(future.set_result, fn(*args))
+            except BaseException as exc:  # the caller gets it, as from an executor
+                settle = functools.partial(future.set_exception, exc)
+        # counted before the caller can wake: its next round job sees the worker idle
+        self._finished += 1
+        if settle is not None:
+            settle()
 
     def _run_batch(self, batch: Batch, jobs: list, held: collections.deque) -> None:
         """This job and every job of the same batch held or queued behind it, in one call;
@@ -454,7 +462,10 @@ class MlxThread:
         batch.ran([item for _, item in jobs], time.perf_counter())
         if batch.run_stream is not None:
             self._stream_batch(batch, jobs, held)
-            return
+        else:
+            self._run_many(batch, jobs)
+
+    def _run_many(self, batch: Batch, jobs: list) -> None:
         taken = len(jobs)
         jobs = [(future, item) for future, item in jobs if future.set_running_or_notify_cancel()]
         try:
@@ -465,9 +476,26 @@ class MlxThread:
         for (future, _), result in zip(jobs, results, strict=True):
             _settle(future, result)
 
+    def _run_now(self, jobs: collections.deque) -> None:
+        """Jobs taken off the queue, run at once in their order, each batch's in one call
+        (without gathering: a stream's sessions are waiting for its next step)."""
+        while jobs:
+            future, fn, args = jobs.popleft()
+            if not isinstance(fn, Batch):
+                self._run_one(future, fn, args)
+                continue
+            same = [(future, args)] + [(j[0], j[2]) for j in jobs if j[1] is fn]
+            rest = [j for j in jobs if j[1] is not fn]
+            jobs.clear()
+            jobs.extend(rest)
+            self._run_many(fn, same)
+
     def _stream_batch(self, batch: Batch, jobs: list, held: collections.deque) -> None:
         """`batch.run_stream` over `jobs`: each caller answered as its item is done, and jobs
-        of the batch queued meanwhile joining while no other job waits."""
+        of the batch queued meanwhile joining while no other job waits, or, with
+        `batch.held_job_steps`, other jobs (a prompt's prefill) run between two of its steps
+        and the stream goes on: held until it is done, they make it drain (its items finish
+        while new ones wait)."""
         futures: dict[int, Future] = {}
 
         def started(new: list) -> list:
@@ -480,9 +508,13 @@ class MlxThread:
                     self._finished += 1
             return items
 
+        waited = 0  # steps the held jobs have waited
+
         def more() -> list:
+            nonlocal waited
             new = []
-            while not held:  # other work waits: take no more, let the running items finish
+            interleave = batch.held_job_steps is not None
+            while interleave or not held:  # else other work waits: let the running items finish
                 try:
                     job = self._jobs.get_nowait()
                 except queue.Empty:
@@ -491,6 +523,10 @@ class MlxThread:
                     new.append((job[0], job[2]))
                 else:
                     held.append(job)
+            waited = waited + 1 if held and interleave else 0
+            if waited > (batch.held_job_steps or 0):  # those arrived meanwhile run with them
+                self._run_now(held)
+                waited = 0
             batch.ran([item for _, item in new], time.perf_counter())
             return started(new)
 

@@ -57,6 +57,20 @@ def test_an_interval_says_how_long_calls_were_held_and_sessions_away_between_the
     )
 
 
+def test_an_interval_says_how_long_prefills_held_the_mlx_thread():
+    now = [0.0]
+    stats = LoadStats(clock=lambda: now[0])
+    stats.prefilled(3, 0.020)  # three prompts prefilled together
+    stats.prefilled(0, 0.005)  # a layer of a long prompt
+    stats.prefilled(1, 0.006)  # its last
+    now[0] = 1.0
+    interval = stats.take()
+    assert interval.line(4, 0).endswith(
+        "; prefills 4 in 3 jobs, 31 ms; 4 sessions open, KV 0.0 MiB"
+    )
+    assert "prefills" not in stats.take().line(0, 0)
+
+
 def test_a_serving_verifier_logs_its_load_after_calls_and_not_while_idle(tiny_model_dir, caplog):
     log = logging.getLogger("specd.verifier.test")
 
@@ -93,10 +107,14 @@ def test_a_serving_verifier_logs_its_load_after_calls_and_not_while_idle(tiny_mo
     assert idle_lines == 0
     # an interval may end between a forward and its answer: add up the lines
     counted = [re.search(r"(\d+) verify calls, (\d+) tokens committed", line) for line in lines]
-    assert 1 <= len(lines) <= 4, lines
+    assert 1 <= len(lines) <= 5, lines
     assert sum(int(m[1]) for m in counted) == 2
     assert sum(int(m[2]) for m in counted) == committed
-    assert all("2 sessions open" in line for line in lines)
+    assert all(
+        "2 sessions open" in line for line, m in zip(lines, counted, strict=True) if int(m[1])
+    )
+    prefilled = [re.search(r"prefills (\d+) in (\d+) jobs", line) for line in lines]
+    assert sum(int(m[1]) for m in prefilled if m) == 2  # the two prompts opened
     # the rounds ran through the shared-forward stream, which counted its forwards
     forwards = [re.search(r"round forwards (\d+) \(([\d.]+) sessions each", x) for x in lines]
     assert sum(int(m[1]) for m in forwards if m) >= 1

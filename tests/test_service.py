@@ -319,6 +319,53 @@ def test_a_stream_batch_answers_each_item_when_done_and_takes_later_ones_until_o
     mlx.shutdown()
 
 
+def test_a_stream_batch_answers_each_item_when_done_and_runs_other_jobs_between_its_steps():
+    """With held_job_steps, a plain job (a prompt's prefill) queued while a stream runs runs
+    between two of its steps once it has waited that many, and items queued behind it still
+    join the stream: it does not drain first (the verifier's --prefill-between-steps)."""
+    from specd.service import Batch
+
+    steps = 4
+
+    mlx = MlxThread(inline_rounds=False)
+    seen: list[list] = []
+    arrived = threading.Event()
+    more_calls_until_plain_ran: list[int] = []
+    submitted: dict = {}
+
+    def run_stream(items, more, answer):
+        seen.append(list(items))
+        answer(items[0], items[0] * 10)  # the caller wakes while the stream still runs
+        assert arrived.wait(5)  # another item of the batch, a plain job, one more item
+        taken = []
+        while not taken:
+            taken = more()
+        seen.append(list(taken))
+        calls = 1
+        while not submitted["plain"].done():
+            assert more() == [] and calls <= steps
+            calls += 1
+        more_calls_until_plain_ran.append(calls)
+        for item in [*items[1:], *taken]:
+            answer(item, ValueError("bad") if item < 0 else item * 10)
+
+    batch = Batch(lambda items: [], run_stream=run_stream, held_job_steps=steps)
+    first, second = mlx.submit_batched(batch, 1), mlx.submit_batched(batch, -1)
+    assert first.result(5) == 10
+    third = mlx.submit_batched(batch, 3)
+    submitted["plain"] = mlx.submit(lambda: "plain")
+    fourth = mlx.submit_batched(batch, 4)  # behind the plain job, and still in this stream
+    arrived.set()
+    assert third.result(5) == 30 and fourth.result(5) == 40
+    assert submitted["plain"].result(5) == "plain"
+    with pytest.raises(ValueError, match="bad"):
+        second.result(5)
+    assert seen == [[1, -1], [3, 4]] or seen == [[1], [-1, 3, 4]]
+    assert more_calls_until_plain_ran == [steps + 1]  # it ran within the stream
+    assert mlx._finished == mlx._submitted
+    mlx.shutdown()
+
+
 def test_jobs_of_a_batch_held_behind_another_batch_run_in_one_call_when_it_is_done():
     from specd.service import Batch
 

@@ -69,6 +69,15 @@ class VerifierConfig:
         type=int_between(0),
         metavar="N",
     )
+    prefill_between_steps: int = option(
+        0,
+        "a prompt that opens while other sessions' rounds run waits at most N of their "
+        "batched steps, then is prefilled between two of them (with the prompts that opened "
+        "meanwhile), the rounds going on after it; 0: it waits until the running rounds are "
+        "done and new rounds wait behind it, so the batch drains first",
+        type=int_between(0),
+        metavar="N",
+    )
     warmup: str = option(
         "auto",
         "forwards run before health reports SERVING: full = every verify, tree and decode "

@@ -3,7 +3,8 @@ served, and how many sessions its shared forwards held. Under many clients the l
 says whether the sessions run in step (one forward for all) or fall apart into small ones;
 where a session spends the time between them says why: away (from an answer to the session's
 next call: the coordinator, the drafter, the network) or held here (from a call's arrival to
-its answer: waiting for the forwards, then in them)."""
+its answer: waiting for the forwards, then in them). Prefills take the MLX thread from the
+rounds: their jobs' time says how much."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ class Interval:
     timed: int = 0  # calls whose arrival was seen (those `held` sums)
     held: float = 0.0  # seconds from calls' arrival to their answers, summed
     computing: float = 0.0  # of `held`, the forwards' wall time the calls took part in
+    prefill_jobs: int = 0  # MLX jobs that prefilled prompts (a batch of them, or a slice)
+    prefill_prompts: int = 0  # prompts whose prefill ended
+    prefill_seconds: float = 0.0  # those jobs' wall time: no round ran meanwhile
 
     def line(self, open_sessions: int, kv_bytes: int) -> str:
         rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
@@ -46,6 +50,11 @@ class Interval:
         if self.returns:
             away = 1000 * self.away / self.returns
             text += f", away {away:.1f} ms between calls (longest {1000 * self.longest_away:.0f})"
+        if self.prefill_jobs:
+            text += (
+                f"; prefills {self.prefill_prompts} in {self.prefill_jobs} jobs, "
+                f"{1000 * self.prefill_seconds:.0f} ms"
+            )
         return text + f"; {open_sessions} sessions open, KV {kv_bytes / 2**20:.1f} MiB"
 
 
@@ -69,6 +78,14 @@ class LoadStats:
             now.forwards += 1
             now.sessions += sessions
             now.widest = max(now.widest, sessions)
+
+    def prefilled(self, prompts: int, seconds: float) -> None:
+        """A prefill job ran for `seconds`, ending the prefills of `prompts` prompts."""
+        with self._lock:
+            now = self._interval
+            now.prefill_jobs += 1
+            now.prefill_prompts += prompts
+            now.prefill_seconds += seconds
 
     def arrived(self, last_answer: float | None) -> float:
         """A verify call came for a session last answered at `last_answer` (None: never):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -136,10 +137,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.sessions = SessionTable(config.max_sessions, config.session_idle_timeout_s)
         self.load_stats = LoadStats()
         # prompts opened at once are prefilled together where sessions are pooled
-        self._prefills = Batch(lambda asks: prefill_many(self._ready(), asks))
-        self._rounds = Batch(
-            self._rounds_many, key=lambda item: id(item[0]), run_stream=self._rounds_stream
-        )  # by session
+        self._prefills = Batch(self._prefill_many)
+        self._rounds = Batch(  # by session
+            self._rounds_many,
+            key=lambda item: id(item[0]),
+            run_stream=self._rounds_stream,
+            held_job_steps=config.prefill_between_steps or None,
+        )
 
     async def load(self) -> None:
         self.target = await self.mlx.run(self._load_and_warm)
@@ -182,6 +186,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     @property
     def max_context(self) -> int:
         return self.config.max_context or self._ready().loaded.max_context
+
+    def _prefill_many(self, asks: list) -> list:
+        started = time.perf_counter()
+        results = prefill_many(self._ready(), asks)
+        self.load_stats.prefilled(len(asks), time.perf_counter() - started)
+        return results
+
+    def _advance(self, steps):
+        """One job of a prompt's prefill (its next layer, or all of it)."""
+        started = time.perf_counter()
+        result = advance(steps)
+        self.load_stats.prefilled(int(result is not None), time.perf_counter() - started)
+        return result
 
     @rpc
     async def GetInfo(self, request, context):
@@ -239,7 +256,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             result = await self.mlx.run_batched(self._prefills, ask)
         else:
             steps = prefill_steps(target, prompt, layers, rows_dtype, sampling, seed, sliced)
-            while (result := await self.mlx.run(advance, steps)) is None:
+            while (result := await self.mlx.run(self._advance, steps)) is None:
                 pass
         session_id = self.sessions.add(result.session)
         return verifier_pb2.OpenSessionResponse(
@@ -413,7 +430,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         while True:
             await asyncio.sleep(self.config.log_stats_s)
             interval = self.load_stats.take()
-            if interval.calls or interval.forwards:
+            if interval.calls or interval.forwards or interval.prefill_jobs:
                 log.info("%s", interval.line(len(self.sessions), self.kv_bytes()))
 
     def _verify_in_order(
