@@ -147,7 +147,8 @@ class VerifierConfig:
         10.0,
         "log the load every SECONDS while calls come: verify calls, tokens committed, "
         "sessions per batched forward, how long a call was held (waiting, then in forwards) "
-        "and a session away between calls, open sessions, KV memory (0: never)",
+        "and a session away between calls, prompts prefilled and their jobs' time, open "
+        "sessions, KV memory (0: never)",
         type=non_negative_float,
         metavar="SECONDS",
     )
