@@ -367,14 +367,14 @@ class Batch:
     key: Callable[[Any], Hashable] = id
     # run_stream(items, more, answer), where given, runs instead of run_many: it answers each
     # item (`answer(item, result)`) when it is done and takes the jobs of this batch queued
-    # since (`more()`, empty while other jobs wait) until it returns
+    # since (`more()`; without held_job_steps empty while other jobs wait) until it returns
     run_stream: Callable[[list, Callable[[], list], Callable[[Any, Any], None]], None] | None = None
     gather_s: float = 0.005
     recent_s: float = 0.5
     # with run_stream: None, the stream takes no more jobs once another job waits, and that
-    # job runs when the stream's items are done; N, the stream goes on taking its jobs and
-    # runs the other jobs between two of its steps once they have waited N steps (those that
-    # arrived meanwhile with them)
+    # job runs when the stream's items are done; N (0 included: at once), the stream goes on
+    # taking its jobs and runs the other jobs between two of its steps once they have waited
+    # N steps (those that arrived meanwhile with them). Not while the thread shuts down.
     held_job_steps: int | None = None
     seen: dict = field(default_factory=dict)  # key -> when its last job ran
 
@@ -440,11 +440,7 @@ class MlxThread:
         other jobs met on the way keep their order and run next."""
         # jobs of this batch held back by an earlier call (another batch's gather took them
         # from the queue) join this call rather than each running a call of its own
-        if any(job[1] is batch for job in held):
-            others = [job for job in held if job[1] is not batch]
-            jobs.extend((job[0], job[2]) for job in held if job[1] is batch)
-            held.clear()
-            held.extend(others)
+        jobs.extend(_take_jobs_of(batch, held))
         deadline = time.perf_counter() + batch.gather_s
         while True:
             try:
@@ -477,18 +473,15 @@ class MlxThread:
             _settle(future, result)
 
     def _run_now(self, jobs: collections.deque) -> None:
-        """Jobs taken off the queue, run at once in their order, each batch's in one call
-        (without gathering: a stream's sessions are waiting for its next step)."""
+        """Jobs taken off the queue, run at once in their order, except that a batch's run
+        in one call at its first (without gathering: a stream's sessions wait for its next
+        step)."""
         while jobs:
             future, fn, args = jobs.popleft()
-            if not isinstance(fn, Batch):
+            if isinstance(fn, Batch):
+                self._run_many(fn, [(future, args), *_take_jobs_of(fn, jobs)])
+            else:
                 self._run_one(future, fn, args)
-                continue
-            same = [(future, args)] + [(j[0], j[2]) for j in jobs if j[1] is fn]
-            rest = [j for j in jobs if j[1] is not fn]
-            jobs.clear()
-            jobs.extend(rest)
-            self._run_many(fn, same)
 
     def _stream_batch(self, batch: Batch, jobs: list, held: collections.deque) -> None:
         """`batch.run_stream` over `jobs`: each caller answered as its item is done, and jobs
@@ -513,7 +506,8 @@ class MlxThread:
         def more() -> list:
             nonlocal waited
             new = []
-            interleave = batch.held_job_steps is not None
+            # shutting down, its job must run after the stream, as every other job then
+            interleave = batch.held_job_steps is not None and not self._closed
             while interleave or not held:  # else other work waits: let the running items finish
                 try:
                     job = self._jobs.get_nowait()
@@ -592,6 +586,17 @@ class MlxThread:
         idle: Future = Future()
         self._jobs.put((idle, lambda: None, ()))
         idle.result()
+
+
+def _take_jobs_of(batch: Batch, held: collections.deque) -> list:
+    """The (future, item) of `batch`'s jobs among `held`, taken out of it; the rest stay in
+    their order."""
+    taken = [(job[0], job[2]) for job in held if job[1] is batch]
+    if taken:
+        others = [job for job in held if job[1] is not batch]
+        held.clear()
+        held.extend(others)
+    return taken
 
 
 def _settle(future: Future, result) -> None:

@@ -107,7 +107,7 @@ def test_a_serving_verifier_logs_its_load_after_calls_and_not_while_idle(tiny_mo
     assert idle_lines == 0
     # an interval may end between a forward and its answer: add up the lines
     counted = [re.search(r"(\d+) verify calls, (\d+) tokens committed", line) for line in lines]
-    assert 1 <= len(lines) <= 5, lines
+    assert lines  # how many depends on when the intervals end: the totals are checked
     assert sum(int(m[1]) for m in counted) == 2
     assert sum(int(m[2]) for m in counted) == committed
     assert all(

@@ -75,3 +75,9 @@ def test_a_prompt_opened_beside_a_batch_is_prefilled_between_its_steps(tiny_mode
     assert between.index("prefill") < between.index("a")
     assert between_results == drained_results
     assert len(between_results[0]) == 16
+
+
+def test_it_is_refused_beside_a_kv_memory_limit(tiny_model_dir):
+    config = VerifierConfig(model=str(tiny_model_dir), prefill_between_steps=4, max_kv_bytes=2**30)
+    with pytest.raises(ValueError, match="--max-kv-memory"):
+        VerifierServicer(config, MlxThread())

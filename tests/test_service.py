@@ -366,6 +366,31 @@ def test_a_stream_batch_answers_each_item_when_done_and_runs_other_jobs_between_
     mlx.shutdown()
 
 
+def test_shutdown_waits_for_a_stream_that_runs_other_jobs_between_its_steps():
+    """Shutting down, the thread's last job runs after the stream, not between its steps:
+    no MLX work may go on once shutdown returns."""
+    from specd.service import Batch
+
+    mlx = MlxThread(inline_rounds=False)
+    started, finished = threading.Event(), threading.Event()
+
+    def run_stream(items, more, answer):
+        started.set()
+        for _ in range(50):
+            more()
+            time.sleep(0.002)
+        finished.set()
+        for item in items:
+            answer(item, item)
+
+    stream = mlx.submit_batched(Batch(lambda items: [], run_stream=run_stream,
+                                      held_job_steps=0), 1)  # fmt: skip
+    assert started.wait(5)
+    mlx.shutdown()
+    assert finished.is_set()
+    assert stream.result(5) == 1
+
+
 def test_jobs_of_a_batch_held_behind_another_batch_run_in_one_call_when_it_is_done():
     from specd.service import Batch
 

@@ -170,11 +170,14 @@ def test_held_out_data_is_measured_and_never_trained_on(tiny_model_dir, data, tm
     assert dflash["conversations"] == 5 and dflash["held_out_conversations"] == 2
     with pytest.raises(ValueError, match="needs --held-out N"):
         train_eagle3(TrainOptions(out=tmp_path / "x", **{**common, "held_out": 0}))
-    same_name = tmp_path / "other" / data.name
+    # its features are not cached under its name: a file of the same name holding only the
+    # new conversation holds out that one, and all six train
+    same_name = tmp_path / "other" / held.name
     same_name.parent.mkdir()
-    same_name.write_text(held.read_text())
-    with pytest.raises(ValueError, match="rename one"):
-        train_eagle3(TrainOptions(out=tmp_path / "y", **{**common, "held_out_data": same_name}))
+    same_name.write_text(json.dumps(unseen) + "\n")
+    again = train_eagle3(TrainOptions(out=tmp_path / "y", draft_vocab=100,
+                                      **{**common, "held_out_data": same_name}))  # fmt: skip
+    assert again["conversations"] == 6 and again["held_out_conversations"] == 1
 
 
 def test_a_resumed_run_reports_the_held_out_curve_from_its_first_step(tiny_model_dir, data,
@@ -877,6 +880,12 @@ def test_a_checkpoint_of_another_run_is_refused(tiny_model_dir, data, tmp_path):
         train_eagle3(TrainOptions(**common, conversations=4))
     fresh = train_eagle3(TrainOptions(**common, conversations=4, resume=False))
     assert fresh["steps"] == 4
+    # a checkpoint written before an option existed resumes while the option stays unset
+    state = out / "checkpoint" / "state.json"
+    saved = json.loads(state.read_text())
+    del saved["run"]["held_out_data"]
+    state.write_text(json.dumps(saved))
+    assert train_eagle3(TrainOptions(**{**common, "epochs": 2}, conversations=4))["steps"] == 8
 
 
 def test_no_benchmark_prompt_reaches_training_or_distillation(tmp_path):

@@ -71,10 +71,11 @@ class VerifierConfig:
     )
     prefill_between_steps: int = option(
         0,
-        "a prompt that opens while other sessions' rounds run waits at most N of their "
-        "batched steps, then is prefilled between two of them (with the prompts that opened "
-        "meanwhile), the rounds going on after it; 0: it waits until the running rounds are "
-        "done and new rounds wait behind it, so the batch drains first",
+        "a prompt that opens while other sessions' rounds run waits N of their batched "
+        "steps (a round run alone counts as one; each layer of a sliced prompt waits again), "
+        "then is prefilled between two of them with the prompts that opened meanwhile, the "
+        "rounds going on after it; 0: it waits until the running rounds are done and new "
+        "rounds wait behind it, so the batch drains first. Not with --max-kv-memory",
         type=int_between(0),
         metavar="N",
     )

@@ -129,6 +129,12 @@ def target_for(config: VerifierConfig) -> Target:
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, config: VerifierConfig, mlx_thread: MlxThread):
+        if config.prefill_between_steps and config.max_kv_bytes is not None:
+            raise ValueError(
+                "--prefill-between-steps with --max-kv-memory: a prompt prefilled between two "
+                "steps can grow the KV pool past the limit its running rounds were checked "
+                "against; pass one of them"
+            )
         self.config = config
         self.mlx = mlx_thread
         self.target: Target | None = None
@@ -190,7 +196,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _prefill_many(self, asks: list) -> list:
         started = time.perf_counter()
         results = prefill_many(self._ready(), asks)
-        self.load_stats.prefilled(len(asks), time.perf_counter() - started)
+        done = sum(not isinstance(result, BaseException) for result in results)
+        self.load_stats.prefilled(done, time.perf_counter() - started)
         return results
 
     def _advance(self, steps):
@@ -381,14 +388,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         """`_rounds_many` continuously (an MlxThread stream batch): each `RoundAsked` answered
         the step its round finishes, the rounds queued meanwhile joining the forwards
         (`engine.rounds_stream`). A second call for a session whose round is running waits
-        until the stream is done, then is checked as `_rounds_many` checks it."""
+        until that round is answered, then joins as a new one."""
         later: list = []
         running: set[int] = set()  # sessions with a round in this stream
         items_of: dict[int, tuple] = {}  # id(Round) -> its item
 
         def rounds_of(new: list) -> list[Round]:
             rounds = []
-            for item in new:
+            ready = [item for item in later if id(item[0]) not in running]
+            later[:] = [item for item in later if id(item[0]) in running]
+            for item in ready + new:
                 session, position, drafts, asked, probs, parents = item
                 if id(session) in running:
                     later.append(item)

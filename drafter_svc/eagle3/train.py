@@ -460,7 +460,7 @@ def prepare_features(opts: TrainOptions, loaded, capture) -> list[Features]:
 
 
 def training_and_held_out(
-    opts, loaded, capture, feats: list[Features]
+    opts: TrainOptions, loaded, capture, feats: list[Features]
 ) -> tuple[list[Features], list[Features]]:
     """(training, held-out) features. Held out: the selection's last `held_out` conversations,
     or with `held_out_data` the first `held_out` of that file (in the seed's shuffle), and then
@@ -471,17 +471,19 @@ def training_and_held_out(
     if not opts.held_out:
         raise ValueError("--held-out-data needs --held-out N: how many of its conversations "
                          "to hold out")  # fmt: skip
-    if opts.data is not None and Path(opts.held_out_data).stem == Path(opts.data).stem:
-        raise ValueError(
-            f"--held-out-data {opts.held_out_data} and --data {opts.data} share the name "
-            f"{Path(opts.data).stem!r}, which names their feature caches: rename one"
-        )
-    held_opts = TrainOptions(
-        target=opts.target, out=opts.out, conversations=opts.held_out, max_len=opts.max_len,
-        seed=opts.seed, cache_dir=opts.cache_dir, data=opts.held_out_data,
-        batch_size=opts.batch_size,
-    )  # fmt: skip
-    held = prepare_features(held_opts, loaded, capture)
+    examples = build_examples(loaded.tokenizer, read_conversations(opts.held_out_data),
+                              opts.held_out, opts.max_len, opts.seed)  # fmt: skip
+    if len(examples) < opts.held_out:
+        print(f"--held-out-data {opts.held_out_data}: {len(examples)} usable conversations, "
+              f"not {opts.held_out}", file=sys.stderr)  # fmt: skip
+    if not examples:
+        raise ValueError(f"--held-out-data {opts.held_out_data}: no usable conversations")
+    # not cached: a few hundred conversations take seconds, and a cache named by the file
+    # would serve a later file of the same name its predecessor's features
+    extractor, size = TargetFeatures(loaded.model, capture), max(1, opts.batch_size)
+    held = []
+    for start in range(0, len(examples), size):
+        held += extractor.many(examples[start : start + size])
     held_ids = {f.ids.tobytes() for f in held}
     kept = [f for f in feats if f.ids.tobytes() not in held_ids]
     if len(kept) < len(feats):
