@@ -125,17 +125,18 @@ def load_training_state(directory: Path, model, optimizer, run: dict) -> int | N
         return None
     saved = json.loads((directory / "state.json").read_text())
     before = saved.get("run")  # absent in checkpoints written before runs were recorded
-    # an option added since is absent from an older checkpoint's run: unset ("None") then
-    changed = ", ".join(
-        f"{k} {before.get(k, 'None')} -> {run.get(k, 'None')}"
-        for k in sorted(set(before or {}) | set(run))
-        if before is not None and before.get(k, "None") != run.get(k, "None")
-    )
-    if changed:
-        raise ValueError(
-            f"{directory} belongs to another training run ({changed}); pass --no-resume to "
-            "start over, or choose another --out"
+    if before is not None:
+        # an option added since is absent from an older checkpoint's run: unset ("None") then
+        changed = ", ".join(
+            f"{k} {before.get(k, 'None')} -> {run.get(k, 'None')}"
+            for k in sorted(set(before) | set(run))
+            if before.get(k, "None") != run.get(k, "None")
         )
+        if changed:
+            raise ValueError(
+                f"{directory} belongs to another training run ({changed}); pass --no-resume "
+                "to start over, or choose another --out"
+            )
     model.load_weights(list(mx.load(str(directory / "model.safetensors")).items()))
     optimizer.state = tree_unflatten(
         list(mx.load(str(directory / "optimizer.safetensors")).items())

@@ -473,9 +473,9 @@ class MlxThread:
             _settle(future, result)
 
     def _run_now(self, jobs: collections.deque) -> None:
-        """Jobs taken off the queue, run at once in their order, except that a batch's run
-        in one call at its first (without gathering: a stream's sessions wait for its next
-        step)."""
+        """Jobs taken off the queue, run at once in their order, a batch's together in one
+        call where its first stands (without gathering: a stream's sessions wait for its
+        next step)."""
         while jobs:
             future, fn, args = jobs.popleft()
             if isinstance(fn, Batch):
@@ -517,9 +517,10 @@ class MlxThread:
                     new.append((job[0], job[2]))
                 else:
                     held.append(job)
-            waited = waited + 1 if held and interleave else 0
-            if waited > (batch.held_job_steps or 0):  # those arrived meanwhile run with them
-                self._run_now(held)
+            if not (interleave and held):
+                waited = 0
+            elif (waited := waited + 1) > batch.held_job_steps:
+                self._run_now(held)  # those that arrived meanwhile with them
                 waited = 0
             batch.ran([item for _, item in new], time.perf_counter())
             return started(new)

@@ -42,6 +42,7 @@ from drafter_svc.dflash.model import (
 from drafter_svc.eagle3.model import default_capture_layers
 from drafter_svc.eagle3.train import (
     TrainOptions,
+    check_held_out,
     choose_draft_vocab,
     prepare_features,
     training_and_held_out,
@@ -371,6 +372,7 @@ def train(opts: DFlashOptions) -> dict:
         max_len=opts.max_len, seed=opts.seed, cache_dir=opts.cache_dir, data=opts.data,
         batch_size=opts.batch_size, held_out=opts.held_out, held_out_data=opts.held_out_data,
     )  # fmt: skip
+    check_held_out(feature_opts)
     t0 = time.perf_counter()
     feats = prepare_features(feature_opts, loaded, layer_ids)
     feats, held = training_and_held_out(feature_opts, loaded, layer_ids, feats)

@@ -459,6 +459,17 @@ def prepare_features(opts: TrainOptions, loaded, capture) -> list[Features]:
     return feats
 
 
+def check_held_out(opts: TrainOptions) -> None:
+    """Before hours of target features: a held-out file needs a count, and must be there."""
+    if opts.held_out_data is None:
+        return
+    if not opts.held_out:
+        raise ValueError("--held-out-data needs --held-out N: how many of its conversations "
+                         "to hold out")  # fmt: skip
+    if not Path(opts.held_out_data).is_file():
+        raise ValueError(f"--held-out-data {opts.held_out_data}: no such file")
+
+
 def training_and_held_out(
     opts: TrainOptions, loaded, capture, feats: list[Features]
 ) -> tuple[list[Features], list[Features]]:
@@ -468,9 +479,6 @@ def training_and_held_out(
     replies no earlier stage saw gives a held-out curve no stage's training flatters."""
     if opts.held_out_data is None:
         return split_held_out(feats, opts.held_out)
-    if not opts.held_out:
-        raise ValueError("--held-out-data needs --held-out N: how many of its conversations "
-                         "to hold out")  # fmt: skip
     examples = build_examples(loaded.tokenizer, read_conversations(opts.held_out_data),
                               opts.held_out, opts.max_len, opts.seed)  # fmt: skip
     if len(examples) < opts.held_out:
@@ -552,6 +560,7 @@ def train(opts: TrainOptions) -> dict:
     mx.random.seed(opts.seed)
     loaded = load_target(opts.target, "float32")
     capture = default_capture_layers(loaded.identity.num_layers)
+    check_held_out(opts)
     t0 = time.perf_counter()
     feats = prepare_features(opts, loaded, capture)
     feats, held = training_and_held_out(opts, loaded, capture, feats)
