@@ -2,7 +2,7 @@
 list, the same drafter and context, calls alternating so noise hits both alike.
 
     python -m specd.platform exec -- python benchmarks/dflash_readout.py [--weights DIR]
-        [--context 300] [--repeats 15] [--ks 1,3,7,15]
+        [--target MODEL] [--context 300] [--repeats 15] [--ks 1,3,7,15]
 
 Prints the median milliseconds per propose for each k, and whether both give the same drafts
 (they differ only where the whole head's first choice is outside the list).
@@ -27,12 +27,16 @@ def main() -> None:
     parser.add_argument(
         "--context", type=int, default=300, help="committed tokens before the block"
     )
+    parser.add_argument("--target", help="the drafter's target (default: the embedded model)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--ks", default="1,3,7,15", help="drafts per block")
     args = parser.parse_args()
     proposers = {
         name: make_proposer(
-            DrafterConfig(**drafter_options("dflash", weights=args.weights, draft_vocab=n))
+            DrafterConfig(
+                target=args.target,
+                **drafter_options("dflash", weights=args.weights, draft_vocab=n),
+            )
         )
         for name, n in (("whole vocabulary", 0), ("listed", None))
     }
