@@ -140,13 +140,16 @@ class FaultDrill:
 
 def services(
     client, request_of, prompts: list[list[int]], levels: list[int], args, drill=None,
-    compare: bool = True, compare_faulted: bool = True,
+    compare: bool = True, compare_faulted: bool = True, cpu_of=None,
 ) -> list[dict]:  # fmt: skip
     """Each level's row. With `drill` (a FaultDrill) the last level runs again, the drill
     starting once every client's first request has its first tokens, and each output is
     compared with the same request's output in the clean run. compare (compare_faulted)
     False: outputs that may rightly differ are not compared (sampled ones whose draws follow
-    the rounds; a reopened sampled session is reseeded, coordinator/failover.py)."""
+    the rounds; a reopened sampled session is reseeded, coordinator/failover.py). cpu_of:
+    each service's CPU seconds so far (`Stack.cpu_seconds`), for the cores each used in a
+    clean level: on a shared host, a drafter's and a coordinator's CPU is the verifier's
+    loss."""
     rows, solo = [], {}
     runs = [(level, None) for level in levels]
     if drill is not None:
@@ -157,9 +160,11 @@ def services(
         if faulted is not None:  # request by request against the clean run of this level
             solo = {n: out for n, out in enumerate(outputs) if out is not None}
             batch = [(n, ids) for n, (_, ids) in enumerate(batch)]
+        cpu_before = cpu_of() if cpu_of is not None and faulted is None else None
         start = time.perf_counter()
         outputs, latencies, failed, stats = _clients(client, request_of, batch, level, faulted)
         wall = time.perf_counter() - start
+        cpu_after = cpu_of() if cpu_before is not None else {}
         finished = [(i, out) for (i, _), out in zip(batch, outputs, strict=True) if out is not None]
         differ = None
         if compare_faulted if faulted is not None else compare:
@@ -168,6 +173,12 @@ def services(
         row = level_row(level, tokens, wall, latencies, differ, failed, stats)
         if faulted is not None:
             row["faults"] = faulted.summary()
+        if cpu_before is not None and wall > 0:
+            row["cpu_cores"] = {
+                name: (cpu_after[name] - used) / wall
+                for name, used in cpu_before.items()
+                if name in cpu_after
+            }
         rows.append(row)
     return rows
 
@@ -250,7 +261,8 @@ def run_concurrency(args, target, drafters: list[str], prompts, log_dir: Path) -
             # drafting and the load decide: comparable with drafting off alone
             compare = args.temperature == 0 or d == "none"
             results[d] = services(client, request_of, prompts, levels, args, drill, compare,
-                                  compare_faulted=args.temperature == 0)  # fmt: skip
+                                  compare_faulted=args.temperature == 0,
+                                  cpu_of=stack.cpu_seconds)  # fmt: skip
             client.close()
         _print_rows(d, results[d])
     return results
@@ -267,6 +279,9 @@ def _print_rows(name: str, rows: list[dict]) -> None:
           "failed", file=sys.stderr)  # fmt: skip
     for r in rows:
         faults = f"  ({r['faults']})" if r.get("faults") else ""
+        cores = r.get("cpu_cores")
+        cpu = (", CPU cores " + " ".join(f"{name} {used:.2f}" for name, used in cores.items())
+               if cores else "")  # fmt: skip
         drafting = (f"  drafted/token {r['drafted_per_token']:.2f}, tau {r['tau']:.2f}, "
                     f"calls/token verifier {r['verify_calls_per_token']:.2f} "
                     f"drafter {r['draft_calls_per_token']:.2f}, "
@@ -275,7 +290,7 @@ def _print_rows(name: str, rows: list[dict]) -> None:
         print(f"  {r['clients']:>5} {r['requests']:>9} {r['aggregate_tok_s']:16.1f} "
               f"{_seconds(r['p50_s']):>6} {_seconds(r['p99_s']):>6}  "
               f"{_count(r['outputs_differing_from_solo']):>19}  "
-              f"{r['failed']:>6}{drafting}{faults}", file=sys.stderr)  # fmt: skip
+              f"{r['failed']:>6}{drafting}{cpu}{faults}", file=sys.stderr)  # fmt: skip
 
 
 def _seconds(value: float | None) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -48,12 +49,27 @@ def health_status(
             return None
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # utime and stime, the 14th and 15th fields of stat(5), counted after the name
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass
 class ServiceProcess:
     name: str
     address: str
     process: subprocess.Popen
     log_path: Path | None = None
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time the process has used so far (user and system), where the OS tells it
+        (Linux's /proc); None elsewhere or once it has exited."""
+        return process_cpu_seconds(self.process.pid)
 
     def log_tail(self, lines: int = 30) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -195,6 +211,11 @@ class Stack:
         self.services[name].kill()
         self._spawn(name, self._flags[name])
         return self.services[name]
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """Each running service's CPU time so far (none where the OS does not tell it)."""
+        used = {name: service.cpu_seconds() for name, service in self.services.items()}
+        return {name: seconds for name, seconds in used.items() if seconds is not None}
 
     @property
     def coordinator(self) -> str:

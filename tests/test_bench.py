@@ -1,8 +1,10 @@
 """`specd bench` end to end on a tiny target: JSON shape, identity, the in-process column."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -305,6 +307,14 @@ def test_concurrency_levels_measure_services_beside_mlx_lm_batched(
             assert r["tokens"] > 0 and r["aggregate_tok_s"] > 0 and r["p99_s"] >= r["p50_s"] > 0
     # how much each stack drafted: nothing without a drafter
     assert all(r["drafted_per_token"] == 0 and r["tau"] == 1 for r in levels["none"])
+    if sys.platform == "linux":  # the cores each service used in each level, from /proc
+        for name, services in (("ngram", {"verifier", "drafter", "coordinator"}),
+                               ("none", {"verifier", "coordinator"})):  # fmt: skip
+            assert [set(r["cpu_cores"]) for r in levels[name]] == [services, services]
+            assert all(used >= 0 for r in levels[name] for used in r["cpu_cores"].values())
+            assert sum(r["cpu_cores"]["verifier"] for r in levels[name]) > 0
+        assert "cpu_cores" not in levels["mlx-lm batched"][0]
+        assert "CPU cores verifier" in run.stderr
     differing = {n: [r["outputs_differing_from_solo"] for r in rows] for n, rows in levels.items()}
     if temperature == "0":  # every service output under concurrency equals its solo output
         assert differing["ngram"] == differing["none"] == [0, 0]
@@ -340,6 +350,22 @@ def test_a_level_where_every_request_failed_is_reported_not_a_crash(tmp_path, ca
     _print_rows("none", [row])
     assert "     –      –" in capsys.readouterr().err
     assert "| none | 4 | 0.0 | – | – | – | 0 | 4 |" in concurrency_table({"none": [row]})
+
+
+def test_a_process_cpu_time_is_read_while_it_runs_and_none_after(tmp_path):
+    from specd.launch import process_cpu_seconds
+
+    if sys.platform != "linux":
+        assert process_cpu_seconds(os.getpid()) is None
+        return
+    before = process_cpu_seconds(os.getpid())
+    deadline = time.process_time() + 0.1
+    while time.process_time() < deadline:
+        pass
+    assert process_cpu_seconds(os.getpid()) >= before + 0.05
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert process_cpu_seconds(child.pid) is None  # reaped: no /proc entry
 
 
 def test_concurrency_levels_are_checked():
