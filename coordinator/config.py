@@ -54,6 +54,15 @@ class CoordinatorConfig:
         "burst of up to --decode-burst tokens whose tokens it must then match",
         flag="--no-draft-beside-decode",
     )
+    draft_max_requests: int = option(
+        32,
+        "under load, decode plainly through the verifier: a request that arrives while this "
+        "many run in this coordinator calls no drafter, and a running one drafts nothing while "
+        "its verifier forwards carry this many sessions; there a drafter's calls and CPU cost "
+        "more than its drafts add. Applies to adapted k only (not to pinned "
+        "num_draft_tokens or seeded sampling). 0: no limit",
+        type=int_between(0),
+    )
     verify_timeout_s: float = option(
         60.0, "deadline of one verify call, seconds", type=positive_float
     )

@@ -86,6 +86,8 @@ class Plan:
     decode_burst: int = 1  # tokens one verify call may decode when no drafts are wanted
     # after a drafter call that proposed nothing, ask the next one beside a decode burst
     draft_beside_decode: bool = False
+    # adaptive k drafts nothing while the verifier's forwards carry this many sessions; 0: no limit
+    draft_max_sessions: int = 0
 
 
 class RoundTime(NamedTuple):
@@ -322,6 +324,7 @@ async def run_rounds(
             if plan.adaptive is not None:
                 _learn_round(plan.adaptive, played)
             request.in_company = played.verified.share < COMPANY_SHARE
+            request.crowded = _crowded(plan, played.verified.share)
             finished = played.verified.finished or stats.generated_tokens >= plan.max_tokens
             stats.total_s = time.perf_counter() - start
             yield new, finished
@@ -345,6 +348,8 @@ class _Request:
     # short call leaves the session out of the batched forwards that run while its answer
     # travels, so rounds without drafts decode as long a burst as drafting off would
     in_company: bool = False
+    # the last call's forwards carried plan.draft_max_sessions sessions or more: no drafts
+    crowded: bool = False
 
 
 @dataclass
@@ -385,7 +390,7 @@ async def _play_round(request: _Request, remaining: int) -> Round:
     plan = request.plan
     k = min(plan.num_draft_tokens, remaining - 1)
     if plan.adaptive is not None:
-        k = plan.adaptive.choose(remaining - 1)
+        k = 0 if request.crowded else plan.adaptive.choose(remaining - 1)
     played = Round(k, time.perf_counter())
     played.kind = _round_kind(request, played, remaining)
     if played.kind == "draft":
@@ -413,6 +418,8 @@ def _round_kind(request: _Request, played: Round, remaining: int) -> str:
         if link is not None:
             link.take_carried(0)  # drafts made for this position are stale after it
         played.steps = _plain_steps(plan, link, k, remaining, request.in_company)
+        if request.crowded:  # drafting off's burst: no probe until the load falls
+            played.steps = _burst(plan, remaining)
         return "plain" if played.steps > 1 else "verify"
     carried = link.take_carried(k)
     played.tree = plan.tree
@@ -549,6 +556,12 @@ def _plain_steps(
     if in_company:
         return _burst(plan, remaining)
     return min(_burst(plan, remaining), plan.adaptive.plain_rounds_ahead())
+
+
+def _crowded(plan: Plan, share: float) -> bool:
+    """Whether a call whose rows were `share` of its forwards' rows ran with at least
+    plan.draft_max_sessions sessions (one row each when none drafts)."""
+    return plan.draft_max_sessions > 0 and share * plan.draft_max_sessions <= 1
 
 
 FIRST_BURST = 4  # a request's first bursts stay short so its stream starts at once

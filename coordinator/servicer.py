@@ -79,6 +79,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.drafter_info = None
         self.pairing_error = ""
         self.costs = SpeculationCosts()  # learned across requests: one verifier, one drafter
+        self.running = 0  # requests generating now
         self.on_ready = None  # async callback: the coordinator can serve (health SERVING)
 
     async def connect(self) -> bool:
@@ -184,6 +185,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         shape = tree if tree is not None else info.default_tree
         adaptive = None
         if self.config.adaptive and k > 0 and not pinned and not seeded:
+            limit = self.config.draft_max_requests
+            if limit and self.running >= limit:  # under load: drafting off's rounds, no drafter
+                return Plan(max_tokens, 0, sampling, decode_burst=self._decode_burst())
             default_top_k = info.default_tree.top_k if info.HasField("default_tree") else 0
             limits = TreeLimits.of(shape, default_top_k)
             adaptive = AdaptiveK.for_session(self.costs, k, text_driven=info.text_driven,
@@ -198,6 +202,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             tree=tree,
             decode_burst=self._decode_burst(),
             draft_beside_decode=self.config.draft_beside_decode,
+            draft_max_sessions=self.config.draft_max_requests if adaptive is not None else 0,
         )
 
     def _decode_burst(self) -> int:
@@ -277,6 +282,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             raise
 
     async def _generate(self, request):
+        self.running += 1
+        try:
+            async with aclosing(self._generate_counted(request)) as messages:
+                async for message in messages:
+                    yield message
+        finally:
+            self.running -= 1
+
+    async def _generate_counted(self, request):
         self._check_ready()
         prompt_ids = self._prompt_ids(request)
         usable = await self._pair_drafter()

@@ -326,6 +326,48 @@ def test_in_company_rounds_without_drafts_decode_drafting_offs_bursts(target, mo
         assert stats_alone.forward_sessions == 1.0
 
 
+class CrowdedVerifier(CountingVerifier):
+    """Answers as a verifier whose forwards carried 40 sessions, one row each."""
+
+    async def verify(self, *args, **kwargs):
+        verified = await super().verify(*args, **kwargs)
+        verified.share = 1 / 40
+        return verified
+
+
+class CountingOracle(OracleProposer):
+    calls = 0
+
+    def propose(self, *args, **kwargs):
+        self.calls += 1
+        return super().propose(*args, **kwargs)
+
+
+@pytest.mark.parametrize("limit", [32, 48, 0])
+def test_adaptive_k_drafts_nothing_while_the_forwards_are_crowded(target, monkeypatch, limit):
+    """At or past draft_max_sessions sessions a forward, an adapted session drafts nothing,
+    even with drafts that are always right, and asks no drafter: drafting off's bursts. Below
+    the limit, or with none (0), it drafts."""
+    ticks = iter(range(10**9))  # adaptive k's costs from a fake clock, as above
+    monkeypatch.setattr("coordinator.rounds.time.perf_counter", lambda: next(ticks) * 0.01)
+    prompt = PROMPTS[2]
+    plain, _ = collect(LocalVerifier(target), None, prompt, Plan(60, 0))
+    oracle = CountingOracle(prompt + plain)
+    verifier = CrowdedVerifier(target)
+    adaptive = AdaptiveK(SpeculationCosts(), k_max=4)
+    plan = Plan(60, 4, adaptive=adaptive, decode_burst=8, draft_beside_decode=True,
+                draft_max_sessions=limit)  # fmt: skip
+    out, stats = collect(verifier, LocalDrafter(oracle), prompt, plan)
+    assert out == plain
+    crowded = 0 < limit <= 40
+    later = verifier.calls[1:]  # the first round knew nothing of the load yet
+    if crowded:
+        assert oracle.calls == 1 and not any(drafts for drafts, _ in later)
+        assert [steps for _, steps in later][1:-1] == [8] * (len(later) - 2)
+    else:
+        assert oracle.calls > 1 and stats.accepted > 0
+
+
 def test_in_company_probes_of_a_text_drafter_run_beside_bursts(target, monkeypatch):
     """Under load a probe's own verify call would commit a token or two for a whole wait for
     the batched forwards: a drafter that needs no hidden rows is asked beside a burst instead,

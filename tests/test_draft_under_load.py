@@ -1,0 +1,77 @@
+"""The coordinator's --draft-max-requests: under load an adapted request calls no drafter."""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from coordinator.config import CoordinatorConfig
+from coordinator.servicer import CoordinatorServicer
+from specd.service import ServiceError
+from specd.v1 import coordinator_pb2, drafter_pb2
+
+NGRAM = drafter_pb2.DrafterInfo(
+    kind="ngram", default_draft_tokens=4, max_draft_tokens=16, text_driven=True
+)
+
+
+def servicer(limit: int) -> CoordinatorServicer:
+    async def made() -> CoordinatorServicer:  # its clients' channels want an event loop
+        return CoordinatorServicer(CoordinatorConfig(draft_max_requests=limit))
+
+    s = asyncio.run(made())
+    s.verifier_info = SimpleNamespace(max_draft_tokens=16)
+    return s
+
+
+def test_a_request_arriving_while_the_limit_runs_gets_no_drafter():
+    s = servicer(2)
+    request = coordinator_pb2.GenerateRequest(prompt="hi", max_tokens=10)
+    s.running = 1
+    plan = s._plan(request, NGRAM)
+    assert plan.num_draft_tokens == 4 and plan.adaptive is not None
+    assert plan.draft_max_sessions == 2  # and it stops drafting if its forwards fill up
+    s.running = 2
+    plan = s._plan(request, NGRAM)
+    assert plan.num_draft_tokens == 0 and plan.adaptive is None  # no drafter session at all
+
+
+@pytest.mark.parametrize("pinned", ["num_draft_tokens", "seed"])
+def test_pinned_k_and_seeded_sampling_draft_whatever_the_load(pinned):
+    """A pinned k is the caller's; a seeded sample must not depend on the load."""
+    s = servicer(1)
+    s.running = 5
+    request = coordinator_pb2.GenerateRequest(prompt="hi", max_tokens=10)
+    if pinned == "seed":
+        request.sampling.temperature, request.sampling.seed = 0.7, 3
+    else:
+        request.num_draft_tokens = 3
+    plan = s._plan(request, NGRAM)
+    assert plan.num_draft_tokens > 0 and plan.draft_max_sessions == 0
+
+
+def test_no_limit_drafts_under_any_load():
+    s = servicer(0)
+    s.running = 1000
+    plan = s._plan(coordinator_pb2.GenerateRequest(prompt="hi", max_tokens=10), NGRAM)
+    assert plan.num_draft_tokens == 4 and plan.draft_max_sessions == 0
+
+
+def test_running_requests_are_counted_out_when_they_fail():
+    s = servicer(2)  # no tokenizer yet: every request is refused
+
+    async def refused():
+        with pytest.raises(ServiceError):
+            async for _ in s.generate(coordinator_pb2.GenerateRequest(prompt="hi")):
+                pass
+        return s.running
+
+    assert asyncio.run(refused()) == 0
+
+
+def test_the_limit_is_an_option_refusing_negatives(capsys):
+    from specd.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "coordinator", "--draft-max-requests", "-1"])
+    assert "--draft-max-requests" in capsys.readouterr().err
