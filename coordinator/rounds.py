@@ -324,7 +324,7 @@ async def run_rounds(
             if plan.adaptive is not None:
                 _learn_round(plan.adaptive, played)
             request.in_company = played.verified.share < COMPANY_SHARE
-            request.crowded = _crowded(plan, played.verified.share)
+            request.crowded = _crowded(plan, played)
             finished = played.verified.finished or stats.generated_tokens >= plan.max_tokens
             stats.total_s = time.perf_counter() - start
             yield new, finished
@@ -558,10 +558,14 @@ def _plain_steps(
     return min(_burst(plan, remaining), plan.adaptive.plain_rounds_ahead())
 
 
-def _crowded(plan: Plan, share: float) -> bool:
-    """Whether a call whose rows were `share` of its forwards' rows ran with at least
-    plan.draft_max_sessions sessions (one row each when none drafts)."""
-    return plan.draft_max_sessions > 0 and share * plan.draft_max_sessions <= 1
+def _crowded(plan: Plan, played: Round) -> bool:
+    """Whether the round's forwards carried plan.draft_max_sessions sessions or more: its
+    own, and the other rows (one a session where none drafts)."""
+    if plan.draft_max_sessions <= 0:
+        return False
+    own = 1 if played.kind in ("plain", "beside") else len(played.drafted.ids) + 1  # a forward
+    others = own / played.verified.share - own
+    return others + 1 >= plan.draft_max_sessions
 
 
 FIRST_BURST = 4  # a request's first bursts stay short so its stream starts at once

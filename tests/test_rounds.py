@@ -327,11 +327,12 @@ def test_in_company_rounds_without_drafts_decode_drafting_offs_bursts(target, mo
 
 
 class CrowdedVerifier(CountingVerifier):
-    """Answers as a verifier whose forwards carried 40 sessions, one row each."""
+    """Answers as a verifier whose forwards carried 39 other sessions, one row each."""
 
-    async def verify(self, *args, **kwargs):
-        verified = await super().verify(*args, **kwargs)
-        verified.share = 1 / 40
+    async def verify(self, session_id, position, draft_ids, *args, **kwargs):
+        verified = await super().verify(session_id, position, draft_ids, *args, **kwargs)
+        own = len(draft_ids) + 1  # a forward's rows of this session
+        verified.share = own / (own + 39)
         return verified
 
 
@@ -361,11 +362,29 @@ def test_adaptive_k_drafts_nothing_while_the_forwards_are_crowded(target, monkey
     assert out == plain
     crowded = 0 < limit <= 40
     later = verifier.calls[1:]  # the first round knew nothing of the load yet
+    assert verifier.calls[0][0] > 0  # it drafted: its rows and 39 other sessions' in a forward
     if crowded:
         assert oracle.calls == 1 and not any(drafts for drafts, _ in later)
         assert [steps for _, steps in later][1:-1] == [8] * (len(later) - 2)
     else:
         assert oracle.calls > 1 and stats.accepted > 0
+
+
+def test_a_drafting_round_counts_the_other_sessions_not_its_own_drafts():
+    from coordinator.rounds import Round, Verified, _crowded
+
+    plan = Plan(60, 4, draft_max_sessions=32)
+
+    def played(kind, drafts, rows):  # rows: the forward's, this session's included
+        r = Round(len(drafts), 0.0, kind=kind, drafted=Drafted(drafts))
+        own = len(drafts) + 1 if kind == "verify" else 1
+        r.verified = Verified([1], len(drafts), False, None, share=own / rows)
+        return r
+
+    assert _crowded(plan, played("verify", [1, 2, 3, 4], 5 + 31))  # 32 sessions
+    assert not _crowded(plan, played("verify", [1, 2, 3, 4], 5 + 30))
+    assert _crowded(plan, played("plain", [], 32)) and not _crowded(plan, played("plain", [], 31))
+    assert not _crowded(Plan(60, 4), played("plain", [], 1000))  # no limit
 
 
 def test_in_company_probes_of_a_text_drafter_run_beside_bursts(target, monkeypatch):
