@@ -56,11 +56,11 @@ class CoordinatorConfig:
     )
     draft_max_requests: int = option(
         32,
-        "under load, decode plainly through the verifier: a request that arrives while this "
-        "many run in this coordinator calls no drafter, and a running one drafts nothing while "
-        "its verifier forwards carry this many sessions; there a drafter's calls and CPU cost "
-        "more than its drafts add. Applies to adapted k only (not to pinned "
-        "num_draft_tokens or seeded sampling). 0: no limit",
+        "under load, decode plainly through the verifier: while more requests than this run "
+        "in this coordinator, adapted ones draft nothing and call no drafter, and one arriving "
+        "then opens no drafter session; there a drafter's calls and CPU cost more than its "
+        "drafts add. Pinned num_draft_tokens and seeded sampling draft whatever the load. 0: no "
+        "limit",
         type=int_between(0),
     )
     verify_timeout_s: float = option(

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -86,8 +86,8 @@ class Plan:
     decode_burst: int = 1  # tokens one verify call may decode when no drafts are wanted
     # after a drafter call that proposed nothing, ask the next one beside a decode burst
     draft_beside_decode: bool = False
-    # adaptive k drafts nothing while the verifier's forwards carry this many sessions; 0: no limit
-    draft_max_sessions: int = 0
+    # adaptive k drafts nothing while this says the coordinator is under load (None: never)
+    under_load: Callable[[], bool] | None = None
 
 
 class RoundTime(NamedTuple):
@@ -324,7 +324,6 @@ async def run_rounds(
             if plan.adaptive is not None:
                 _learn_round(plan.adaptive, played)
             request.in_company = played.verified.share < COMPANY_SHARE
-            request.crowded = _crowded(plan, played)
             finished = played.verified.finished or stats.generated_tokens >= plan.max_tokens
             stats.total_s = time.perf_counter() - start
             yield new, finished
@@ -348,7 +347,7 @@ class _Request:
     # short call leaves the session out of the batched forwards that run while its answer
     # travels, so rounds without drafts decode as long a burst as drafting off would
     in_company: bool = False
-    # the last call's forwards carried plan.draft_max_sessions sessions or more: no drafts
+    # this round's: the coordinator is under load (Plan.under_load), so no drafts
     crowded: bool = False
 
 
@@ -390,6 +389,7 @@ async def _play_round(request: _Request, remaining: int) -> Round:
     plan = request.plan
     k = min(plan.num_draft_tokens, remaining - 1)
     if plan.adaptive is not None:
+        request.crowded = plan.under_load is not None and plan.under_load()
         k = 0 if request.crowded else plan.adaptive.choose(remaining - 1)
     played = Round(k, time.perf_counter())
     played.kind = _round_kind(request, played, remaining)
@@ -556,16 +556,6 @@ def _plain_steps(
     if in_company:
         return _burst(plan, remaining)
     return min(_burst(plan, remaining), plan.adaptive.plain_rounds_ahead())
-
-
-def _crowded(plan: Plan, played: Round) -> bool:
-    """Whether the round's forwards carried plan.draft_max_sessions sessions or more: its
-    own, and the other rows (one a session where none drafts)."""
-    if plan.draft_max_sessions <= 0:
-        return False
-    own = 1 if played.kind in ("plain", "beside") else len(played.drafted.ids) + 1  # a forward
-    others = own / played.verified.share - own
-    return others + 1 >= plan.draft_max_sessions
 
 
 FIRST_BURST = 4  # a request's first bursts stay short so its stream starts at once

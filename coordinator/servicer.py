@@ -185,8 +185,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         shape = tree if tree is not None else info.default_tree
         adaptive = None
         if self.config.adaptive and k > 0 and not pinned and not seeded:
-            limit = self.config.draft_max_requests
-            if limit and self.running >= limit:  # under load: drafting off's rounds, no drafter
+            if self._under_load():  # drafting off's rounds: no drafter session at all
                 return Plan(max_tokens, 0, sampling, decode_burst=self._decode_burst())
             default_top_k = info.default_tree.top_k if info.HasField("default_tree") else 0
             limits = TreeLimits.of(shape, default_top_k)
@@ -202,8 +201,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             tree=tree,
             decode_burst=self._decode_burst(),
             draft_beside_decode=self.config.draft_beside_decode,
-            draft_max_sessions=self.config.draft_max_requests if adaptive is not None else 0,
+            under_load=self._under_load if adaptive is not None else None,
         )
+
+    def _under_load(self) -> bool:
+        """More requests run than --draft-max-requests (this one among them)."""
+        limit = self.config.draft_max_requests
+        return limit > 0 and self.running > limit
 
     def _decode_burst(self) -> int:
         # the verifier refuses more plain steps per call than drafts per call

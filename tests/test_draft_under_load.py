@@ -27,13 +27,21 @@ def servicer(limit: int) -> CoordinatorServicer:
 def test_a_request_arriving_while_the_limit_runs_gets_no_drafter():
     s = servicer(2)
     request = coordinator_pb2.GenerateRequest(prompt="hi", max_tokens=10)
-    s.running = 1
+    s.running = 2  # as _generate counts: this request and one other
     plan = s._plan(request, NGRAM)
     assert plan.num_draft_tokens == 4 and plan.adaptive is not None
-    assert plan.draft_max_sessions == 2  # and it stops drafting if its forwards fill up
-    s.running = 2
+    assert not plan.under_load()
+    s.running = 3  # and it stops drafting while more than the limit run
+    assert plan.under_load()
     plan = s._plan(request, NGRAM)
     assert plan.num_draft_tokens == 0 and plan.adaptive is None  # no drafter session at all
+
+
+def test_a_lone_request_drafts_with_a_limit_of_one():
+    s = servicer(1)
+    s.running = 1
+    plan = s._plan(coordinator_pb2.GenerateRequest(prompt="hi", max_tokens=10), NGRAM)
+    assert plan.num_draft_tokens == 4 and not plan.under_load()
 
 
 @pytest.mark.parametrize("pinned", ["num_draft_tokens", "seed"])
@@ -47,14 +55,14 @@ def test_pinned_k_and_seeded_sampling_draft_whatever_the_load(pinned):
     else:
         request.num_draft_tokens = 3
     plan = s._plan(request, NGRAM)
-    assert plan.num_draft_tokens > 0 and plan.draft_max_sessions == 0
+    assert plan.num_draft_tokens > 0 and plan.under_load is None
 
 
 def test_no_limit_drafts_under_any_load():
     s = servicer(0)
     s.running = 1000
     plan = s._plan(coordinator_pb2.GenerateRequest(prompt="hi", max_tokens=10), NGRAM)
-    assert plan.num_draft_tokens == 4 and plan.draft_max_sessions == 0
+    assert plan.num_draft_tokens == 4 and not plan.under_load()
 
 
 def test_running_requests_are_counted_out_when_they_fail():

@@ -326,16 +326,6 @@ def test_in_company_rounds_without_drafts_decode_drafting_offs_bursts(target, mo
         assert stats_alone.forward_sessions == 1.0
 
 
-class CrowdedVerifier(CountingVerifier):
-    """Answers as a verifier whose forwards carried 39 other sessions, one row each."""
-
-    async def verify(self, session_id, position, draft_ids, *args, **kwargs):
-        verified = await super().verify(session_id, position, draft_ids, *args, **kwargs)
-        own = len(draft_ids) + 1  # a forward's rows of this session
-        verified.share = own / (own + 39)
-        return verified
-
-
 class CountingOracle(OracleProposer):
     calls = 0
 
@@ -344,47 +334,48 @@ class CountingOracle(OracleProposer):
         return super().propose(*args, **kwargs)
 
 
-@pytest.mark.parametrize("limit", [32, 48, 0])
-def test_adaptive_k_drafts_nothing_while_the_forwards_are_crowded(target, monkeypatch, limit):
-    """At or past draft_max_sessions sessions a forward, an adapted session drafts nothing,
-    even with drafts that are always right, and asks no drafter: drafting off's bursts. Below
-    the limit, or with none (0), it drafts."""
+def test_adaptive_k_drafts_nothing_while_the_coordinator_is_under_load(target, monkeypatch):
+    """While Plan.under_load says so, an adapted session drafts nothing, even with drafts
+    that are always right, and asks no drafter: drafting off's bursts. Once the load falls it
+    drafts again."""
     ticks = iter(range(10**9))  # adaptive k's costs from a fake clock, as above
+    monkeypatch.setattr("coordinator.rounds.time.perf_counter", lambda: next(ticks) * 0.01)
+    prompt = PROMPTS[2]
+    plain, _ = collect(LocalVerifier(target), None, prompt, Plan(90, 0))
+    oracle = CountingOracle(prompt + plain)
+    verifier = CountingVerifier(target)
+    loaded = iter([False] + [True] * 5 + [False] * 1000)  # asked once a round
+    asked = []  # (under load, drafter calls so far) at each round's start
+
+    def under_load():
+        asked.append((next(loaded), oracle.calls))
+        return asked[-1][0]
+
+    plan = Plan(90, 4, adaptive=AdaptiveK(SpeculationCosts(), k_max=4), decode_burst=8,
+                draft_beside_decode=True, under_load=under_load)  # fmt: skip
+    out, stats = collect(verifier, LocalDrafter(oracle), prompt, plan)
+    assert out == plain
+    calls = verifier.calls
+    assert calls[0][0] > 0 and oracle.calls >= 1  # not loaded: it drafted
+    loaded_calls = calls[1:6]
+    assert not any(drafts for drafts, _ in loaded_calls)  # loaded: drafting off's bursts
+    # drafting off's bursts: as long as the output so far (4 at least), up to 8
+    assert [steps for _, steps in loaded_calls] == [4, 8, 8, 8, 8]
+    assert asked[1][1] == asked[6][1] > 0  # no drafter call in the loaded rounds
+    assert any(drafts for drafts, _ in calls[6:])  # the load fell: it drafts again
+    assert stats.accepted > 0
+
+
+def test_without_a_load_signal_adapted_sessions_draft(target, monkeypatch):
+    ticks = iter(range(10**9))
     monkeypatch.setattr("coordinator.rounds.time.perf_counter", lambda: next(ticks) * 0.01)
     prompt = PROMPTS[2]
     plain, _ = collect(LocalVerifier(target), None, prompt, Plan(60, 0))
     oracle = CountingOracle(prompt + plain)
-    verifier = CrowdedVerifier(target)
-    adaptive = AdaptiveK(SpeculationCosts(), k_max=4)
-    plan = Plan(60, 4, adaptive=adaptive, decode_burst=8, draft_beside_decode=True,
-                draft_max_sessions=limit)  # fmt: skip
-    out, stats = collect(verifier, LocalDrafter(oracle), prompt, plan)
-    assert out == plain
-    crowded = 0 < limit <= 40
-    later = verifier.calls[1:]  # the first round knew nothing of the load yet
-    assert verifier.calls[0][0] > 0  # it drafted: its rows and 39 other sessions' in a forward
-    if crowded:
-        assert oracle.calls == 1 and not any(drafts for drafts, _ in later)
-        assert [steps for _, steps in later][1:-1] == [8] * (len(later) - 2)
-    else:
-        assert oracle.calls > 1 and stats.accepted > 0
-
-
-def test_a_drafting_round_counts_the_other_sessions_not_its_own_drafts():
-    from coordinator.rounds import Round, Verified, _crowded
-
-    plan = Plan(60, 4, draft_max_sessions=32)
-
-    def played(kind, drafts, rows):  # rows: the forward's, this session's included
-        r = Round(len(drafts), 0.0, kind=kind, drafted=Drafted(drafts))
-        own = len(drafts) + 1 if kind == "verify" else 1
-        r.verified = Verified([1], len(drafts), False, None, share=own / rows)
-        return r
-
-    assert _crowded(plan, played("verify", [1, 2, 3, 4], 5 + 31))  # 32 sessions
-    assert not _crowded(plan, played("verify", [1, 2, 3, 4], 5 + 30))
-    assert _crowded(plan, played("plain", [], 32)) and not _crowded(plan, played("plain", [], 31))
-    assert not _crowded(Plan(60, 4), played("plain", [], 1000))  # no limit
+    plan = Plan(60, 4, adaptive=AdaptiveK(SpeculationCosts(), k_max=4), decode_burst=8,
+                draft_beside_decode=True, under_load=lambda: False)  # fmt: skip
+    out, stats = collect(CountingVerifier(target), LocalDrafter(oracle), prompt, plan)
+    assert out == plain and oracle.calls > 1 and stats.accepted > 0
 
 
 def test_in_company_probes_of_a_text_drafter_run_beside_bursts(target, monkeypatch):
