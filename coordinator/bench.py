@@ -20,8 +20,9 @@ from specd.argtypes import int_between, non_negative_int, positive_float, positi
 
 # --drafter names -> drafter kind; "-tree" variants draft trees, the others chains; "-mlx" and
 # "-host" variants run the head in MLX or on the host (--head-forwards); dflash-bN drafts blocks
-# of N; a "-serial" suffix turns drafting beside decode bursts off; a "-burstN" suffix (before
-# -serial) decodes up to N tokens a call when no drafts are wanted; any name but none ending in
+# of N; a "-serial" suffix turns drafting beside decode bursts off; a "-nolimit" suffix (before
+# -serial) drafts under any load (--draft-max-requests 0); a "-burstN" suffix (before those)
+# decodes up to N tokens a call when no drafts are wanted; any name but none ending in
 # -kN drafts k = N every round; "-pNN" after an EAGLE-3 chain name (eagle3, eagle3-mlx,
 # eagle3-host), two digits, ends its chains before a draft the head gives less than NN %
 # (--draft-p-min): "eagle3-host-p50-k6"
@@ -44,10 +45,15 @@ def _without_burst(name: str) -> tuple[str, int | None]:
 def pinned_k(name: str) -> tuple[str, int | None]:
     """("eagle3", 2) for "eagle3-k2": the variant with adaptive k off and k pinned at 2."""
     base, sep, k = name.rpartition("-k")
-    stem = _without_burst(base.removesuffix("-serial"))[0]
+    stem = _without_burst(_coordinator_stem(base))[0]
     if sep and k.isdigit() and int(k) > 0 and stem != "none":
         return base, int(k)
     return name, None
+
+
+def _coordinator_stem(name: str) -> str:
+    """The name without its coordinator suffixes: "ngram" of "ngram-nolimit-serial"."""
+    return name.removesuffix("-serial").removesuffix("-nolimit")
 
 
 def serial_drafting(name: str) -> bool:
@@ -55,9 +61,15 @@ def serial_drafting(name: str) -> bool:
     return pinned_k(name)[0].endswith("-serial")
 
 
+def unlimited_drafting(name: str) -> bool:
+    """ "ngram-nolimit" (or "ngram-nolimit-serial"): the coordinator's --draft-max-requests 0,
+    drafting under any load."""
+    return pinned_k(name)[0].removesuffix("-serial").endswith("-nolimit")
+
+
 def _split_burst(name: str) -> tuple[str, int | None]:
     """("none", 16) for "none-burst16": the stack's decode burst, None for the bench's own."""
-    return _without_burst(pinned_k(name)[0].removesuffix("-serial"))
+    return _without_burst(_coordinator_stem(pinned_k(name)[0]))
 
 
 def decode_burst_for(args, name: str) -> int:
@@ -107,7 +119,9 @@ def add_bench_args(p) -> None:
         "draft the head gives under NN %% (--draft-p-min), "
         "none (the services without drafting: what the split costs); a -serial suffix "
         "(ngram-serial) makes every draft call before its verify (--no-draft-beside-decode); "
-        "a -burstN suffix before it (none-burst16) sets that stack's --decode-burst; "
+        "a -nolimit suffix before it (ngram-nolimit) drafts under any load "
+        "(--draft-max-requests 0); "
+        "a -burstN suffix before those (none-burst16) sets that stack's --decode-burst; "
         "a -kN suffix (eagle3-k2) drafts k = N every round, adaptive k off; all run side by "
         "side",
     )
@@ -740,7 +754,8 @@ def bench_stack(args, drafter: str, log_dir: Path):
         coordinator_args=([] if args.adaptive else ["--no-adaptive"])
         + (["--overlap-drafting"] if args.overlap else [])
         + ["--decode-burst", str(decode_burst_for(args, drafter))]
-        + (["--no-draft-beside-decode"] if serial_drafting(drafter) else []),
+        + (["--no-draft-beside-decode"] if serial_drafting(drafter) else [])
+        + (["--draft-max-requests", "0"] if unlimited_drafting(drafter) else []),
         log_dir=log_dir,
     )
 

@@ -189,6 +189,26 @@ def test_burst_variant_names_set_their_stacks_decode_burst():
     assert not _known("none-burst16-k2") and not _known("none-burst0") and not _known("ngram-burst")
 
 
+def test_nolimit_variants_draft_under_any_load(tmp_path):
+    from argparse import ArgumentParser
+
+    from coordinator import bench
+
+    assert bench.bench_kind("ngram-nolimit") == "ngram"
+    assert bench.unlimited_drafting("ngram-nolimit")
+    assert not bench.unlimited_drafting("ngram") and not bench.unlimited_drafting("ngram-serial")
+    name = "ngram-burst8-nolimit-serial-k3"
+    assert bench.bench_kind(name) == "ngram" and bench.pinned_k(name)[1] == 3
+    assert bench.unlimited_drafting(name) and bench.serial_drafting(name)
+    p = ArgumentParser()
+    bench.add_bench_args(p)
+    args = p.parse_args(["--questions", "mt-bench"])
+    assert bench.decode_burst_for(args, name) == 8
+    flags = bench.bench_stack(args, "ngram-nolimit", tmp_path).coordinator_args
+    assert flags[flags.index("--draft-max-requests") + 1] == "0"
+    assert "--draft-max-requests" not in bench.bench_stack(args, "ngram", tmp_path).coordinator_args
+
+
 @pytest.mark.parametrize("where", ["mlx", "host"])
 def test_head_forwards_variants_pass_the_choice_to_their_drafter(where):
     from argparse import ArgumentParser
