@@ -347,8 +347,6 @@ class _Request:
     # short call leaves the session out of the batched forwards that run while its answer
     # travels, so rounds without drafts decode as long a burst as drafting off would
     in_company: bool = False
-    # this round's: the coordinator is under load (Plan.under_load), so no drafts
-    crowded: bool = False
 
 
 @dataclass
@@ -374,6 +372,7 @@ class Round:
     guess_s: float | None = None  # beside: the call's own wall time; None: no call made
     draft_done: float = 0.0
     verify_done: float = 0.0
+    crowded: bool = False  # the coordinator was under load (Plan.under_load): no drafts
 
     def times(self, now: float) -> RoundTime:
         return RoundTime(
@@ -387,11 +386,11 @@ class Round:
 
 async def _play_round(request: _Request, remaining: int) -> Round:
     plan = request.plan
-    k = min(plan.num_draft_tokens, remaining - 1)
+    k, crowded = min(plan.num_draft_tokens, remaining - 1), False
     if plan.adaptive is not None:
-        request.crowded = plan.under_load is not None and plan.under_load()
-        k = 0 if request.crowded else plan.adaptive.choose(remaining - 1)
-    played = Round(k, time.perf_counter())
+        crowded = plan.under_load is not None and plan.under_load()
+        k = 0 if crowded else plan.adaptive.choose(remaining - 1)
+    played = Round(k, time.perf_counter(), crowded=crowded)
     played.kind = _round_kind(request, played, remaining)
     if played.kind == "draft":
         played.drafted = await request.link.draft(
@@ -417,9 +416,10 @@ def _round_kind(request: _Request, played: Round, remaining: int) -> str:
     if link is None or k == 0:
         if link is not None:
             link.take_carried(0)  # drafts made for this position are stale after it
-        played.steps = _plain_steps(plan, link, k, remaining, request.in_company)
-        if request.crowded:  # drafting off's burst: no probe until the load falls
+        if played.crowded:  # drafting off's burst: no probe until the load falls
             played.steps = _burst(plan, remaining)
+        else:
+            played.steps = _plain_steps(plan, link, k, remaining, request.in_company)
         return "plain" if played.steps > 1 else "verify"
     carried = link.take_carried(k)
     played.tree = plan.tree

@@ -68,7 +68,7 @@ class ServiceProcess:
 
     def cpu_seconds(self) -> float | None:
         """CPU time the process has used so far (user and system), where the OS tells it
-        (Linux's /proc); None elsewhere or once it has exited."""
+        (Linux's /proc); None elsewhere or once the process is gone."""
         return process_cpu_seconds(self.process.pid)
 
     def log_tail(self, lines: int = 30) -> str:
