@@ -20,12 +20,7 @@ from specd.argtypes import int_between, non_negative_int, positive_float, positi
 
 # --drafter names -> drafter kind; "-tree" variants draft trees, the others chains; "-mlx" and
 # "-host" variants run the head in MLX or on the host (--head-forwards); dflash-bN drafts blocks
-# of N; a "-serial" suffix turns drafting beside decode bursts off; a "-nolimit" suffix (before
-# -serial) drafts under any load (--draft-max-requests 0); a "-burstN" suffix (before those)
-# decodes up to N tokens a call when no drafts are wanted; any name but none ending in
-# -kN drafts k = N every round; "-pNN" after an EAGLE-3 chain name (eagle3, eagle3-mlx,
-# eagle3-host), two digits, ends its chains before a draft the head gives less than NN %
-# (--draft-p-min): "eagle3-host-p50-k6"
+# of N; the suffixes a name may carry after these are read by parse_drafter_name
 BENCH_DRAFTERS = {"ngram": "ngram", "eagle3": "eagle3", "eagle3-tree": "eagle3",
                   "eagle3-mlx": "eagle3", "eagle3-tree-mlx": "eagle3",
                   "eagle3-host": "eagle3", "eagle3-tree-host": "eagle3",
@@ -34,73 +29,57 @@ BENCH_DRAFTERS = {"ngram": "ngram", "eagle3": "eagle3", "eagle3-tree": "eagle3",
 
 # runs of the first request right after it, beside the main loop's, for its "later" figure
 FIRST_REQUEST_AGAIN = 2
-_BURST_SUFFIX = re.compile(r"(.+)-burst([1-9][0-9]*)")
+
+# the suffixes in the one order they may come; the lazy variant leaves each to its own group
+_DRAFTER_NAME = re.compile(
+    r"(?P<variant>.+?)(?:-p(?P<p_min>[0-9]{2}))?(?:-burst(?P<burst>[1-9][0-9]*))?"
+    r"(?P<nolimit>-nolimit)?(?P<serial>-serial)?(?:-k(?P<k>[0-9]+))?"
+)
+_DFLASH_BLOCKS = re.compile(r"dflash-b[0-9]+")
+# --draft-p-min ends chains, so only the EAGLE-3 chain drafters take -pNN
+_P_MIN_VARIANTS = ("eagle3", "eagle3-mlx", "eagle3-host")
 
 
-def _without_burst(name: str) -> tuple[str, int | None]:
-    match = _BURST_SUFFIX.fullmatch(name)
-    return (match[1], int(match[2])) if match else (name, None)
+@dataclass(frozen=True)
+class BenchDrafter:
+    """One --drafter name, read by parse_drafter_name."""
+
+    name: str  # as given: the label of its results
+    variant: str  # the name without its suffixes: "eagle3-mlx", "dflash-b8"
+    drafter: str | None  # the drafter service's kind; None: drafting off
+    p_min: float | None = None  # -pNN: --draft-p-min NN %
+    burst: int | None = None  # -burstN: the stack's --decode-burst; None: the bench's own
+    nolimit: bool = False  # -nolimit: --draft-max-requests 0, drafting under any load
+    serial: bool = False  # -serial: --no-draft-beside-decode
+    pinned_k: int | None = None  # -kN: every request drafts k = N, adaptive k off
 
 
-def pinned_k(name: str) -> tuple[str, int | None]:
-    """("eagle3", 2) for "eagle3-k2": the variant with adaptive k off and k pinned at 2."""
-    base, sep, k = name.rpartition("-k")
-    stem = _without_burst(_coordinator_stem(base))[0]
-    if sep and k.isdigit() and int(k) > 0 and stem != "none":
-        return base, int(k)
-    return name, None
-
-
-def _coordinator_stem(name: str) -> str:
-    """The name without its coordinator suffixes: "ngram" of "ngram-nolimit-serial"."""
-    return name.removesuffix("-serial").removesuffix("-nolimit")
-
-
-def serial_drafting(name: str) -> bool:
-    """ "ngram-serial" (or "ngram-serial-k8"): the coordinator's --no-draft-beside-decode."""
-    return pinned_k(name)[0].endswith("-serial")
-
-
-def unlimited_drafting(name: str) -> bool:
-    """ "ngram-nolimit" (or "ngram-nolimit-serial"): the coordinator's --draft-max-requests 0,
-    drafting under any load."""
-    return pinned_k(name)[0].removesuffix("-serial").endswith("-nolimit")
-
-
-def _split_burst(name: str) -> tuple[str, int | None]:
-    """("none", 16) for "none-burst16": the stack's decode burst, None for the bench's own."""
-    return _without_burst(_coordinator_stem(pinned_k(name)[0]))
-
-
-def decode_burst_for(args, name: str) -> int:
-    return _split_burst(name)[1] or args.decode_burst
-
-
-def _drafter_name(name: str) -> str:
-    """The name without its drafter option, coordinator and request suffixes: "eagle3-mlx" of
-    "eagle3-mlx-p50-burst8-serial-k2"."""
-    return _without_p_min(_split_burst(name)[0])[0]
-
-
-_P_MIN_SUFFIX = re.compile(r"(eagle3|eagle3-mlx|eagle3-host)-p([0-9]{2})")
-
-
-def _without_p_min(name: str) -> tuple[str, float | None]:
-    """("eagle3-host", 0.5) for "eagle3-host-p50"."""
-    match = _P_MIN_SUFFIX.fullmatch(name)
-    return (match[1], int(match[2]) / 100) if match else (name, None)
-
-
-def bench_kind(name: str) -> str | None:
-    """Drafter kind of a --drafter name; KeyError for unknown names."""
-    name = _drafter_name(name)
-    if name.startswith("dflash-b") and name[len("dflash-b") :].isdigit():
-        return "dflash"
-    return BENCH_DRAFTERS[name]
-
-
-def adaptive_for(args, name: str) -> bool:
-    return args.adaptive and pinned_k(name)[1] is None
+def parse_drafter_name(name: str) -> BenchDrafter:
+    """DRAFTER[-pNN][-burstN][-nolimit][-serial][-kN], in that order: "eagle3-mlx-p50-burst8-
+    serial-k2". ValueError for a name that is not one."""
+    match = _DRAFTER_NAME.fullmatch(name)
+    variant = match["variant"] if match else ""
+    dflash_blocks = _DFLASH_BLOCKS.fullmatch(variant) is not None
+    k = int(match["k"]) if match and match["k"] else None
+    if (
+        not (dflash_blocks or variant in BENCH_DRAFTERS)
+        or (match["p_min"] and variant not in _P_MIN_VARIANTS)
+        or (k is not None and (k == 0 or variant == "none"))  # no drafts to pin k of
+    ):
+        raise ValueError(
+            f"unknown drafter {name!r}: want DRAFTER[-pNN][-burstN][-nolimit][-serial][-kN], "
+            f"DRAFTER one of {', '.join(BENCH_DRAFTERS)} or dflash-bN"
+        )
+    return BenchDrafter(
+        name=name,
+        variant=variant,
+        drafter="dflash" if dflash_blocks else BENCH_DRAFTERS[variant],
+        p_min=int(match["p_min"]) / 100 if match["p_min"] else None,
+        burst=int(match["burst"]) if match["burst"] else None,
+        nolimit=bool(match["nolimit"]),
+        serial=bool(match["serial"]),
+        pinned_k=k,
+    )
 
 
 def add_bench_args(p) -> None:
@@ -379,17 +358,17 @@ def service_memory(client) -> dict:
 
 def _known(name: str) -> bool:
     try:
-        bench_kind(name)
-    except KeyError:
+        parse_drafter_name(name)
+    except ValueError:
         return False
     return True
 
 
 def _variant_options(args, name: str) -> dict:
     """Options of bench drafter `name` as `specd serve drafter` flags take them."""
-    p_min = _without_p_min(_split_burst(name)[0])[1]
-    name = _drafter_name(name)  # the request pins k (see run_bench)
-    tree = "-tree" in name
+    parsed = parse_drafter_name(name)
+    variant = parsed.variant  # no pinned k here: the request carries it (bench_request)
+    tree = "-tree" in variant
     return {
         "num_draft_tokens": args.num_draft_tokens,
         "ngram_min_n": args.ngram_min_n,
@@ -399,9 +378,11 @@ def _variant_options(args, name: str) -> dict:
         "tree_total_tokens": (args.tree_total_tokens or 16) if tree else 0,
         "tree_depth": args.tree_depth if tree else None,
         "tree_top_k": args.tree_top_k if tree else None,
-        "block_size": int(name[len("dflash-b") :]) if name.startswith("dflash-b") else None,
-        "head_forwards": name.rpartition("-")[2] if name.endswith(("-mlx", "-host")) else None,
-        "draft_p_min": p_min,
+        "block_size": int(variant[len("dflash-b") :]) if variant.startswith("dflash-b") else None,
+        "head_forwards": (
+            variant.rpartition("-")[2] if variant.endswith(("-mlx", "-host")) else None
+        ),
+        "draft_p_min": parsed.p_min,
     }
 
 
@@ -425,7 +406,7 @@ def _drafter_args(args, name: str) -> list[str]:
     out = []
     if args.drafter_blas_threads is not None:
         out += ["--blas-threads", str(args.drafter_blas_threads)]
-    for option in _KIND_OPTIONS.get(bench_kind(name), ()):
+    for option in _KIND_OPTIONS.get(parse_drafter_name(name).drafter, ()):
         flag = "--" + option.replace("_", "-")
         if options[option] is True:  # a switch
             out.append(flag)
@@ -449,9 +430,10 @@ def in_process_runner(args, name: str):
     # its own copy of the model (the baseline's stays free of the capture wrappers), served as
     # the stack's verifier serves it: on a GPU row by row, where its own forward would be dearer
     verifier = LocalVerifier(target_for(verifier_config(args, name)))
+    parsed = parse_drafter_name(name)
     drafter = None
-    if bench_kind(name) is not None:
-        options = drafter_options(bench_kind(name), **_variant_options(args, name))
+    if parsed.drafter is not None:
+        options = drafter_options(parsed.drafter, **_variant_options(args, name))
         proposer = make_proposer(DrafterConfig(**options, target=args.target))
         drafter = LocalDrafter(proposer)
     costs = SpeculationCosts()
@@ -461,9 +443,9 @@ def in_process_runner(args, name: str):
             pass
 
     def run(prompt_ids) -> tuple[float, RoundStats]:
-        k = (pinned_k(name)[1] or drafter.proposer.default_draft_tokens) if drafter else 0
+        k = (parsed.pinned_k or drafter.proposer.default_draft_tokens) if drafter else 0
         adaptive = None
-        if adaptive_for(args, name) and k:
+        if args.adaptive and parsed.pinned_k is None and k:
             tree = TreeLimits.of(getattr(drafter.proposer, "default_tree", None))
             text_driven = drafter.proposer.text_driven
             adaptive = AdaptiveK.for_session(costs, k, text_driven=text_driven, tree=tree)
@@ -472,8 +454,8 @@ def in_process_runner(args, name: str):
             k,
             common_pb2.SamplingParams(temperature=args.temperature),
             adaptive,
-            decode_burst=decode_burst_for(args, name),
-            draft_beside_decode=not serial_drafting(name),
+            decode_burst=parsed.burst or args.decode_burst,
+            draft_beside_decode=not parsed.serial,
         )
         stats = RoundStats()
         start = time.perf_counter()
@@ -743,9 +725,10 @@ def bench_stack(args, drafter: str, log_dir: Path):
     """The three services for bench drafter `drafter`, with the bench's options."""
     from specd.launch import Stack
 
+    parsed = parse_drafter_name(drafter)
     return Stack(
         target=args.target,
-        drafter=bench_kind(drafter),
+        drafter=parsed.drafter,
         dtype=args.dtype,
         gemv_rows=args.gemv_rows,
         float32_weights=args.float32_weights,
@@ -753,9 +736,9 @@ def bench_stack(args, drafter: str, log_dir: Path):
         drafter_args=_drafter_args(args, drafter),
         coordinator_args=([] if args.adaptive else ["--no-adaptive"])
         + (["--overlap-drafting"] if args.overlap else [])
-        + ["--decode-burst", str(decode_burst_for(args, drafter))]
-        + (["--no-draft-beside-decode"] if serial_drafting(drafter) else [])
-        + (["--draft-max-requests", "0"] if unlimited_drafting(drafter) else []),
+        + ["--decode-burst", str(parsed.burst or args.decode_burst)]
+        + (["--no-draft-beside-decode"] if parsed.serial else [])
+        + (["--draft-max-requests", "0"] if parsed.nolimit else []),
         log_dir=log_dir,
     )
 
@@ -768,7 +751,8 @@ def bench_request(prompt_ids, args, drafter: str, seed: int | None = None):
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         seed=seed,
-        num_draft_tokens=pinned_k(drafter)[1],  # a pinned request turns adaptation off
+        # a pinned request turns adaptation off
+        num_draft_tokens=parse_drafter_name(drafter).pinned_k,
     )
 
 
@@ -787,6 +771,7 @@ def first_request_ratio(rows: list[dict]) -> float | None:
 
 
 def _result(args, target, drafter: str, rows: list[dict], memory: dict, asked: int) -> dict:
+    parsed = parse_drafter_name(drafter)
     return {
         "questions_asked": asked,  # more than were run when --time-limit stopped the bench
         "first_request_vs_later": first_request_ratio(rows),
@@ -796,8 +781,8 @@ def _result(args, target, drafter: str, rows: list[dict], memory: dict, asked: i
         "gemv_rows": args.gemv_rows,  # None: the verifier's default
         "verifier_args": args.verifier_args,
         "max_tokens": args.max_tokens,
-        "adaptive": adaptive_for(args, drafter),
-        "decode_burst": decode_burst_for(args, drafter),
+        "adaptive": args.adaptive and parsed.pinned_k is None,
+        "decode_burst": parsed.burst or args.decode_burst,
         "overlap": args.overlap,
         "temperature": args.temperature,
         "repeat": args.repeat,  # times each mode ran each question; rows keep the fastest

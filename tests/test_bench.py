@@ -162,63 +162,81 @@ def test_repeats_keep_the_fastest_run_of_each_mode_and_every_difference():
     assert row["spec_s"] == 1.2 and row["inproc_s"] == 1.0 and row["identical"] is None
 
 
-def test_pinned_k_variant_names():
-    from coordinator.bench import _known, bench_kind, pinned_k, serial_drafting
+def test_drafter_names_parse_into_their_suffixes():
+    from coordinator.bench import BenchDrafter, parse_drafter_name
 
-    assert pinned_k("eagle3-k2") == ("eagle3", 2)
-    assert pinned_k("dflash-b8-k3") == ("dflash-b8", 3)
-    assert pinned_k("eagle3") == ("eagle3", None)
-    assert bench_kind("dflash-b8-k3") == "dflash" and bench_kind("eagle3-tree-k4") == "eagle3"
-    assert not _known("none-k2") and not _known("eagle3-k0") and not _known("eagle3-kx")
-    assert not _known("none-serial-k2")
-    assert bench_kind("ngram-serial-k8") == "ngram" and pinned_k("ngram-serial-k8")[1] == 8
-    assert serial_drafting("ngram-serial-k8") and not serial_drafting("ngram-k8")
+    assert parse_drafter_name("ngram") == BenchDrafter("ngram", "ngram", "ngram")
+    assert parse_drafter_name("none-burst16") == BenchDrafter(
+        "none-burst16", "none", None, burst=16
+    )
+    assert parse_drafter_name("ngram-nolimit-serial") == BenchDrafter(
+        "ngram-nolimit-serial", "ngram", "ngram", nolimit=True, serial=True
+    )
+    name = "eagle3-mlx-p50-burst8-serial-k2"
+    assert parse_drafter_name(name) == BenchDrafter(
+        name, "eagle3-mlx", "eagle3", p_min=0.5, burst=8, serial=True, pinned_k=2
+    )
+    assert parse_drafter_name("eagle3-k3") == BenchDrafter(
+        "eagle3-k3", "eagle3", "eagle3", pinned_k=3
+    )
+    assert parse_drafter_name("eagle3-tree") == BenchDrafter("eagle3-tree", "eagle3-tree", "eagle3")
+    assert parse_drafter_name("dflash-b8-k3") == BenchDrafter(
+        "dflash-b8-k3", "dflash-b8", "dflash", pinned_k=3
+    )
+    bad = [
+        "ngram-serial-nolimit",  # out of order
+        "ngram-k2-serial",
+        "eagle3-burst8-p50",
+        "ngram-serial-serial",  # twice
+        "none-k2",  # no drafts to pin k of
+        "none-serial-k2",
+        "none-burst16-k2",
+        "eagle3-k0",
+        "eagle3-kx",
+        "none-burst0",
+        "ngram-burst",
+        "eagle3-tree-p50",  # -pNN: EAGLE-3 chains only, two digits
+        "eagle3-p5",
+        "eagle3-p100",
+        "eagle3-p",
+        "ngram-p50",
+        "dflash-b",
+        "nonsense",
+        "",
+    ]
+    for name in bad:
+        with pytest.raises(ValueError, match="unknown drafter"):
+            parse_drafter_name(name)
 
 
-def test_burst_variant_names_set_their_stacks_decode_burst():
-    from argparse import Namespace
-
-    from coordinator.bench import _known, bench_kind, decode_burst_for, pinned_k, serial_drafting
-
-    args = Namespace(decode_burst=4)
-    assert bench_kind("none-burst16") is None and decode_burst_for(args, "none-burst16") == 16
-    assert decode_burst_for(args, "none") == 4
-    assert bench_kind("ngram-burst8-serial-k3") == "ngram"
-    assert decode_burst_for(args, "ngram-burst8-serial-k3") == 8
-    assert serial_drafting("ngram-burst8-serial-k3") and pinned_k("ngram-burst8-serial-k3")[1] == 3
-    assert not _known("none-burst16-k2") and not _known("none-burst0") and not _known("ngram-burst")
-
-
-def test_nolimit_variants_draft_under_any_load(tmp_path):
+def test_suffixes_reach_their_stacks_coordinator_and_requests(tmp_path):
     from argparse import ArgumentParser
 
     from coordinator import bench
 
-    assert bench.bench_kind("ngram-nolimit") == "ngram"
-    assert bench.unlimited_drafting("ngram-nolimit")
-    assert not bench.unlimited_drafting("ngram") and not bench.unlimited_drafting("ngram-serial")
-    name = "ngram-burst8-nolimit-serial-k3"
-    assert bench.bench_kind(name) == "ngram" and bench.pinned_k(name)[1] == 3
-    assert bench.unlimited_drafting(name) and bench.serial_drafting(name)
     p = ArgumentParser()
     bench.add_bench_args(p)
     args = p.parse_args(["--questions", "mt-bench"])
-    assert bench.decode_burst_for(args, name) == 8
     flags = bench.bench_stack(args, "ngram-nolimit", tmp_path).coordinator_args
     assert flags[flags.index("--draft-max-requests") + 1] == "0"
     assert "--draft-max-requests" not in bench.bench_stack(args, "ngram", tmp_path).coordinator_args
+    flags = bench.bench_stack(args, "none-burst16-serial", tmp_path).coordinator_args
+    assert flags[flags.index("--decode-burst") + 1] == "16" and "--no-draft-beside-decode" in flags
+    default = bench.bench_stack(args, "none", tmp_path).coordinator_args
+    assert default[default.index("--decode-burst") + 1] == str(args.decode_burst)
+    assert bench.bench_request([1, 2], args, "ngram-serial-k8").num_draft_tokens == 8
 
 
 @pytest.mark.parametrize("where", ["mlx", "host"])
 def test_head_forwards_variants_pass_the_choice_to_their_drafter(where):
     from argparse import ArgumentParser
 
-    from coordinator.bench import _drafter_args, add_bench_args, bench_kind
+    from coordinator.bench import _drafter_args, add_bench_args, parse_drafter_name
 
     p = ArgumentParser()
     add_bench_args(p)
     args = p.parse_args(["--questions", "mt-bench"])
-    assert bench_kind(f"eagle3-tree-{where}-k4") == "eagle3"
+    assert parse_drafter_name(f"eagle3-tree-{where}-k4").drafter == "eagle3"
     chain = _drafter_args(args, f"eagle3-{where}-k6")
     assert chain[chain.index("--head-forwards") + 1] == where
     tree = _drafter_args(args, f"eagle3-tree-{where}")
@@ -230,19 +248,15 @@ def test_head_forwards_variants_pass_the_choice_to_their_drafter(where):
 def test_p_min_variants_pass_the_threshold_to_their_drafter():
     from argparse import ArgumentParser
 
-    from coordinator.bench import _drafter_args, add_bench_args, bench_kind, pinned_k
+    from coordinator.bench import _drafter_args, add_bench_args
 
     p = ArgumentParser()
     add_bench_args(p)
     args = p.parse_args(["--questions", "mt-bench"])
-    assert bench_kind("eagle3-host-p50-k6") == "eagle3" and pinned_k("eagle3-p40-k3")[1] == 3
     chain = _drafter_args(args, "eagle3-host-p50-k6")
     assert chain[chain.index("--draft-p-min") + 1] == "0.5"
     assert chain[chain.index("--head-forwards") + 1] == "host"
     assert "--draft-p-min" not in _drafter_args(args, "eagle3-k6")
-    for name in ("ngram-p50", "eagle3-tree-p50", "eagle3-p5", "eagle3-p100", "eagle3-p"):
-        with pytest.raises(KeyError):  # chains of the EAGLE-3 head only, two digits
-            bench_kind(name)
 
 
 def test_a_difference_is_explained_by_the_logits_and_their_rounding(tiny_model_dir):
