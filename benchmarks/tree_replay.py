@@ -1,0 +1,197 @@
+"""Replay greedy draft-tree rounds (EAGLE-3 or DFlash) against the target's own greedy replies,
+without a verifier: the tau of many tree shapes over the same questions in minutes, and how well
+the drafter's probabilities predict which nodes the target keeps.
+
+A round opens where the last one ended, builds a tree from the head's state there, keeps the
+longest root path that the target's greedy reply follows, and commits it with the target's next
+token, as a served greedy round does; the head's state then takes those tokens and the target's
+rows for them. The target's replies and rows are computed once and cached (`--cache`).
+
+    python -m specd.platform exec -- python benchmarks/tree_replay.py --questions mt-bench \
+        --tokens 128 --shapes 16:5:4 16:6:4 16:8:3 [--calibration] [--weights DIR]
+    python -m specd.platform exec -- python benchmarks/tree_replay.py --kind dflash \
+        --shapes 15:15:1 16:15:4
+
+A shape is total:depth:top_k (the drafter's --tree-total-tokens, --tree-depth, --tree-top-k);
+a top_k of 1 is a chain (15:15:1: DFlash's block of 16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+from coordinator.bench import plain_decode
+from drafter_svc.config import DrafterConfig, drafter_options
+from drafter_svc.data import Example, TargetFeatures
+from drafter_svc.eagle3 import draft as eagle3_draft
+from drafter_svc.proposal import TreeShape
+from drafter_svc.server import make_proposer
+from specd.datasets import load_questions
+from specd.models.load import load_target
+from specd.prompts import encode_chat
+
+
+def parse_shape(text: str) -> TreeShape:
+    try:
+        total, depth, top_k = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a shape is total:depth:top_k") from None
+    if min(total, depth, top_k) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every part must be at least 1")
+    return TreeShape(total, depth, top_k)
+
+
+def target_replies(questions: list[str], tokens: int, capture, cache: Path | None):
+    """[(prompt length, prompt + greedy reply ids, the target's rows)] for each question."""
+    replies = None  # (prompt length, prompt + reply) of each question
+    if cache is not None and cache.exists():
+        saved = np.load(cache, allow_pickle=False)
+        n = int(saved["count"])
+        if n == len(questions) and int(saved["tokens"]) == tokens:
+            replies = [(int(saved[f"p{i}"]), saved[f"s{i}"]) for i in range(n)]
+            if saved["capture"].tolist() == list(capture):
+                return [(p, s, saved[f"r{i}"]) for i, (p, s) in enumerate(replies)]
+            print(f"{cache}: rows of other layers; the replies kept, their rows made again")
+        else:
+            print(f"{cache}: made for other questions or lengths; computing again")
+    loaded = load_target(None, "float32")
+    if replies is None:
+        eos = set(loaded.identity.eos_token_ids)
+        replies = []
+        for question in questions:
+            ids = encode_chat(loaded.tokenizer, [{"role": "user", "content": question}])
+            reply = plain_decode(loaded.model, ids, tokens, eos).token_ids
+            replies.append((len(ids), np.array(ids + reply, dtype=np.int32)))
+    features = TargetFeatures(loaded.model, capture)
+    out = []
+    for prompt_len, seq in replies:
+        rows = features(Example(seq, np.ones(len(seq), bool))).rows.astype(np.float32)
+        out.append((prompt_len, seq, rows))
+    if cache is not None:
+        arrays = {"count": len(out), "tokens": tokens, "capture": np.array(capture)}
+        for i, (p, s, r) in enumerate(out):
+            arrays.update({f"p{i}": p, f"s{i}": s, f"r{i}": r})
+        np.savez(cache, **arrays)
+    return out
+
+
+def kept_path(tokens: list[int], parents: list[int], reply: np.ndarray) -> list[int]:
+    """Node indices of the longest root path the reply follows (parents come first)."""
+    path: list[int] = []
+    at = -1
+    while len(path) < len(reply):
+        step = next(
+            (i for i, t in enumerate(tokens) if parents[i] == at and t == reply[len(path)]), None
+        )
+        if step is None:
+            return path
+        path.append(step)
+        at = step
+    return path
+
+
+def replay(drafter, replies, shape: TreeShape, calibration: dict | None, tap: ScoreTap):
+    """(tau, drafting ms a round) of greedy tree rounds over the replies."""
+    committed = rounds = 0
+    seconds = 0.0
+    for prompt_len, seq, rows in replies:
+        n = prompt_len
+        state = drafter.open(seq[:n].tolist(), rows[: n - 1])
+        while n < len(seq):
+            start = time.perf_counter()
+            proposal = drafter.tree(state, shape)
+            seconds += time.perf_counter() - start
+            path = kept_path(proposal.ids, proposal.parents, seq[n:])
+            if calibration is not None:
+                record_nodes(calibration, proposal, tap.sent, path)
+            new = min(len(path) + 1, len(seq) - n)
+            drafter.extend(state, seq[n : n + new].tolist(), rows[n - 1 : n - 1 + new])
+            n += new
+            committed += new
+            rounds += 1
+    return committed / rounds, 1000 * seconds / rounds
+
+
+class ScoreTap:
+    """Keeps the head's cumulative log-probs of the nodes a tree sends, in the proposal's order
+    (parents first, then by score within a depth, as the drafter orders them)."""
+
+    def __init__(self):
+        self.sent: list[float] = []
+        self._pick = eagle3_draft._best_closed
+        eagle3_draft._best_closed = self._tap
+
+    def _tap(self, parents, scores, budget):
+        chosen = self._pick(parents, scores, budget)
+        depth = {}
+        for i in chosen:  # ancestors come first in a best-first closed pick
+            depth[i] = 1 if parents[i] < 0 else depth[parents[i]] + 1
+        self.sent = [scores[i] for i in sorted(chosen, key=lambda i: (depth[i], -scores[i]))]
+        return chosen
+
+
+P_BINS = (0.0, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.01)
+
+
+def record_nodes(calibration: dict, proposal, sent_scores, path: list[int]) -> None:
+    """Per depth and band of the head's probability for a node given its parent: nodes sent
+    whose parent the target kept, how many of them it kept, and their summed probabilities."""
+    kept = set(path)
+    depth = []
+    for i, parent in enumerate(proposal.parents):
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+        if parent < 0 or parent in kept:
+            base = 0.0 if parent < 0 else sent_scores[parent]
+            prob = float(np.exp(sent_scores[i] - base))
+            band = int(np.searchsorted(P_BINS, prob, side="right")) - 1
+            offered, hits, total = calibration.get((depth[i], band), (0, 0, 0.0))
+            calibration[(depth[i], band)] = (offered + 1, hits + (i in kept), total + prob)
+
+
+def print_calibration(calibration: dict) -> None:
+    for depth in sorted({d for d, _ in calibration}):
+        cells = []
+        for band in range(len(P_BINS) - 1):
+            offered, hits, total = calibration.get((depth, band), (0, 0, 0.0))
+            if offered:
+                cells.append(f"p {total / offered:.2f}: {hits}/{offered} = {hits / offered:.2f}")
+        print(f"  depth {depth}: " + "; ".join(cells))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--questions", default="mt-bench", help="a question set or a .jsonl")
+    p.add_argument("--every", type=int, default=1, help="every Nth question")
+    p.add_argument("--tokens", type=int, default=128, help="greedy tokens a question")
+    p.add_argument("--kind", choices=["eagle3", "dflash"], default="eagle3")
+    p.add_argument("--weights", type=Path, help="the drafter (default: the shipped one)")
+    p.add_argument(
+        "--shapes", type=parse_shape, nargs="+", default=[TreeShape()], help="total:depth:top_k"
+    )
+    p.add_argument(
+        "--calibration", action="store_true", help="per depth: nodes offered whose parent was kept"
+    )
+    p.add_argument("--cache", type=Path, help="where the target's replies and rows are kept")
+    args = p.parse_args()
+    if args.calibration and args.kind != "eagle3":
+        p.error("--calibration reads EAGLE-3's node scores; DFlash's are per position")
+    questions = [q.turns[0] for q in load_questions(args.questions)[:: args.every]]
+    proposer = make_proposer(DrafterConfig(**drafter_options(args.kind, weights=args.weights)))
+    replies = target_replies(questions, args.tokens, proposer.capture_layers, args.cache)
+    print(f"{len(replies)} questions, {sum(len(s) - n for n, s, _ in replies)} reply tokens")
+    tap = ScoreTap()
+    for shape in args.shapes:
+        calibration = {} if args.calibration else None
+        tau, ms = replay(proposer.drafter, replies, shape, calibration, tap)
+        label = f"{shape.total_tokens}:{shape.depth}:{shape.top_k}"
+        print(f"tree {label}: tau {tau:.3f}, drafting {ms:.1f} ms a round", flush=True)
+        if calibration:
+            print_calibration(calibration)
+
+
+if __name__ == "__main__":
+    main()
