@@ -24,7 +24,7 @@ from specd.argtypes import int_between, non_negative_int, positive_float, positi
 BENCH_DRAFTERS = {"ngram": "ngram", "eagle3": "eagle3", "eagle3-tree": "eagle3",
                   "eagle3-mlx": "eagle3", "eagle3-tree-mlx": "eagle3",
                   "eagle3-host": "eagle3", "eagle3-tree-host": "eagle3",
-                  "dflash": "dflash", "none": None}  # fmt: skip
+                  "dflash": "dflash", "dflash-tree": "dflash", "none": None}  # fmt: skip
 
 
 # runs of the first request right after it, beside the main loop's, for its "later" figure
@@ -93,7 +93,7 @@ def add_bench_args(p) -> None:
         default="ngram",
         help="comma-separated: ngram, eagle3 (chains), eagle3-tree, a -mlx or -host suffix "
         "to either (the head's forwards in MLX or on the host: --head-forwards), dflash, "
-        "dflash-bN (blocks of N), "
+        "dflash-bN (blocks of N), dflash-tree (trees from a block), "
         "a -pNN suffix to an EAGLE-3 chain name (eagle3-host-p50) to end chains before a "
         "draft the head gives under NN %% (--draft-p-min), "
         "none (the services without drafting: what the split costs); a -serial suffix "
@@ -138,10 +138,16 @@ def add_bench_args(p) -> None:
     p.add_argument("--ngram-max-n", type=int_between(1))
     p.add_argument("--weights", type=Path, help="eagle3 head (default: the shipped one)")
     p.add_argument(
-        "--tree-total-tokens", type=int_between(0), help="eagle3-tree: tokens per tree (16)"
+        "--tree-total-tokens",
+        type=int_between(0),
+        help="eagle3-tree, dflash-tree: tokens per tree (16; dflash 15, a block's drafts)",
     )
-    p.add_argument("--tree-depth", type=int_between(1), help="eagle3-tree: deepest path (5)")
-    p.add_argument("--tree-top-k", type=int_between(1), help="eagle3-tree: children per node (4)")
+    p.add_argument(
+        "--tree-depth", type=int_between(1), help="-tree drafters: deepest path (eagle3 5)"
+    )
+    p.add_argument(
+        "--tree-top-k", type=int_between(1), help="-tree drafters: children a node (4; dflash 8)"
+    )
     p.add_argument(
         "--drafter-blas-threads",
         type=non_negative_int,
@@ -375,7 +381,9 @@ def _variant_options(args, name: str) -> dict:
         "ngram_max_n": args.ngram_max_n,
         "weights": args.weights,
         # chains are forced for the plain variant whatever the head's default shape
-        "tree_total_tokens": (args.tree_total_tokens or 16) if tree else 0,
+        "tree_total_tokens": (args.tree_total_tokens or _TREE_TOKENS[parsed.drafter])
+        if tree
+        else 0,
         "tree_depth": args.tree_depth if tree else None,
         "tree_top_k": args.tree_top_k if tree else None,
         "block_size": int(variant[len("dflash-b") :]) if variant.startswith("dflash-b") else None,
@@ -397,8 +405,11 @@ _KIND_OPTIONS = {
         "head_forwards",
         "draft_p_min",
     ),  # fmt: skip
-    "dflash": ("weights", "block_size"),
+    "dflash": ("weights", "block_size", "tree_total_tokens", "tree_depth", "tree_top_k"),
 }
+# a -tree variant's tokens when --tree-total-tokens is not given: DFlash's fill the 15 draft
+# rows of its block of 16, so its tree and its chain verify as many rows
+_TREE_TOKENS = {"eagle3": 16, "dflash": 15}
 
 
 def _drafter_args(args, name: str) -> list[str]:

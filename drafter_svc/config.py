@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from drafter_svc.dflash.proposer import DFlashOptions
+from drafter_svc.dflash.proposer import DEFAULT_TREE_TOP_K, DFlashOptions
 from drafter_svc.eagle3.proposer import HEAD_FORWARDS, Eagle3Options
 from drafter_svc.ngram import NgramConfig
 from specd.argtypes import non_negative_int
@@ -109,6 +109,12 @@ def drafter_options(
     if draft_vocab is not None and draft_vocab < 0:
         raise ValueError("--draft-vocab must be >= 0 (0: the whole vocabulary)")
     dflash = DFlashOptions(weights=weights, block_size=block_size or 0, draft_vocab=draft_vocab)
+    if any(v is not None for v in shape):
+        dflash.tree = TreeShape(
+            total_tokens=tree_total_tokens or 0,
+            depth=tree_depth or 0,  # the block's drafts
+            top_k=tree_top_k or DEFAULT_TREE_TOP_K,
+        )
     if num_draft_tokens and kind == "dflash":
         dflash.block_size = dflash.block_size or num_draft_tokens + 1
     return {"kind": kind, "ngram": ngram, "eagle3": eagle3, "dflash": dflash}

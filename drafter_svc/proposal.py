@@ -25,6 +25,12 @@ class TreeShape:
     depth: int = 5  # longest root-to-leaf path
     top_k: int = 4  # children per expanded node, and nodes expanded per depth
 
+    def describe(self) -> str:
+        """As a drafter's params list it: "chain" when it drafts none."""
+        if self.total_tokens <= 0:
+            return "chain"
+        return f"total={self.total_tokens} depth={self.depth} top_k={self.top_k}"
+
 
 class Proposer(Protocol):
     """A drafting method (n-gram, EAGLE-3, DFlash): per-session state from the committed

@@ -45,9 +45,9 @@ KIND_ONLY_FLAGS = {  # drafter flags that mean something to some kinds only: ref
     "ngram_min_n": ("ngram",),
     "ngram_max_n": ("ngram",),
     "weights": ("eagle3", "dflash"),
-    "tree_total_tokens": ("eagle3",),
-    "tree_depth": ("eagle3",),
-    "tree_top_k": ("eagle3",),
+    "tree_total_tokens": ("eagle3", "dflash"),
+    "tree_depth": ("eagle3", "dflash"),
+    "tree_top_k": ("eagle3", "dflash"),
     "block_size": ("dflash",),
     "draft_vocab": ("dflash",),
     "head_forwards": ("eagle3",),
@@ -146,7 +146,8 @@ def _add_serve(sub) -> None:
     d.add_argument(
         "--tree-total-tokens",
         type=int_between(0),
-        help="eagle3: draft trees of this many tokens by default (0: chains)",
+        help="eagle3, dflash: draft trees of this many tokens by default (0: chains; a DFlash "
+        "tree takes each block position's likeliest tokens, docs/options.md)",
     )
     d.add_argument(
         "--head-forwards",
@@ -162,9 +163,15 @@ def _add_serve(sub) -> None:
         "probability below P (as llama.cpp's --draft-p-min; default 0: every draft k asks). "
         "Unsure drafts are rarely kept, and each costs the verify a row (docs/options.md)",
     )
-    d.add_argument("--tree-depth", type=int_between(1), help="eagle3: deepest tree path")
     d.add_argument(
-        "--tree-top-k", type=int_between(1), help="eagle3: children per expanded tree node"
+        "--tree-depth",
+        type=int_between(1),
+        help="eagle3, dflash: deepest tree path (default: eagle3 5, dflash the block's drafts)",
+    )
+    d.add_argument(
+        "--tree-top-k",
+        type=int_between(1),
+        help="eagle3, dflash: children per expanded tree node (default: eagle3 4, dflash 8)",
     )
     _add_client_security(kinds.choices["coordinator"], "upstream-")
 

@@ -503,3 +503,24 @@ def test_the_in_process_loop_serves_the_target_as_the_stacks_verifier_does(tmp_p
         ["bench", "--questions", "mt-bench", "--verifier-args", f"--config {deployment}"]
     )
     assert verifier_config(args, "none").row_forwards == "off"
+
+
+def test_dflash_tree_variant_asks_its_drafter_for_trees_of_a_block():
+    from argparse import ArgumentParser
+
+    from coordinator.bench import _drafter_args, add_bench_args, parse_drafter_name
+
+    p = ArgumentParser()
+    add_bench_args(p)
+    args = p.parse_args(["--questions", "mt-bench"])
+    assert parse_drafter_name("dflash-tree-k15").drafter == "dflash"
+    tree = _drafter_args(args, "dflash-tree")
+    assert tree[tree.index("--tree-total-tokens") + 1] == "15"  # a block of 16's draft rows
+    chain = _drafter_args(args, "dflash")
+    assert chain[chain.index("--tree-total-tokens") + 1] == "0"
+    args = p.parse_args(
+        ["--questions", "mt-bench", "--tree-total-tokens", "7", "--tree-top-k", "3"]
+    )
+    tree = _drafter_args(args, "dflash-tree")
+    assert tree[tree.index("--tree-total-tokens") + 1] == "7"
+    assert tree[tree.index("--tree-top-k") + 1] == "3"

@@ -189,6 +189,8 @@ def test_bench_with_no_questions_says_so_before_starting_anything(tmp_path):
 def test_flags_of_another_drafter_kind_and_empty_addresses_are_refused(tmp_path):
     out = _specd("serve", "drafter", "--kind", "ngram", "--block-size", "5", "--port", "0")
     assert out.returncode == 2 and "--block-size applies to dflash" in out.stderr
+    out = _specd("serve", "drafter", "--kind", "ngram", "--tree-top-k", "3", "--port", "0")
+    assert out.returncode == 2 and "--tree-top-k applies to eagle3 and dflash" in out.stderr
     out = _specd("serve", "drafter", "--kind", "ngram", "--draft-p-min", "0.5", "--port", "0")
     assert out.returncode == 2 and "--draft-p-min applies to eagle3" in out.stderr
     out = _specd("serve", "drafter", "--kind", "eagle3", "--draft-p-min", "1", "--port", "0")

@@ -3,19 +3,24 @@ greedy identity through real services with a tiny random target and drafter."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from stats import chi_square
+from test_sampling_services import PROMPT, exact_second_token_distribution, sample_many
 from tiny import make_tiny_dflash_dir
 
 from coordinator.bench import plain_decode
 from drafter_svc.checkpoints import CheckpointError
 from drafter_svc.config import DrafterConfig, drafter_options
-from drafter_svc.dflash.draft import BlockDrafter
+from drafter_svc.dflash.draft import BlockDrafter, best_first_tree
 from drafter_svc.dflash.model import load_drafter, save_draft_vocab, save_drafter
+from drafter_svc.dflash.proposer import DEFAULT_TREE_TOP_K
+from drafter_svc.proposal import TreeShape
 from drafter_svc.server import make_proposer
 from specd.client import CoordinatorClient, make_request
 from specd.launch import Stack, spawn
@@ -272,3 +277,90 @@ def test_conversations_packed_in_one_step_are_drafted_as_each_alone(block):
     )
     assert np.allclose(packed[:2], alone[0], atol=1e-4)
     assert np.allclose(packed[2:], alone[1], atol=1e-4)
+
+
+def test_best_first_tree_takes_the_best_root_paths():
+    rng = np.random.default_rng(3)
+    depth, width, budget = 5, 3, 10
+    logp = np.sort(np.log(rng.dirichlet(np.ones(8), size=depth))[:, :width], axis=1)[:, ::-1]
+    parents, picks = best_first_tree(logp, budget)
+    paths = []
+    for node, (d, rank) in enumerate(picks):
+        parent = parents[node]
+        assert parent < node  # parents come first
+        assert d == (0 if parent < 0 else picks[parent][0] + 1)
+        paths.append((() if parent < 0 else paths[parent]) + (rank,))
+    every = [p for n in range(1, depth + 1) for p in itertools.product(range(width), repeat=n)]
+
+    def score(path):
+        return sum(logp[d, r] for d, r in enumerate(path))
+
+    assert sorted(paths) == sorted(sorted(every, key=score, reverse=True)[:budget])
+
+
+def test_a_block_tree_holds_each_positions_best_tokens(block):
+    state = block.open([1, 2, 3, 4, 5], rows_for(4, block.row_width))
+    logits = np.array(block.block_logits(state, 5))
+    tree = block.tree(state, TreeShape(total_tokens=9, depth=4, top_k=3))
+    assert len(tree.ids) == 9 and tree.probs is None
+    assert tree.ids[0] == block.propose(state, 4).ids[0]  # the root's best child: the chain's
+    depths = []
+    for node, parent in enumerate(tree.parents):
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+        assert tree.ids[node] in np.argsort(-logits[depths[-1] - 1])[:3]
+    siblings = [(tree.parents[i], tree.ids[i]) for i in range(9)]
+    assert len(set(siblings)) == 9 and max(depths) <= 4
+
+
+def test_dflash_tree_options_reach_the_proposer(drafter_dir, tiny_model_dir):
+    def proposer(**tree):
+        options = drafter_options("dflash", weights=drafter_dir, **tree)
+        return make_proposer(DrafterConfig(target=str(tiny_model_dir), **options))
+
+    chains = proposer()
+    assert chains.default_tree.total_tokens == 0 and chains.params()["tree"] == "chain"
+    block = chains.default_draft_tokens
+    trees = proposer(tree_total_tokens=6)
+    assert trees.default_tree == TreeShape(6, block, DEFAULT_TREE_TOP_K)
+    state = trees.open([1, 2, 3, 4], rows_for(3, trees.drafter.row_width))
+    drafted = trees.propose(state, block)
+    assert len(drafted.ids) == 6 and drafted.parents is not None
+    assert max(_depths(drafted.parents)) <= block
+    assert max(_depths(trees.propose(state, 2).parents)) <= 2  # k bounds the depth
+    chain = trees.propose(state, 3, tree=TreeShape(6, 0, 1))  # one token a position
+    assert chain.parents is None and chain.ids == chains.propose(state, 3).ids
+
+
+def _depths(parents):
+    out = []
+    for parent in parents:
+        out.append(1 if parent < 0 else out[parent] + 1)
+    return out
+
+
+def test_greedy_output_with_trees_equals_plain_decoding(stack, tiny_model_dir):
+    plain = load_target(str(tiny_model_dir), "float32")
+    client = CoordinatorClient(stack.coordinator)
+    for prompt in PROMPTS:
+        ids = plain.tokenizer.encode(prompt)
+        ref = plain_decode(plain.model, ids, 40, set(plain.identity.eos_token_ids)).token_ids
+        request = make_request(prompt=prompt, max_tokens=40, num_draft_tokens=3, tree=(7, 3, 3))
+        result = client.generate(request)
+        assert result.token_ids == ref, prompt
+        assert result.stats["drafted"] >= result.stats["rounds"]  # trees of 7 were verified
+    client.close()
+
+
+def test_sampled_trees_keep_the_targets_distribution(stack, tiny_model_dir):
+    target = load_target(str(tiny_model_dir), "float32")
+    prompt_ids = target.tokenizer.encode(PROMPT)
+    expected = exact_second_token_distribution(target.model, prompt_ids)
+    client = CoordinatorClient(stack.coordinator)
+    tokens, drafted = sample_many(client, prompt_ids, 600, num_draft_tokens=3, tree=(6, 3, 3))
+    client.close()
+    assert drafted >= 600 * 6  # every first round verified a tree
+    second = np.array([t[1] for t in tokens if len(t) > 1])
+    observed = np.bincount(second, minlength=len(expected))
+    assert not observed[expected == 0].any(), "a token outside top-k was emitted"
+    stat, crit, df = chi_square(observed, expected)
+    assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} (df {df})"

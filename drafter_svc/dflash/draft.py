@@ -3,6 +3,7 @@ block. Only accepted context is cached; the block is never cached."""
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -10,7 +11,7 @@ import numpy as np
 
 from drafter_svc.dflash.model import DFlashDrafter
 from drafter_svc.kv import EntryBuffers
-from drafter_svc.proposal import Proposal
+from drafter_svc.proposal import Proposal, TreeShape
 
 
 @dataclass
@@ -103,7 +104,50 @@ class BlockDrafter:
             q = full
         return Proposal(ids, probs=q.astype(np.float32))
 
+    def tree(self, state: DFlashState, shape: TreeShape) -> Proposal:
+        """A tree from one block of shape.depth + 1: each position's top_k tokens are the
+        children of every node at the depth before it, and the total_tokens nodes of highest
+        summed log-probability are sent. The block already scores every position, so a tree
+        costs no more forwards than a chain; its nodes go to the likelier alternatives near the
+        root instead of the unlikely far end of one chain. Drafts are deterministic (no q)."""
+        if not self.ready(state) or shape.total_tokens <= 0 or shape.depth <= 0:
+            return Proposal([], parents=[])
+        logits = self.block_logits(state, shape.depth + 1).astype(mx.float32)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        top_k = max(1, min(shape.top_k, logp.shape[1]))
+        ranked = mx.argsort(-logp, axis=-1)[:, :top_k]
+        ranked_logp = np.array(mx.take_along_axis(logp, ranked, axis=-1))
+        ranked = np.array(ranked)
+        parents, tokens = best_first_tree(ranked_logp, shape.total_tokens)
+        ids = self._target_ids(np.array([ranked[d, r] for d, r in tokens], dtype=np.int64))
+        return Proposal(ids, parents=parents)
+
     def _target_ids(self, index: np.ndarray) -> list[int]:
         if self.readout_ids is None:
             return [int(i) for i in index]
         return [int(i) for i in self.readout_ids[index]]
+
+
+def best_first_tree(ranked_logp: np.ndarray, budget: int) -> tuple[list[int], list[tuple]]:
+    """The `budget` best root paths through per-depth candidate lists, each list's log-probs
+    [depth, top_k] sorted best first and the same under every parent. Returns each node's parent
+    (-1: the root) and its (depth, rank), listed by depth as a verify takes them. Pops come in
+    falling score: a node's next sibling and first child enter the heap only when it is taken,
+    and neither can outscore it."""
+    depth_count, width = ranked_logp.shape
+    parents: list[int] = []
+    picks: list[tuple[int, int]] = []
+    heap = [(-float(ranked_logp[0, 0]), 0, 0, -1)]  # (-score, depth, rank, parent node)
+    while heap and len(picks) < budget:
+        neg, depth, rank, parent = heapq.heappop(heap)
+        node = len(picks)
+        parents.append(parent)
+        picks.append((depth, rank))
+        if rank + 1 < width:
+            sibling = neg + float(ranked_logp[depth, rank] - ranked_logp[depth, rank + 1])
+            heapq.heappush(heap, (sibling, depth, rank + 1, parent))
+        if depth + 1 < depth_count:
+            heapq.heappush(heap, (neg - float(ranked_logp[depth + 1, 0]), depth + 1, 0, node))
+    order = sorted(range(len(picks)), key=lambda node: (picks[node][0], node))
+    place = {node: i for i, node in enumerate(order)}
+    return [place.get(parents[n], -1) for n in order], [picks[n] for n in order]

@@ -24,10 +24,13 @@ from drafter_svc.dflash.model import (
     load_drafter,
     read_drafter_config,
 )
-from drafter_svc.proposal import Proposal, joined_rows
+from drafter_svc.proposal import Proposal, TreeShape, joined_rows
 
 # drafters this package ships, each found by the target its config.json says it was made for
 SHIPPED_DIR = Path(__file__).resolve().parent / "drafters"
+# candidates a tree takes at each position: a block scores them all in its one forward, and 8
+# kept more of the target's tokens than 3, 4 or 6 in trees of 15 (docs/results.md)
+DEFAULT_TREE_TOP_K = 8
 
 
 def drafter_config(directory: Path):
@@ -44,6 +47,7 @@ class DFlashOptions:
     # read out the N most frequent tokens of the checkpoint's draft vocabulary; None: all of
     # them if it has one, else the whole vocabulary; 0: the whole vocabulary
     draft_vocab: int | None = None
+    tree: TreeShape | None = None  # default shape (depth 0: the block's); None or total 0: chains
 
 
 def target_lm_head(target_dir: Path) -> mx.array:
@@ -60,7 +64,6 @@ class DFlashProposer:
     capture_layers: tuple[int, ...] = ()
     accepts_speculative_ids = False
     sends_draft_probs = True  # when sampling: drafts drawn from q, q sent
-    default_tree = None  # blocks: chains only
 
     def __init__(self, drafter: BlockDrafter, options: DFlashOptions, source: str):
         self.drafter = drafter
@@ -69,6 +72,11 @@ class DFlashProposer:
         self.block_size = options.block_size or cfg.block_size
         self.default_draft_tokens = self.block_size - 1
         self.max_draft_tokens = max(options.max_block_size, self.block_size) - 1
+        # chains unless asked; a tree fills a block's rows with each position's likelier tokens
+        shape = options.tree or TreeShape(total_tokens=0, depth=0, top_k=DEFAULT_TREE_TOP_K)
+        self.default_tree = TreeShape(
+            shape.total_tokens, shape.depth or self.default_draft_tokens, shape.top_k
+        )
         self.source = source
         self.rng = np.random.default_rng()
 
@@ -79,6 +87,16 @@ class DFlashProposer:
         self.drafter.extend(state, list(new_ids), joined_rows(hidden_rows))
 
     def propose(self, state, k: int, sampling=None, speculative=(), tree=None) -> Proposal:
+        """A block of k drafts, or a tree when `tree` (or the default shape) asks for one, at
+        most k deep. A tree's drafts are each position's best tokens whatever the sampling (the
+        verifier's tree rule keeps sampling exact for drafts chosen so)."""
+        shape = self.default_tree if tree is None else tree
+        if shape.total_tokens > 0:
+            depth = min(shape.depth or self.default_draft_tokens, k, self.max_draft_tokens)
+            top_k = shape.top_k or self.default_tree.top_k
+            if top_k > 1:
+                return self.drafter.tree(state, TreeShape(shape.total_tokens, depth, top_k))
+            k = min(depth, shape.total_tokens)  # one token a position: the block's chain
         temperature = float(getattr(sampling, "temperature", 0.0) or 0.0)
         return self.drafter.propose(state, k, temperature, self.rng)
 
@@ -93,6 +111,7 @@ class DFlashProposer:
             "target_layer_ids": ",".join(map(str, cfg.target_layer_ids)),
             "mask_token_id": str(cfg.mask_token_id),
             "draft_vocab": "all" if readout is None else str(len(readout)),
+            "tree": self.default_tree.describe(),
         }
 
 

@@ -86,16 +86,14 @@ class Eagle3Proposer:
         return self.drafter.chain(state, k, p_min=self.p_min)
 
     def params(self) -> dict[str, str]:
-        t = self.default_tree
         return {
             "weights": self.source,
             "capture_layers": ",".join(map(str, self.capture_layers)),
             "draft_vocab": str(self.drafter.cfg.draft_vocab_size),
             "chain_forwards": "numpy" if self.drafter.cpu_head is not None else "mlx",
             "draft_p_min": str(self.p_min),
-            "tree": f"total={t.total_tokens} depth={t.depth} top_k={t.top_k}"
-            if t.total_tokens > 0 else "chain",
-        }  # fmt: skip
+            "tree": self.default_tree.describe(),
+        }
 
 
 def load_eagle3(options: Eagle3Options, target_dir: Path, target_identity) -> Eagle3Proposer:
