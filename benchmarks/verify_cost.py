@@ -7,14 +7,16 @@ it did accept are printed. --accept drafts the target's own greedy reply instead
 draft is kept as in a served round a right drafter makes (the KV and hidden rows of all k + 1
 tokens kept, the context growing k + 1 a call). With --profile, cProfile's top functions for
 one k. --burst N also times plain decode calls of N steps (a drafting-off or
-adaptive-k call), ms a token.
+adaptive-k call), ms a token. --trees N times verifies of draft trees of N nodes (rejected
+drafts, the shape a DFlash tree of top-8 takes when each position's candidates halve in
+probability), beside chains of as many rows.
 --row-forwards, --compiled-forwards and --kv-pool as the verifier takes them (default auto, as
 the verifier: on on a GPU); --no-rows keeps no hidden rows (drafting off and n-gram keep none,
 the model drafters three layers').
 
     python benchmarks/verify_cost.py [--drafts 0 6 16] [--calls 15] [--profile 6] [--burst 16]
         [--row-forwards auto|on|off] [--compiled-forwards auto|on|off]
-        [--kv-pool auto|on|off] [--no-rows] [--accept]
+        [--kv-pool auto|on|off] [--no-rows] [--accept] [--trees 15 16]
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import time
 from specd.models.load import load_target
 from specd.prompts import encode_chat
 from verifier_svc.config import GPU_MODES
-from verifier_svc.engine import Target, decode, half_weights_pay, prefill, verify
+from verifier_svc.engine import Target, decode, half_weights_pay, prefill, verify, verify_tree
 from verifier_svc.servicer import on_gpu
 
 CAPTURE = (1, 14, 26)  # the shipped drafters' target layers
@@ -52,6 +54,7 @@ def main() -> None:
     parser.add_argument(
         "--accept", action="store_true", help="draft the target's greedy reply: every draft kept"
     )
+    parser.add_argument("--trees", type=int, nargs="*", default=[], help="tree sizes to time")
     args = parser.parse_args()
     half = half_weights_pay(args.dtype, None)  # as the verifier decides it
     target = Target(
@@ -99,6 +102,16 @@ def main() -> None:
         ms = 1000 * statistics.median(calls(k, args.calls))
         print(f"{k:3d} drafts ({k + 1:2d} tokens): {ms:6.1f} ms")
     print(f"drafts accepted in all: {accepted} of {asked}")
+    for nodes in args.trees:
+        session = prefill(target, prompt, capture).session
+        parents = tree_parents(nodes)
+        times = []
+        for _ in range(3 + args.calls):
+            start = time.perf_counter()
+            verify_tree(target, session, [rejected] * nodes, parents)
+            times.append(time.perf_counter() - start)
+        ms = 1000 * statistics.median(times[3:])
+        print(f"tree of {nodes:3d} drafts ({nodes + 1:2d} tokens): {ms:6.1f} ms")
     if args.burst:
         session = prefill(target, prompt, capture).session
         for _ in range(2):  # first use of the shapes
@@ -118,6 +131,17 @@ def main() -> None:
         calls(args.profile, args.calls)
         profile.disable()
         pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+
+
+def tree_parents(nodes: int) -> list[int]:
+    """A tree's parents as a DFlash tree of top-8 sends them: candidates that halve in
+    probability rank by rank and depth by depth."""
+    import numpy as np
+
+    from drafter_svc.dflash.draft import best_first_tree
+
+    ranked = np.log(0.5) * (np.arange(8)[None, :] + np.arange(16)[:, None] * 0.5)
+    return best_first_tree(ranked, nodes)[0]
 
 
 def greedy_reply(target: Target, prompt: list[int], length: int) -> list[int]:

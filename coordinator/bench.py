@@ -27,6 +27,10 @@ BENCH_DRAFTERS = {"ngram": "ngram", "eagle3": "eagle3", "eagle3-tree": "eagle3",
                   "dflash": "dflash", "dflash-tree": "dflash", "none": None}  # fmt: skip
 
 
+# a -tree variant's drafts when --tree-total-tokens is not given: a verify of 16 tokens, the
+# most the CPU's row kernels take in one pass, and as many as a DFlash block of 16 verifies
+TREE_TOKENS = 15
+
 # runs of the first request right after it, beside the main loop's, for its "later" figure
 FIRST_REQUEST_AGAIN = 2
 
@@ -140,7 +144,8 @@ def add_bench_args(p) -> None:
     p.add_argument(
         "--tree-total-tokens",
         type=int_between(0),
-        help="eagle3-tree, dflash-tree: tokens per tree (16; dflash 15, a block's drafts)",
+        help="eagle3-tree, dflash-tree: tokens per tree (15: a verify of 16 tokens, as a DFlash "
+        "block of 16's)",
     )
     p.add_argument(
         "--tree-depth", type=int_between(1), help="-tree drafters: deepest path (eagle3 5)"
@@ -381,9 +386,7 @@ def _variant_options(args, name: str) -> dict:
         "ngram_max_n": args.ngram_max_n,
         "weights": args.weights,
         # chains are forced for the plain variant whatever the head's default shape
-        "tree_total_tokens": (args.tree_total_tokens or _TREE_TOKENS[parsed.drafter])
-        if tree
-        else 0,
+        "tree_total_tokens": (args.tree_total_tokens or TREE_TOKENS) if tree else 0,
         "tree_depth": args.tree_depth if tree else None,
         "tree_top_k": args.tree_top_k if tree else None,
         "block_size": int(variant[len("dflash-b") :]) if variant.startswith("dflash-b") else None,
@@ -407,9 +410,6 @@ _KIND_OPTIONS = {
     ),  # fmt: skip
     "dflash": ("weights", "block_size", "tree_total_tokens", "tree_depth", "tree_top_k"),
 }
-# a -tree variant's tokens when --tree-total-tokens is not given: DFlash's fill the 15 draft
-# rows of its block of 16, so its tree and its chain verify as many rows
-_TREE_TOKENS = {"eagle3": 16, "dflash": 15}
 
 
 def _drafter_args(args, name: str) -> list[str]:

@@ -100,7 +100,7 @@ def drafter_options(
         raise ValueError("--tree-total-tokens, --tree-depth and --tree-top-k must be >= 0")
     if any(v is not None for v in shape):
         eagle3.tree = TreeShape(
-            total_tokens=16 if tree_total_tokens is None else tree_total_tokens,
+            total_tokens=TreeShape.total_tokens if tree_total_tokens is None else tree_total_tokens,
             depth=tree_depth or 5,
             top_k=tree_top_k or 4,
         )
