@@ -115,9 +115,12 @@ class BlockDrafter:
         logits = self.block_logits(state, shape.depth + 1).astype(mx.float32)
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         top_k = max(1, min(shape.top_k, logp.shape[1]))
-        ranked = mx.argsort(-logp, axis=-1)[:, :top_k]
-        ranked_logp = np.array(mx.take_along_axis(logp, ranked, axis=-1))
-        ranked = np.array(ranked)
+        # a partition, not a sort of the readout (a whole sort cost ~4x on the CPU)
+        best = mx.argpartition(-logp, kth=top_k - 1, axis=-1)[:, :top_k]
+        best_logp = np.array(mx.take_along_axis(logp, best, axis=-1))
+        order = np.argsort(-best_logp, axis=-1, kind="stable")
+        ranked = np.take_along_axis(np.array(best), order, axis=-1)
+        ranked_logp = np.take_along_axis(best_logp, order, axis=-1)
         parents, tokens = best_first_tree(ranked_logp, shape.total_tokens)
         ids = self._target_ids(np.array([ranked[d, r] for d, r in tokens], dtype=np.int64))
         return Proposal(ids, parents=parents)
