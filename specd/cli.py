@@ -538,8 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--tree",
         metavar="TOTAL[,DEPTH[,TOP_K]]",
-        help="tree drafters (eagle3): draft trees of TOTAL tokens (0: chains); DEPTH and TOP_K "
-        "default to the drafter's",
+        help="tree drafters (eagle3, dflash): draft trees of TOTAL tokens (0: chains); DEPTH "
+        "and TOP_K default to the drafter's",
     )
     gen.add_argument(
         "--timeout", type=positive_float, default=3600.0, help="seconds for the request"
