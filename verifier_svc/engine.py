@@ -1073,12 +1073,17 @@ def _joined(parts: list, axis: int):
 
 
 def _merged(results: list[VerifyResult]) -> VerifyResult:
-    rows = [r.rows for r in results if r.rows is not None]
+    parts = [r.rows for r in results if r.rows is not None]
+    rows = _joined(parts, axis=0) if parts else None
+    if isinstance(rows, mx.array):
+        # evaluated on this (the MLX) thread: the reply is encoded on another, which has no
+        # stream to run a lazy graph on
+        mx.eval(rows)
     return VerifyResult(
         [t for r in results for t in r.committed],
         sum(r.num_accepted for r in results),
         results[-1].finished,
-        mx.concatenate(rows, axis=0) if rows else None,
+        rows,
         sum(r.compute_s for r in results),
     )
 
