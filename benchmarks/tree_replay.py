@@ -19,6 +19,7 @@ a top_k of 1 is a chain (15:15:1: DFlash's block of 16).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import time
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from drafter_svc.data import Example, TargetFeatures
 from drafter_svc.eagle3 import draft as eagle3_draft
 from drafter_svc.proposal import TreeShape
 from drafter_svc.server import make_proposer
+from specd.argtypes import positive_int
 from specd.datasets import load_questions
 from specd.models.load import load_target
 from specd.prompts import encode_chat
@@ -51,7 +53,8 @@ def target_replies(questions: list[str], tokens: int, capture, cache: Path | Non
     if cache is not None and cache.exists():
         saved = np.load(cache, allow_pickle=False)
         n = int(saved["count"])
-        if n == len(questions) and int(saved["tokens"]) == tokens:
+        same = "prompts" in saved.files and str(saved["prompts"]) == _digest(questions)
+        if same and int(saved["tokens"]) == tokens:
             replies = [(int(saved[f"p{i}"]), saved[f"s{i}"]) for i in range(n)]
             if saved["capture"].tolist() == list(capture):
                 return [(p, s, saved[f"r{i}"]) for i, (p, s) in enumerate(replies)]
@@ -72,11 +75,16 @@ def target_replies(questions: list[str], tokens: int, capture, cache: Path | Non
         rows = features(Example(seq, np.ones(len(seq), bool))).rows.astype(np.float32)
         out.append((prompt_len, seq, rows))
     if cache is not None:
-        arrays = {"count": len(out), "tokens": tokens, "capture": np.array(capture)}
+        arrays = {"count": len(out), "tokens": tokens, "capture": np.array(capture),
+                  "prompts": _digest(questions)}  # fmt: skip
         for i, (p, s, r) in enumerate(out):
             arrays.update({f"p{i}": p, f"s{i}": s, f"r{i}": r})
         np.savez(cache, **arrays)
     return out
+
+
+def _digest(questions: list[str]) -> str:
+    return hashlib.sha256("\0".join(questions).encode()).hexdigest()
 
 
 def kept_path(tokens: list[int], parents: list[int], reply: np.ndarray) -> list[int]:
@@ -94,22 +102,25 @@ def kept_path(tokens: list[int], parents: list[int], reply: np.ndarray) -> list[
     return path
 
 
-def replay(drafter, replies, shape: TreeShape, calibration: dict | None, tap: ScoreTap):
+def replay(proposer, replies, shape: TreeShape, calibration: dict | None, tap: ScoreTap):
     """(tau, drafting ms a round) of greedy tree rounds over the replies."""
     committed = rounds = 0
     seconds = 0.0
     for prompt_len, seq, rows in replies:
         n = prompt_len
-        state = drafter.open(seq[:n].tolist(), rows[: n - 1])
+        state = proposer.open(seq[:n].tolist(), rows[: n - 1])
         while n < len(seq):
             start = time.perf_counter()
-            proposal = drafter.tree(state, shape)
+            # as the drafter service serves a request's tree (a top-k of 1: a chain)
+            proposal = proposer.propose(state, shape.depth, tree=shape)
+            if proposal.parents is None:
+                proposal.parents = list(range(-1, len(proposal.ids) - 1))
             seconds += time.perf_counter() - start
             path = kept_path(proposal.ids, proposal.parents, seq[n:])
             if calibration is not None:
                 record_nodes(calibration, proposal, tap.sent, path)
             new = min(len(path) + 1, len(seq) - n)
-            drafter.extend(state, seq[n : n + new].tolist(), rows[n - 1 : n - 1 + new])
+            proposer.extend(state, seq[n : n + new].tolist(), rows[n - 1 : n - 1 + new])
             n += new
             committed += new
             rounds += 1
@@ -165,7 +176,7 @@ def print_calibration(calibration: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--questions", default="mt-bench", help="a question set or a .jsonl")
-    p.add_argument("--every", type=int, default=1, help="every Nth question")
+    p.add_argument("--every", type=positive_int, default=1, help="every Nth question")
     p.add_argument("--tokens", type=int, default=128, help="greedy tokens a question")
     p.add_argument("--kind", choices=["eagle3", "dflash"], default="eagle3")
     p.add_argument("--weights", type=Path, help="the drafter (default: the shipped one)")
@@ -186,7 +197,7 @@ def main() -> None:
     tap = ScoreTap()
     for shape in args.shapes:
         calibration = {} if args.calibration else None
-        tau, ms = replay(proposer.drafter, replies, shape, calibration, tap)
+        tau, ms = replay(proposer, replies, shape, calibration, tap)
         label = f"{shape.total_tokens}:{shape.depth}:{shape.top_k}"
         print(f"tree {label}: tau {tau:.3f}, drafting {ms:.1f} ms a round", flush=True)
         if calibration:

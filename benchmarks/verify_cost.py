@@ -27,6 +27,10 @@ import pstats
 import statistics
 import time
 
+import numpy as np
+
+from drafter_svc.dflash.draft import best_first_tree
+from specd.argtypes import positive_int
 from specd.models.load import load_target
 from specd.prompts import encode_chat
 from verifier_svc.config import GPU_MODES
@@ -54,7 +58,9 @@ def main() -> None:
     parser.add_argument(
         "--accept", action="store_true", help="draft the target's greedy reply: every draft kept"
     )
-    parser.add_argument("--trees", type=int, nargs="*", default=[], help="tree sizes to time")
+    parser.add_argument(
+        "--trees", type=positive_int, nargs="*", default=[], help="tree sizes to time"
+    )
     args = parser.parse_args()
     half = half_weights_pay(args.dtype, None)  # as the verifier decides it
     target = Target(
@@ -134,12 +140,8 @@ def main() -> None:
 
 
 def tree_parents(nodes: int) -> list[int]:
-    """A tree's parents as a DFlash tree of top-8 sends them: candidates that halve in
-    probability rank by rank and depth by depth."""
-    import numpy as np
-
-    from drafter_svc.dflash.draft import best_first_tree
-
+    """A tree's parents as a DFlash tree of top-8 sends them, for a block whose candidates
+    halve in probability rank by rank and whose best falls by a factor of sqrt(2) a position."""
     ranked = np.log(0.5) * (np.arange(8)[None, :] + np.arange(16)[:, None] * 0.5)
     return best_first_tree(ranked, nodes)[0]
 

@@ -27,8 +27,8 @@ BENCH_DRAFTERS = {"ngram": "ngram", "eagle3": "eagle3", "eagle3-tree": "eagle3",
                   "dflash": "dflash", "dflash-tree": "dflash", "none": None}  # fmt: skip
 
 
-# a -tree variant's drafts when --tree-total-tokens is not given: a verify of 16 tokens, the
-# most the CPU's row kernels take in one pass, and as many as a DFlash block of 16 verifies
+# a -tree variant's drafts when --tree-total-tokens is not given: a verify of 16 tokens (a
+# 17th pads the CPU kernels' products to 20 rows), as many as a DFlash block of 16 verifies
 TREE_TOKENS = 15
 
 # runs of the first request right after it, beside the main loop's, for its "later" figure
@@ -148,7 +148,9 @@ def add_bench_args(p) -> None:
         "block of 16's)",
     )
     p.add_argument(
-        "--tree-depth", type=int_between(1), help="-tree drafters: deepest path (eagle3 5)"
+        "--tree-depth",
+        type=int_between(1),
+        help="-tree drafters: deepest path (eagle3 5, dflash its block's drafts)",
     )
     p.add_argument(
         "--tree-top-k", type=int_between(1), help="-tree drafters: children a node (4; dflash 8)"

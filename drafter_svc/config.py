@@ -98,20 +98,20 @@ def drafter_options(
     shape = (tree_total_tokens, tree_depth, tree_top_k)
     if any(v is not None and v < 0 for v in shape):
         raise ValueError("--tree-total-tokens, --tree-depth and --tree-top-k must be >= 0")
-    if any(v is not None for v in shape):
+    asks_trees = any(v is not None for v in shape)  # any tree flag: trees of the default size
+    tree_total = TreeShape.total_tokens if tree_total_tokens is None else tree_total_tokens
+    if asks_trees:
         eagle3.tree = TreeShape(
-            total_tokens=TreeShape.total_tokens if tree_total_tokens is None else tree_total_tokens,
-            depth=tree_depth or 5,
-            top_k=tree_top_k or 4,
+            total_tokens=tree_total, depth=tree_depth or 5, top_k=tree_top_k or 4
         )
     if block_size is not None and block_size < 2:
         raise ValueError("--block-size must be >= 2 (the last token and one draft)")
     if draft_vocab is not None and draft_vocab < 0:
         raise ValueError("--draft-vocab must be >= 0 (0: the whole vocabulary)")
     dflash = DFlashOptions(weights=weights, block_size=block_size or 0, draft_vocab=draft_vocab)
-    if any(v is not None for v in shape):
+    if asks_trees:
         dflash.tree = TreeShape(
-            total_tokens=tree_total_tokens or 0,
+            total_tokens=tree_total,
             depth=tree_depth or 0,  # the block's drafts
             top_k=tree_top_k or DEFAULT_TREE_TOP_K,
         )

@@ -21,8 +21,8 @@ class Proposal:
 
 @dataclass
 class TreeShape:
-    # drafts sent for verification; 15 make a verify of 16 tokens, the most the CPU's row
-    # kernels take in one pass (a 17th row cost 15 % more there, docs/results.md)
+    # drafts sent for verification; 15 make a verify of 16 tokens, where a 17th pads the CPU
+    # kernels' products to 20 rows (it cost 15 % more there, docs/results.md)
     total_tokens: int = 15
     depth: int = 5  # longest root-to-leaf path
     top_k: int = 4  # children per expanded node, and nodes expanded per depth

@@ -180,7 +180,9 @@ def _drafts_trees(proposer: Proposer) -> bool:
 
 
 def _tree_proto(shape) -> common_pb2.TreeShape | None:
-    if shape is None or shape.total_tokens <= 0:
+    # sent with total 0 too: trees a request asks of a chain-default drafter take its depth and
+    # fan-out
+    if shape is None:
         return None
     return common_pb2.TreeShape(
         total_tokens=shape.total_tokens, depth=shape.depth, top_k=shape.top_k

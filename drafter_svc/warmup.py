@@ -50,10 +50,11 @@ def full_warmup(proposer, vocab_size: int, contexts=(64, 2112)) -> int:
             for s in range(1, top + 1):
                 proposer.propose(state, proposer.default_draft_tokens, None, ids(s))
             calls += top
-        if tree is not None and tree.total_tokens > 1:
-            for total in range(2, tree.total_tokens + 1):
+        if tree is not None:  # a chain-default tree drafter still takes the trees asked of it
+            most = tree.total_tokens if tree.total_tokens > 0 else TreeShape.total_tokens
+            for total in range(2, most + 1):
                 proposer.propose(state, top, None, (), TreeShape(total, tree.depth, tree.top_k))
-            calls += tree.total_tokens - 1
+            calls += most - 1
     return calls
 
 

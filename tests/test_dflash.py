@@ -7,6 +7,7 @@ import itertools
 import json
 import shutil
 
+import grpc
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -25,6 +26,8 @@ from drafter_svc.server import make_proposer
 from specd.client import CoordinatorClient, make_request
 from specd.launch import Stack, spawn
 from specd.models.load import load_target
+from specd.v1 import common_pb2, drafter_pb2_grpc
+from verifier_svc.tree import check_parents
 
 PROMPTS = ["Hello there, hello there, hello", "abcabcabcabc", "The quick brown fox"]
 
@@ -310,6 +313,17 @@ def test_a_block_tree_holds_each_positions_best_tokens(block):
         assert tree.ids[node] in np.argsort(-logits[depths[-1] - 1])[:3]
     siblings = [(tree.parents[i], tree.ids[i]) for i in range(9)]
     assert len(set(siblings)) == 9 and max(depths) <= 4
+    check_parents(tree.parents, len(tree.ids))  # listed by depth, as the verifier takes them
+
+
+def test_a_shallow_tree_reads_the_whole_block(block):
+    """A drafter trained on blocks of N guesses worse in shorter ones, so a tree shallower than
+    the block (adaptive k asks for such) still runs the whole block."""
+    state = block.open([1, 2, 3, 4, 5], rows_for(4, block.row_width))
+    whole = np.array(block.block_logits(state, 8))[0]
+    tree = block.tree(state, TreeShape(total_tokens=3, depth=1, top_k=3), block_drafts=7)
+    assert set(tree.ids) == set(np.argsort(-whole)[:3].tolist())
+    assert tree.parents == [-1, -1, -1]
 
 
 def test_dflash_tree_options_reach_the_proposer(drafter_dir, tiny_model_dir):
@@ -322,6 +336,8 @@ def test_dflash_tree_options_reach_the_proposer(drafter_dir, tiny_model_dir):
     block = chains.default_draft_tokens
     trees = proposer(tree_total_tokens=6)
     assert trees.default_tree == TreeShape(6, block, DEFAULT_TREE_TOP_K)
+    # any tree flag turns trees of the default size on, as for EAGLE-3
+    assert proposer(tree_top_k=3).default_tree == TreeShape(TreeShape.total_tokens, block, 3)
     state = trees.open([1, 2, 3, 4], rows_for(3, trees.drafter.row_width))
     drafted = trees.propose(state, block)
     assert len(drafted.ids) == 6 and drafted.parents is not None
@@ -347,8 +363,16 @@ def test_greedy_output_with_trees_equals_plain_decoding(stack, tiny_model_dir):
         request = make_request(prompt=prompt, max_tokens=40, num_draft_tokens=3, tree=(7, 3, 3))
         result = client.generate(request)
         assert result.token_ids == ref, prompt
-        assert result.stats["drafted"] >= result.stats["rounds"]  # trees of 7 were verified
+        assert result.stats["drafted"] > 3 * result.stats["rounds"]  # more than a chain of 3
     client.close()
+
+
+def test_a_chain_default_drafter_tells_the_tree_it_would_draw(stack):
+    """Trees a request asks of it take its fan-out (8), also under adaptive k."""
+    with grpc.insecure_channel(stack.services["drafter"].address) as channel:
+        info = drafter_pb2_grpc.DrafterStub(channel).GetInfo(common_pb2.InfoRequest())
+    assert info.drafts_trees and info.max_tree_tokens > 0
+    assert info.default_tree.total_tokens == 0 and info.default_tree.top_k == DEFAULT_TREE_TOP_K
 
 
 def test_sampled_trees_keep_the_targets_distribution(stack, tiny_model_dir):

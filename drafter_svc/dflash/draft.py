@@ -104,15 +104,17 @@ class BlockDrafter:
             q = full
         return Proposal(ids, probs=q.astype(np.float32))
 
-    def tree(self, state: DFlashState, shape: TreeShape) -> Proposal:
-        """A tree from one block of shape.depth + 1: each position's top_k tokens are the
+    def tree(self, state: DFlashState, shape: TreeShape, block_drafts: int = 0) -> Proposal:
+        """A tree from one block of max(shape.depth, block_drafts) + 1 (a drafter trained on
+        blocks of 16 guesses worse in shorter ones): each position's top_k tokens are the
         children of every node at the depth before it, and the total_tokens nodes of highest
         summed log-probability are sent. The block already scores every position, so a tree
         costs no more forwards than a chain; its nodes go to the likelier alternatives near the
         root instead of the unlikely far end of one chain. Drafts are deterministic (no q)."""
         if not self.ready(state) or shape.total_tokens <= 0 or shape.depth <= 0:
             return Proposal([], parents=[])
-        logits = self.block_logits(state, shape.depth + 1).astype(mx.float32)
+        size = max(shape.depth, block_drafts) + 1
+        logits = self.block_logits(state, size).astype(mx.float32)
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         top_k = max(1, min(shape.top_k, logp.shape[1]))
         # a partition, not a sort of the readout (a whole sort cost ~4x on the CPU)
@@ -121,7 +123,7 @@ class BlockDrafter:
         order = np.argsort(-best_logp, axis=-1, kind="stable")
         ranked = np.take_along_axis(np.array(best), order, axis=-1)
         ranked_logp = np.take_along_axis(best_logp, order, axis=-1)
-        parents, tokens = best_first_tree(ranked_logp, shape.total_tokens)
+        parents, tokens = best_first_tree(ranked_logp[: shape.depth], shape.total_tokens)
         ids = self._target_ids(np.array([ranked[d, r] for d, r in tokens], dtype=np.int64))
         return Proposal(ids, parents=parents)
 
@@ -131,7 +133,9 @@ class BlockDrafter:
         return [int(i) for i in self.readout_ids[index]]
 
 
-def best_first_tree(ranked_logp: np.ndarray, budget: int) -> tuple[list[int], list[tuple]]:
+def best_first_tree(
+    ranked_logp: np.ndarray, budget: int
+) -> tuple[list[int], list[tuple[int, int]]]:
     """The `budget` best root paths through per-depth candidate lists, each list's log-probs
     [depth, top_k] sorted best first and the same under every parent. Returns each node's parent
     (-1: the root) and its (depth, rank), listed by depth as a verify takes them. Pops come in

@@ -95,7 +95,8 @@ class DFlashProposer:
             depth = min(shape.depth or self.default_draft_tokens, k, self.max_draft_tokens)
             top_k = shape.top_k or self.default_tree.top_k
             if top_k > 1:
-                return self.drafter.tree(state, TreeShape(shape.total_tokens, depth, top_k))
+                shape = TreeShape(shape.total_tokens, depth, top_k)
+                return self.drafter.tree(state, shape, self.default_draft_tokens)
             k = min(depth, shape.total_tokens)  # one token a position: the block's chain
         temperature = float(getattr(sampling, "temperature", 0.0) or 0.0)
         return self.drafter.propose(state, k, temperature, self.rng)
