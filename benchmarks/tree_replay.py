@@ -35,6 +35,7 @@ from specd.argtypes import positive_int
 from specd.datasets import load_questions
 from specd.models.load import load_target
 from specd.prompts import encode_chat
+from verifier_svc.tree import accept_tree_greedy, depths
 
 
 def parse_shape(text: str) -> TreeShape:
@@ -88,18 +89,10 @@ def _digest(questions: list[str]) -> str:
 
 
 def kept_path(tokens: list[int], parents: list[int], reply: np.ndarray) -> list[int]:
-    """Node indices of the longest root path the reply follows (parents come first)."""
-    path: list[int] = []
-    at = -1
-    while len(path) < len(reply):
-        step = next(
-            (i for i, t in enumerate(tokens) if parents[i] == at and t == reply[len(path)]), None
-        )
-        if step is None:
-            return path
-        path.append(step)
-        at = step
-    return path
+    """Node indices of the root path the verifier keeps when the target's greedy choices are
+    the reply's: after the root and each node, the reply's token at that depth."""
+    after = [int(reply[d]) if d < len(reply) else -1 for d in [0, *depths(parents)]]
+    return accept_tree_greedy(tokens, parents, after, eos_ids=())[1]
 
 
 def replay(proposer, replies, shape: TreeShape, calibration: dict | None, tap: ScoreTap):
@@ -152,9 +145,8 @@ def record_nodes(calibration: dict, proposal, sent_scores, path: list[int]) -> N
     """Per depth and band of the head's probability for a node given its parent: nodes sent
     whose parent the target kept, how many of them it kept, and their summed probabilities."""
     kept = set(path)
-    depth = []
+    depth = depths(proposal.parents)
     for i, parent in enumerate(proposal.parents):
-        depth.append(1 if parent < 0 else depth[parent] + 1)
         if parent < 0 or parent in kept:
             base = 0.0 if parent < 0 else sent_scores[parent]
             prob = float(np.exp(sent_scores[i] - base))

@@ -27,7 +27,7 @@ from specd.client import CoordinatorClient, make_request
 from specd.launch import Stack, spawn
 from specd.models.load import load_target
 from specd.v1 import common_pb2, drafter_pb2_grpc
-from verifier_svc.tree import check_parents
+from verifier_svc.tree import check_parents, depths
 
 PROMPTS = ["Hello there, hello there, hello", "abcabcabcabc", "The quick brown fox"]
 
@@ -307,12 +307,11 @@ def test_a_block_tree_holds_each_positions_best_tokens(block):
     tree = block.tree(state, TreeShape(total_tokens=9, depth=4, top_k=3))
     assert len(tree.ids) == 9 and tree.probs is None
     assert tree.ids[0] == block.propose(state, 4).ids[0]  # the root's best child: the chain's
-    depths = []
-    for node, parent in enumerate(tree.parents):
-        depths.append(1 if parent < 0 else depths[parent] + 1)
-        assert tree.ids[node] in np.argsort(-logits[depths[-1] - 1])[:3]
+    node_depths = depths(tree.parents)
+    for node, depth in enumerate(node_depths):
+        assert tree.ids[node] in np.argsort(-logits[depth - 1])[:3]
     siblings = [(tree.parents[i], tree.ids[i]) for i in range(9)]
-    assert len(set(siblings)) == 9 and max(depths) <= 4
+    assert len(set(siblings)) == 9 and max(node_depths) <= 4
     check_parents(tree.parents, len(tree.ids))  # listed by depth, as the verifier takes them
 
 
@@ -341,17 +340,10 @@ def test_dflash_tree_options_reach_the_proposer(drafter_dir, tiny_model_dir):
     state = trees.open([1, 2, 3, 4], rows_for(3, trees.drafter.row_width))
     drafted = trees.propose(state, block)
     assert len(drafted.ids) == 6 and drafted.parents is not None
-    assert max(_depths(drafted.parents)) <= block
-    assert max(_depths(trees.propose(state, 2).parents)) <= 2  # k bounds the depth
+    assert max(depths(drafted.parents)) <= block
+    assert max(depths(trees.propose(state, 2).parents)) <= 2  # k bounds the depth
     chain = trees.propose(state, 3, tree=TreeShape(6, 0, 1))  # one token a position
     assert chain.parents is None and chain.ids == chains.propose(state, 3).ids
-
-
-def _depths(parents):
-    out = []
-    for parent in parents:
-        out.append(1 if parent < 0 else out[parent] + 1)
-    return out
 
 
 def test_greedy_output_with_trees_equals_plain_decoding(stack, tiny_model_dir):
