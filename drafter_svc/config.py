@@ -102,7 +102,9 @@ def drafter_options(
     tree_total = TreeShape.total_tokens if tree_total_tokens is None else tree_total_tokens
     if asks_trees:
         eagle3.tree = TreeShape(
-            total_tokens=tree_total, depth=tree_depth or 5, top_k=tree_top_k or 4
+            total_tokens=tree_total,
+            depth=tree_depth or TreeShape.depth,
+            top_k=tree_top_k or TreeShape.top_k,
         )
     if block_size is not None and block_size < 2:
         raise ValueError("--block-size must be >= 2 (the last token and one draft)")

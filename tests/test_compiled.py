@@ -33,17 +33,55 @@ def _block(n: int) -> mx.array:
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 16])
 def test_compiled_forwards_equal_the_models_own(targets, n):
+    _both_alike(targets, n, lambda target, cache, layers: target.forward(_block(n), cache, layers))
+
+
+def _both_alike(targets, tokens: int, step) -> None:
+    """`step(target, cache, layers)` after the prompt gives both targets' logits and captured
+    rows alike, and advances the cache by `tokens`."""
     layers = (0, 1)
     results = []
     for target in targets:
         cache = target.new_cache()
         target.forward(mx.array(PROMPT), cache, layers)
-        logits, rows = target.forward(_block(n), cache, layers)
-        assert cache[0].offset == len(PROMPT) + n
-        results.append((logits, rows))
+        results.append(step(target, cache, layers))
+        assert cache[0].offset == len(PROMPT) + tokens
     (own_logits, own_rows), (got_logits, got_rows) = results
     _same(got_logits, own_logits)
     assert mx.allclose(got_rows, own_rows, rtol=1e-5, atol=1e-4).item()
+
+
+# breadth-first trees of 1, 6 and 15 drafts: a chain, two branches, a bushy root
+TREES = [[-1], [-1, -1, 0, 0, 1, 2], [-1, -1, -1, 0, 0, 1, 2, 3, 3, 4, 5, 6, 7, 9, 10]]
+
+
+@pytest.mark.parametrize("parents", TREES, ids=["chain-of-1", "two-branches", "bushy"])
+def test_compiled_tree_forwards_equal_the_models_own(targets, parents):
+    nodes = len(parents) + 1
+    assert isinstance(targets[1]._backend(nodes, targets[1].new_cache()), CompiledMlxForward)
+    _both_alike(
+        targets,
+        nodes,
+        lambda target, cache, layers: target.forward_tree(_block(nodes), parents, cache, layers),
+    )
+
+
+def test_a_tree_node_sees_its_ancestors_alone(targets):
+    """A node's logits depend on its own path only: the same path under other siblings gives
+    the same logits, and a node at depth 2 equals the chain of its path."""
+    fast = targets[1]
+    path = _block(3)  # root, a, b: b is a's child
+    cache = fast.new_cache()
+    fast.forward(mx.array(PROMPT), cache, ())
+    chain, _ = fast.forward(path, cache, ())
+    cache = fast.new_cache()
+    fast.forward(mx.array(PROMPT), cache, ())
+    # root; drafts: a, x (siblings at depth 1), y (x's child), b (a's child)
+    tokens = mx.array([path[0].item(), path[1].item(), 77, 41, path[2].item()])
+    tree, _ = fast.forward_tree(tokens, [-1, -1, 1, 0], cache, ())
+    for node, row in ((0, 0), (1, 1), (4, 2)):
+        _same(tree[node : node + 1], chain[row : row + 1])
+    assert not mx.allclose(tree[3], chain[2], atol=1e-3).item()
 
 
 def _same(got: mx.array, want: mx.array) -> None:
@@ -83,7 +121,7 @@ def test_backends_by_size(targets):
 
 
 def test_rounds_with_compiled_forwards_equal_plain_greedy(targets):
-    """Chains and bursts through the compiled forwards, trees through the model's own."""
+    """Chains, bursts and trees through the compiled forwards."""
     out, reference, kinds = mixed_rounds(targets[1], seed=5, longest_chain=15)
     assert {"chain", "tree", "burst"} <= set(kinds)
     assert out[: len(reference)] == reference[: len(out)]

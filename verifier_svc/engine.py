@@ -134,7 +134,7 @@ class Target:
                 self.model, pool_kernel=pool_kernel if compiled_pooled else "off"
             )
             if self.compiled_forwards:
-                self.forwards.insert(0, CompiledMlxForward(compiled_forward, self._mlx))
+                self.forwards.insert(0, CompiledMlxForward(compiled_forward))
             if compiled_pooled:
                 self._mlx.compiled_pooled = compiled_forward
         if cpu_layers is not None:

@@ -305,20 +305,24 @@ class CompiledMlxForward:
     """Forwards of 1-16 tokens at the end of mlx-lm KV caches with the work between two
     attentions compiled (specd.models.compiled): each row on a decode step's kernels, so on
     CUDA the decode steps' numbers bit for bit, built by Python in a fraction of the time.
-    Trees go to the model's own."""
+    A draft tree's nodes run as rows at their depths with one masked attention a layer."""
 
     queues = True
 
-    def __init__(self, compiled: CompiledForward, fallback: MlxForward):
-        self.compiled, self.fallback = compiled, fallback
+    def __init__(self, compiled: CompiledForward):
+        self.compiled = compiled
 
     def fits(self, tokens: int, cache: list) -> bool:
         return 1 <= tokens <= COMPILED_MAX_ROWS and all(type(c) is KVCache for c in cache)
 
     def __call__(self, token_ids, cache, capture, tree=None):
-        if tree is not None:
-            return self.fallback(token_ids, cache, capture, tree)
-        logits, kept = self.compiled.forward(token_ids, cache, frozenset(capture))
+        if tree is None:
+            logits, kept = self.compiled.forward(token_ids, cache, frozenset(capture))
+        else:
+            sees = mx.array(_sees_after(tree.sees(), tree.base))
+            positions = mx.array(tree.positions(), dtype=mx.int32)
+            logits, kept = self.compiled.forward_tree(token_ids, cache, positions, sees,
+                                                      frozenset(capture))  # fmt: skip
         rows = mx.concatenate([kept[i] for i in capture], axis=-1) if capture else None
         return logits, rows
 

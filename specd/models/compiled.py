@@ -165,6 +165,31 @@ class CompiledForward:
         return self._layers(self._first, self._middle, self._last, self.embed(token_ids),
                             offset, attend, capture)  # fmt: skip
 
+    def forward_tree(
+        self,
+        token_ids: mx.array,
+        cache: list,
+        positions: mx.array,
+        sees: mx.array,
+        capture: frozenset[int] = frozenset(),
+    ) -> tuple[mx.array, dict[int, mx.array]]:
+        """A draft tree's nodes [T] appended at the end of `cache`, node i rotated at
+        positions[i] (the cache's length plus its depth) and attending where `sees` [T, past + T]
+        (bool) allows: the whole cache and, among the nodes, itself and its ancestors. The
+        nodes go through the rows' compiled pieces, one sequence; returns as `forward`."""
+        rows, scale = token_ids.shape[0], self.shape.scale
+
+        def attend(layer: int, q, k, v):
+            # rows [T, heads, 1, D] -> one sequence [1, heads, T, D], as the cache keeps it
+            keys, values = cache[layer].update_and_fetch(k.transpose(2, 1, 0, 3),
+                                                         v.transpose(2, 1, 0, 3))  # fmt: skip
+            out = mx.fast.scaled_dot_product_attention(
+                q.transpose(2, 1, 0, 3), keys, values, scale=scale, mask=sees
+            )
+            return out[0].transpose(1, 0, 2).reshape(rows, -1)
+
+        return self.forward_rows(token_ids, positions, attend, capture)
+
     def forward_rows(
         self, token_ids: mx.array, positions: mx.array, attend, capture=frozenset()
     ) -> tuple[mx.array, dict[int, mx.array]]:
