@@ -16,11 +16,13 @@
 #          client (default 1: a level of 16 lasts ~1 s, and mlx-lm's own rate there moved 2x
 #          between two runs of one sitting, run AO; 3 makes the steady part count);
 #          VERIFIER_ARGS added to the verifier's (e.g. "--prefill-between-steps 8")
-# drafters [SECONDS [DRAFTERS [in-process]]]  model drafters (default eagle3-k6) against
-#          drafting off and plain mlx-lm, every 4th MT-bench question; a stack's start with
-#          its warm-ups takes ~70 s, so name few; in-process also runs each question's rounds
-#          in the bench's own process, the target served with the stack's verifier settings
-#          (one GPU context beside the services' two: whether the split costs the verify)
+# drafters [SECONDS [DRAFTERS [in-process|pinned]]]  model drafters (default eagle3-k6)
+#          against drafting off and plain mlx-lm, every 4th MT-bench question; a stack's start
+#          with its warm-ups takes ~70 s, so name few; in-process also runs each question's
+#          rounds in the bench's own process, the target served with the stack's verifier
+#          settings (one GPU context beside the services' two: whether the split costs the
+#          verify); pinned turns adaptive k off (--no-adaptive), so a tree drafter drafts its
+#          trees every round
 # heads    the EAGLE-3 head's chains, trees and extends on the GPU (MLX) against the host
 #          (numpy and specd's compiled kernels), per k (issue 26: a chain must cost well under
 #          a target step), with the host's caches warm and written over before each call
@@ -141,8 +143,14 @@ drafters)
   # float32 pinned: the drafters' rows compare across runs, and a verify of a few tokens is
   # exact there (row forwards); dtype auto chose the model as stored in one run of run AD,
   # whose kernels the carried archive lacked
+  case "${4:-}" in
+  in-process) mode=(--in-process) ;;
+  pinned) mode=(--no-adaptive) ;;
+  "") mode=() ;;
+  *) echo "drafters: the 4th argument is in-process, pinned or nothing" >&2; exit 2 ;;
+  esac
   bench --dtype float32 --questions mt-bench --every 4 --drafter "${3:-eagle3-k6},none" \
-    ${4:+--in-process} --time-limit "${2:-300}" --json ~/res/drafters.json \
+    "${mode[@]}" --time-limit "${2:-300}" --json ~/res/drafters.json \
     >> "$OUT/drafters.log" 2>&1 ;;
 heads)
   # warm caches, then written over before each call as a served round finds them

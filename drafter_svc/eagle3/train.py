@@ -416,7 +416,8 @@ def prepare_features(opts: TrainOptions, loaded, capture) -> list[Features]:
     if path.is_file():
         print(f"features: {path} (cached)", file=sys.stderr)
         return load_features(path)
-    print("reading ShareGPT conversations ...", file=sys.stderr)
+    where = "the offline ShareGPT package" if opts.data is None else opts.data
+    print(f"reading conversations from {where} ...", file=sys.stderr)
     examples = build_examples(
         loaded.tokenizer, read_conversations(opts.data), opts.conversations, opts.max_len,
         opts.seed,
