@@ -37,6 +37,9 @@
 # verify   what a verify of 1..16 tokens and a decode call of 16 steps cost the engine as the
 #          verifier serves a session, keeping the drafters' hidden rows or none, drafts
 #          rejected, then every draft kept
+# trees    a verify of a draft tree of 16 tokens through the compiled forwards (commit
+#          28558c0), then through the model's own (--compiled-forwards off), each beside a
+#          chain of as many rows: whether a tree's verify now costs a chain's
 # mix      the pooled batch's forward with plain steps beside one verify of 0-15 drafts, at 16
 #          and 64 sessions (pooled_mix.py: what a verify costs the batch)
 # cpool    the compiled pooled forward (--compiled-pooled) against the model's own: the batch
@@ -181,6 +184,12 @@ verify)
   echo "== --accept" >> "$OUT/verify.log"
   timeout 100 python3 benchmarks/verify_cost.py --target "$model" --dtype float32 \
     --drafts 0 1 3 6 15 --calls 15 --accept >> "$OUT/verify.log" 2>&1 ;;
+trees)
+  for mode in on off; do
+    echo "== --compiled-forwards $mode" >> "$OUT/trees.log"
+    timeout 150 python3 benchmarks/verify_cost.py --target "$model" --dtype float32 \
+      --drafts 15 --trees 15 --calls 30 --compiled-forwards "$mode" >> "$OUT/trees.log" 2>&1
+  done ;;
 mix)
   # a pooled batch of plain steps beside one verify of K drafts (ragged since 29d79a3): what
   # the verify costs the batch, at 16 and 64 sessions
