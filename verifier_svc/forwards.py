@@ -49,6 +49,11 @@ class TreeLayout:
         """[T, T] bool: a node attends to itself and its ancestors only."""
         return ancestor_mask(self.parents)
 
+    def attention_mask(self) -> mx.array:
+        """[T, base + T] bool: every node sees the whole cache, and among the nodes itself and
+        its ancestors."""
+        return mx.array(_sees_after(self.sees(), self.base))
+
 
 class Forward(Protocol):
     queues: bool  # the forward is a graph the device runs while Python goes on
@@ -82,7 +87,7 @@ class MlxForward:
         self.bypass.set(token_ids.size == 1 and tree is None, frozenset(capture))
         sink = self.sink
         if tree is not None:
-            sink.mask = mx.array(_sees_after(tree.sees(), tree.base))
+            sink.mask = tree.attention_mask()
             sink.rope_groups = rope_groups(tree.parents, tree.base)
         sink.wanted, sink.outputs = frozenset(capture), {}
         try:
@@ -319,9 +324,9 @@ class CompiledMlxForward:
         if tree is None:
             logits, kept = self.compiled.forward(token_ids, cache, frozenset(capture))
         else:
-            sees = mx.array(_sees_after(tree.sees(), tree.base))
             positions = mx.array(tree.positions(), dtype=mx.int32)
-            logits, kept = self.compiled.forward_tree(token_ids, cache, positions, sees,
+            mask = tree.attention_mask()
+            logits, kept = self.compiled.forward_tree(token_ids, cache, positions, mask,
                                                       frozenset(capture))  # fmt: skip
         rows = mx.concatenate([kept[i] for i in capture], axis=-1) if capture else None
         return logits, rows
