@@ -98,8 +98,8 @@ def test_separate_runs_the_full_warmup_in_a_child_and_a_few_rounds_here(tiny_mod
 
     served, report = warm_up_served(config, load)
     assert report.mode == "separate" and loads == [1]  # loaded here once, after the child
-    # the child's whole warm-up, then a prefill, a burst and two verifies here
-    assert report.calls == full_warmup(target, 3) + 5
+    # the child's whole warm-up, then a prefill, a burst, two verifies and trees of 2-4 here
+    assert report.calls == full_warmup(target, 3) + 5 + 3
     assert greedy(served) == greedy(target)
 
 
@@ -110,7 +110,7 @@ def test_a_failed_separate_warmup_still_serves(tiny_model_dir, caplog):
     # the child cannot load this model; the service loads the real one and goes on
     config = _config(str(tiny_model_dir / "missing"), warmup="separate")
     served, report = warm_up_served(config, lambda: target_for(_config(str(tiny_model_dir))))
-    assert report.mode == "separate" and report.calls == 5
+    assert report.mode == "separate" and report.calls == 5 + 3  # trees of 2-4 nodes here too
     assert "separate process failed" in caplog.text
     assert len(greedy(served)) == 13
 
@@ -132,6 +132,23 @@ def test_the_serving_process_meets_a_prompt_and_a_served_burst(target, monkeypat
     )
     assert warmup.serving_warmup(target) == 5
     assert 64 in prompts and (4, {"look_ahead": True}) in bursts
+
+
+def test_the_serving_process_meets_a_branching_tree_of_every_size(target, monkeypatch):
+    """A compiled tree forward traces per node count in its own process: the serving process
+    runs every size a round can send, each branching at its root."""
+    from verifier_svc import warmup
+
+    trees, real_verify_tree = [], warmup.verify_tree
+
+    def recording(t, session, drafts, parents):
+        trees.append(list(parents))
+        return real_verify_tree(t, session, drafts, parents)
+
+    monkeypatch.setattr(warmup, "verify_tree", recording)
+    assert warmup.serving_warmup(target, 4) == 5 + 4
+    assert [len(parents) + 1 for parents in trees] == [2, 3, 4, 5]
+    assert all(parents[:2] == [-1, -1] for parents in trees[1:])
 
 
 class _ExitsWhereUnpickled:

@@ -176,15 +176,21 @@ def minimal_warmup(target: Target) -> int:
     return 2
 
 
-def serving_warmup(target: Target) -> int:
+def serving_warmup(target: Target, max_draft_tokens: int = 0) -> int:
     """The serving process's share of `separate`: the kernels are on disk, but each process
     still loads them at a shape class's first use (on the H200 a first prompt's prefill took
     236 ms, the same prefill later 25 ms), so a prompt of a typical length, a decode burst as
-    served and a short verify run here; no tree and no long context (see the module's note)."""
+    served, a short verify and a draft tree of every size up to max_draft_tokens + 1 run here
+    (a compiled tree forward traces per node count, and traces live in their process); no
+    long context (see the module's note)."""
     session = prefill(target, _prompt(target, 64, 8)).session
     decode(target, session, 4, look_ahead=True)
     verify(target, session, _prompt(target, 2, 9))
-    return 3 + compiled_pooled_traces(target) + minimal_warmup(target)
+    trees = range(2, max_draft_tokens + 2) if target.supports_trees(session.cache) else ()
+    drafts = _prompt(target, max_draft_tokens, 10)
+    for n in trees:  # a tree that branches at its root, so its mask is not a chain's
+        verify_tree(target, session, drafts[: n - 1], [-1] + list(range(-1, n - 3)))
+    return 3 + len(trees) + compiled_pooled_traces(target) + minimal_warmup(target)
 
 
 def warm_up(target: Target, max_draft_tokens: int, mode: str = "auto") -> WarmupReport:
@@ -206,5 +212,5 @@ def warm_up_served(config, load) -> tuple[Target, WarmupReport]:
     start = time.perf_counter()
     child_calls = full_warmup_in_child(config) or 0
     target = load()
-    calls = child_calls + serving_warmup(target)
+    calls = child_calls + serving_warmup(target, config.max_draft_tokens)
     return target, WarmupReport(mode, calls, time.perf_counter() - start)
