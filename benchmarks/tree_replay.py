@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import time
 from pathlib import Path
 
@@ -96,8 +97,8 @@ def kept_path(tokens: list[int], parents: list[int], reply: np.ndarray) -> list[
 
 
 def replay(proposer, replies, shape: TreeShape, calibration: dict | None, tap: ScoreTap):
-    """(tau, drafting ms a round) of greedy tree rounds over the replies."""
-    committed = rounds = 0
+    """(tau, drafting ms a round, drafts a round) of greedy tree rounds over the replies."""
+    committed = rounds = drafts = 0
     seconds = 0.0
     for prompt_len, seq, rows in replies:
         n = prompt_len
@@ -109,6 +110,7 @@ def replay(proposer, replies, shape: TreeShape, calibration: dict | None, tap: S
             if proposal.parents is None:
                 proposal.parents = list(range(-1, len(proposal.ids) - 1))
             seconds += time.perf_counter() - start
+            drafts += len(proposal.ids)
             path = kept_path(proposal.ids, proposal.parents, seq[n:])
             if calibration is not None:
                 record_nodes(calibration, proposal, tap.sent, path)
@@ -117,7 +119,7 @@ def replay(proposer, replies, shape: TreeShape, calibration: dict | None, tap: S
             n += new
             committed += new
             rounds += 1
-    return committed / rounds, 1000 * seconds / rounds
+    return committed / rounds, 1000 * seconds / rounds, drafts / rounds
 
 
 class ScoreTap:
@@ -178,6 +180,10 @@ def main() -> None:
     p.add_argument(
         "--calibration", action="store_true", help="per depth: nodes offered whose parent was kept"
     )
+    p.add_argument(
+        "--min-probs", type=float, nargs="+", default=[0.0],
+        help="each shape at each --tree-min-prob: no node below that path probability",
+    )  # fmt: skip
     p.add_argument("--cache", type=Path, help="where the target's replies and rows are kept")
     args = p.parse_args()
     if args.calibration and args.kind != "eagle3":
@@ -187,11 +193,14 @@ def main() -> None:
     replies = target_replies(questions, args.tokens, proposer.capture_layers, args.cache)
     print(f"{len(replies)} questions, {sum(len(s) - n for n, s, _ in replies)} reply tokens")
     tap = ScoreTap()
-    for shape in args.shapes:
+    for shape, min_prob in itertools.product(args.shapes, args.min_probs):
         calibration = {} if args.calibration else None
-        tau, ms = replay(proposer, replies, shape, calibration, tap)
+        proposer.tree_min_prob = min_prob
+        tau, ms, nodes = replay(proposer, replies, shape, calibration, tap)
         label = f"{shape.total_tokens}:{shape.depth}:{shape.top_k}"
-        print(f"tree {label}: tau {tau:.3f}, drafting {ms:.1f} ms a round", flush=True)
+        floor = f" min-prob {min_prob:g}" if min_prob else ""
+        print(f"tree {label}{floor}: tau {tau:.3f}, {nodes:.2f} drafts a round, drafting "
+              f"{ms:.1f} ms a round", flush=True)  # fmt: skip
         if calibration:
             print_calibration(calibration)
 

@@ -40,8 +40,9 @@ _DRAFTER_NAME = re.compile(
     r"(?P<nolimit>-nolimit)?(?P<serial>-serial)?(?:-k(?P<k>[0-9]+))?"
 )
 _DFLASH_BLOCKS = re.compile(r"dflash-b[0-9]+")
-# --draft-p-min ends chains, so only the EAGLE-3 chain drafters take -pNN
-_P_MIN_VARIANTS = ("eagle3", "eagle3-mlx", "eagle3-host")
+# -pNN is a chain's --draft-p-min (EAGLE-3 only) or a tree's --tree-min-prob
+_P_MIN_VARIANTS = ("eagle3", "eagle3-mlx", "eagle3-host", "eagle3-tree", "eagle3-tree-mlx",
+                   "eagle3-tree-host", "dflash-tree")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class BenchDrafter:
     name: str  # as given: the label of its results
     variant: str  # the name without its suffixes: "eagle3-mlx", "dflash-b8"
     drafter: str | None  # the drafter service's kind; None: drafting off
-    p_min: float | None = None  # -pNN: --draft-p-min NN %
+    p_min: float | None = None  # -pNN: --draft-p-min NN % (chains), --tree-min-prob (trees)
     burst: int | None = None  # -burstN: the stack's --decode-burst; None: the bench's own
     nolimit: bool = False  # -nolimit: --draft-max-requests 0, drafting under any load
     serial: bool = False  # -serial: --no-draft-beside-decode
@@ -99,7 +100,9 @@ def add_bench_args(p) -> None:
         "to either (the head's forwards in MLX or on the host: --head-forwards), dflash, "
         "dflash-bN (blocks of N), dflash-tree (trees from a block), "
         "a -pNN suffix to an EAGLE-3 chain name (eagle3-host-p50) to end chains before a "
-        "draft the head gives under NN %% (--draft-p-min), "
+        "draft the head gives under NN %% (--draft-p-min), or to a tree name (eagle3-tree-p10, "
+        "dflash-tree-p10) to send no tree node of a path probability under NN %% "
+        "(--tree-min-prob), "
         "none (the services without drafting: what the split costs); a -serial suffix "
         "(ngram-serial) makes every draft call before its verify (--no-draft-beside-decode); "
         "a -nolimit suffix before it (ngram-nolimit) drafts under any load "
@@ -395,7 +398,8 @@ def _variant_options(args, name: str) -> dict:
         "head_forwards": (
             variant.rpartition("-")[2] if variant.endswith(("-mlx", "-host")) else None
         ),
-        "draft_p_min": parsed.p_min,
+        "draft_p_min": None if tree else parsed.p_min,
+        "tree_min_prob": parsed.p_min if tree else None,
     }
 
 
@@ -409,8 +413,16 @@ _KIND_OPTIONS = {
         "tree_top_k",
         "head_forwards",
         "draft_p_min",
+        "tree_min_prob",
     ),  # fmt: skip
-    "dflash": ("weights", "block_size", "tree_total_tokens", "tree_depth", "tree_top_k"),
+    "dflash": (
+        "weights",
+        "block_size",
+        "tree_total_tokens",
+        "tree_depth",
+        "tree_top_k",
+        "tree_min_prob",
+    ),  # fmt: skip
 }
 
 

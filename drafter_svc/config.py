@@ -66,6 +66,7 @@ def drafter_options(
     draft_vocab: int | None = None,
     head_forwards: str | None = None,
     draft_p_min: float | None = None,
+    tree_min_prob: float | None = None,
 ) -> dict:
     """The kind-specific parts of a DrafterConfig from command-line style options (None: the
     default); ValueError names the bad option."""
@@ -89,11 +90,14 @@ def drafter_options(
         raise ValueError(f"--head-forwards must be one of {', '.join(HEAD_FORWARDS)}")
     if draft_p_min is not None and not 0 <= draft_p_min < 1:
         raise ValueError("--draft-p-min must be >= 0 and < 1")
+    if tree_min_prob is not None and not 0 <= tree_min_prob < 1:
+        raise ValueError("--tree-min-prob must be >= 0 and < 1")
     eagle3 = Eagle3Options(
         weights=weights,
         num_draft_tokens=num_draft_tokens or 0,
         forwards=head_forwards or "auto",
         draft_p_min=draft_p_min or 0.0,
+        tree_min_prob=tree_min_prob or 0.0,
     )
     shape = (tree_total_tokens, tree_depth, tree_top_k)
     if any(v is not None and v < 0 for v in shape):
@@ -110,7 +114,8 @@ def drafter_options(
         raise ValueError("--block-size must be >= 2 (the last token and one draft)")
     if draft_vocab is not None and draft_vocab < 0:
         raise ValueError("--draft-vocab must be >= 0 (0: the whole vocabulary)")
-    dflash = DFlashOptions(weights=weights, block_size=block_size or 0, draft_vocab=draft_vocab)
+    dflash = DFlashOptions(weights=weights, block_size=block_size or 0, draft_vocab=draft_vocab,
+                           tree_min_prob=tree_min_prob or 0.0)  # fmt: skip
     if asks_trees:
         dflash.tree = TreeShape(
             total_tokens=tree_total,

@@ -52,6 +52,7 @@ KIND_ONLY_FLAGS = {  # drafter flags that mean something to some kinds only: ref
     "draft_vocab": ("dflash",),
     "head_forwards": ("eagle3",),
     "draft_p_min": ("eagle3",),
+    "tree_min_prob": ("eagle3", "dflash"),
 }
 
 
@@ -164,6 +165,14 @@ def _add_serve(sub) -> None:
         "Unsure drafts are rarely kept, and each costs the verify a row (docs/options.md)",
     )
     d.add_argument(
+        "--tree-min-prob",
+        type=probability_below_one,
+        help="eagle3, dflash: a draft tree sends no node, after the likeliest first draft, "
+        "whose path probability (the drafter's probabilities multiplied along its root path) "
+        "is below P (default 0: every node the tree's size allows). Each node costs the verify "
+        "a row, and a node's path probability is about how often it is kept (docs/options.md)",
+    )
+    d.add_argument(
         "--tree-depth",
         type=int_between(1),
         help="eagle3, dflash: deepest tree path (default: eagle3 5, dflash the block's drafts)",
@@ -258,6 +267,7 @@ def _service_config(args):
                 args.kind, args.num_draft_tokens, args.ngram_min_n, args.ngram_max_n,
                 args.weights, args.tree_total_tokens, args.tree_depth, args.tree_top_k,
                 args.block_size, args.draft_vocab, args.head_forwards, args.draft_p_min,
+                args.tree_min_prob,
             )  # fmt: skip
         except ValueError as exc:
             print(f"specd: {exc}", file=sys.stderr)

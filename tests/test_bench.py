@@ -195,7 +195,7 @@ def test_drafter_names_parse_into_their_suffixes():
         "eagle3-kx",
         "none-burst0",
         "ngram-burst",
-        "eagle3-tree-p50",  # -pNN: EAGLE-3 chains only, two digits
+        "dflash-p50",  # -pNN: EAGLE-3 chains and trees, two digits
         "eagle3-p5",
         "eagle3-p100",
         "eagle3-p",
@@ -257,6 +257,10 @@ def test_p_min_variants_pass_the_threshold_to_their_drafter():
     assert chain[chain.index("--draft-p-min") + 1] == "0.5"
     assert chain[chain.index("--head-forwards") + 1] == "host"
     assert "--draft-p-min" not in _drafter_args(args, "eagle3-k6")
+    for tree_name in ("eagle3-tree-p10", "eagle3-tree-host-p10-k6", "dflash-tree-p10"):
+        tree = _drafter_args(args, tree_name)  # a tree's floor is on its nodes' path probability
+        assert tree[tree.index("--tree-min-prob") + 1] == "0.1" and "--draft-p-min" not in tree
+    assert "--tree-min-prob" not in _drafter_args(args, "eagle3-tree")
 
 
 def test_a_difference_is_explained_by_the_logits_and_their_rounding(tiny_model_dir):

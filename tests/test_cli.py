@@ -195,6 +195,10 @@ def test_flags_of_another_drafter_kind_and_empty_addresses_are_refused(tmp_path)
     assert out.returncode == 2 and "--draft-p-min applies to eagle3" in out.stderr
     out = _specd("serve", "drafter", "--kind", "eagle3", "--draft-p-min", "1", "--port", "0")
     assert out.returncode == 2 and "must be >= 0 and < 1" in out.stderr
+    out = _specd("serve", "drafter", "--kind", "ngram", "--tree-min-prob", "0.1", "--port", "0")
+    assert out.returncode == 2 and "--tree-min-prob applies to eagle3 and dflash" in out.stderr
+    out = _specd("serve", "drafter", "--kind", "dflash", "--tree-min-prob", "1", "--port", "0")
+    assert out.returncode == 2 and "must be >= 0 and < 1" in out.stderr
     out = _specd("serve", "coordinator", "--verifier", "", "--port", "0")
     assert out.returncode == 2 and "HOST:PORT" in out.stderr
     config = tmp_path / "u.toml"

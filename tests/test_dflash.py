@@ -301,6 +301,29 @@ def test_best_first_tree_takes_the_best_root_paths():
     assert sorted(paths) == sorted(sorted(every, key=score, reverse=True)[:budget])
 
 
+def test_a_probability_floor_ends_the_best_first_tree():
+    """--tree-min-prob: the best root paths down to the floor, the first always."""
+    rng = np.random.default_rng(5)
+    logp = np.sort(np.log(rng.dirichlet(np.ones(8), size=5))[:, :3], axis=1)[:, ::-1]
+    whole_parents, whole = best_first_tree(logp, 30)
+
+    def score(node, parents, picks):
+        total = 0.0
+        while node >= 0:
+            total += logp[picks[node]]
+            node = parents[node]
+        return total
+
+    scores = sorted((score(n, whole_parents, whole) for n in range(30)), reverse=True)
+    for floor in (scores[0] + 1, scores[3], scores[10] - 1e-9, -np.inf):
+        parents, picks = best_first_tree(logp, 30, floor)
+        kept = [score(n, parents, picks) for n in range(len(picks))]
+        assert len(picks) == max(1, sum(s >= floor for s in scores))
+        assert (
+            all(s >= floor for s in kept[1:]) and sorted(kept, reverse=True) == scores[: len(kept)]
+        )
+
+
 def test_a_block_tree_holds_each_positions_best_tokens(block):
     state = block.open([1, 2, 3, 4, 5], rows_for(4, block.row_width))
     logits = np.array(block.block_logits(state, 5))

@@ -63,6 +63,29 @@ def test_greedy_output_equals_plain_decoding(stack, plain, tree):
     client.close()
 
 
+def test_trees_under_a_probability_floor_are_smaller_and_lossless(
+    tiny_model_dir, head_dir, plain, tmp_path
+):
+    """--tree-min-prob through the CLI: trees lose their unlikely nodes, output stays the
+    target's own."""
+    drafted = {}
+    for floor in ("0", "0.3"):
+        with Stack(target=str(tiny_model_dir), drafter="eagle3",
+                   drafter_args=["--weights", str(head_dir), "--tree-min-prob", floor],
+                   startup_timeout_s=120, log_dir=tmp_path / floor) as s:  # fmt: skip
+            client = CoordinatorClient(s.coordinator)
+            drafted[floor] = 0
+            for prompt in PROMPTS:
+                # k pinned: adaptive k would all but stop a random head's drafts
+                request = make_request(prompt=prompt, max_tokens=24, num_draft_tokens=4,
+                                       tree=(10, 4, 3))  # fmt: skip
+                result = client.generate(request)
+                assert result.token_ids == _reference(plain, prompt, 24), (floor, prompt)
+                drafted[floor] += result.stats["drafted"]
+            client.close()
+    assert 0 < drafted["0.3"] < drafted["0"]
+
+
 def test_info_names_layers_and_binds_the_target(stack, plain):
     with grpc.insecure_channel(stack.services["drafter"].address) as channel:
         info = drafter_pb2_grpc.DrafterStub(channel).GetInfo(common_pb2.InfoRequest())

@@ -4,6 +4,7 @@ block. Only accepted context is cached; the block is never cached."""
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -104,13 +105,17 @@ class BlockDrafter:
             q = full
         return Proposal(ids, probs=q.astype(np.float32))
 
-    def tree(self, state: DFlashState, shape: TreeShape, block_drafts: int = 0) -> Proposal:
+    def tree(
+        self, state: DFlashState, shape: TreeShape, block_drafts: int = 0, min_prob: float = 0.0
+    ) -> Proposal:
         """A tree from one block of max(shape.depth, block_drafts) + 1 (a drafter trained on
         blocks of 16 guesses worse in shorter ones): each position's top_k tokens are the
         children of every node at the depth before it, and the total_tokens nodes of highest
         summed log-probability are sent. The block already scores every position, so a tree
         costs no more forwards than a chain; its nodes go to the likelier alternatives near the
-        root instead of the unlikely far end of one chain. Drafts are deterministic (no q)."""
+        root instead of the unlikely far end of one chain. Drafts are deterministic (no q).
+        min_prob: no node whose path probability is below it, the likeliest first draft aside,
+        is sent (each node costs the verify a row)."""
         if not self.ready(state) or shape.total_tokens <= 0 or shape.depth <= 0:
             return Proposal([], parents=[])
         size = max(shape.depth, block_drafts) + 1
@@ -123,7 +128,8 @@ class BlockDrafter:
         order = np.argsort(-best_logp, axis=-1, kind="stable")
         ranked = np.take_along_axis(np.array(best), order, axis=-1)
         ranked_logp = np.take_along_axis(best_logp, order, axis=-1)
-        parents, tokens = best_first_tree(ranked_logp[: shape.depth], shape.total_tokens)
+        floor = math.log(min_prob) if min_prob > 0 else -math.inf
+        parents, tokens = best_first_tree(ranked_logp[: shape.depth], shape.total_tokens, floor)
         ids = self._target_ids(np.array([ranked[d, r] for d, r in tokens], dtype=np.int64))
         return Proposal(ids, parents=parents)
 
@@ -134,10 +140,11 @@ class BlockDrafter:
 
 
 def best_first_tree(
-    ranked_logp: np.ndarray, budget: int
+    ranked_logp: np.ndarray, budget: int, floor: float = -math.inf
 ) -> tuple[list[int], list[tuple[int, int]]]:
     """The `budget` best root paths through per-depth candidate lists, each list's log-probs
-    [depth, top_k] sorted best first and the same under every parent. Returns each node's parent
+    [depth, top_k] sorted best first and the same under every parent; after the first, none
+    scoring below `floor` (a log-probability). Returns each node's parent
     (-1: the root) and its (depth, rank), listed by depth as a verify takes them. Pops come in
     falling score: a node's next sibling and first child enter the heap only when it is taken,
     and neither can outscore it."""
@@ -146,6 +153,8 @@ def best_first_tree(
     picks: list[tuple[int, int]] = []
     heap = [(-float(ranked_logp[0, 0]), 0, 0, -1)]  # (-score, depth, rank, parent node)
     while heap and len(picks) < budget:
+        if picks and -heap[0][0] < floor:
+            break  # pops come in falling score
         neg, depth, rank, parent = heapq.heappop(heap)
         node = len(picks)
         parents.append(parent)

@@ -48,6 +48,7 @@ class DFlashOptions:
     # them if it has one, else the whole vocabulary; 0: the whole vocabulary
     draft_vocab: int | None = None
     tree: TreeShape | None = None  # default shape (depth 0: the block's); None or total 0: chains
+    tree_min_prob: float = 0.0  # a tree sends no later node of a lower path probability
 
 
 def target_lm_head(target_dir: Path) -> mx.array:
@@ -78,6 +79,7 @@ class DFlashProposer:
             shape.total_tokens, shape.depth or self.default_draft_tokens, shape.top_k
         )
         self.source = source
+        self.tree_min_prob = options.tree_min_prob
         self.rng = np.random.default_rng()
 
     def open(self, context_ids, hidden_rows=None) -> DFlashState:
@@ -96,7 +98,9 @@ class DFlashProposer:
             top_k = shape.top_k or self.default_tree.top_k
             if top_k > 1:
                 shape = TreeShape(shape.total_tokens, depth, top_k)
-                return self.drafter.tree(state, shape, self.default_draft_tokens)
+                return self.drafter.tree(
+                    state, shape, self.default_draft_tokens, self.tree_min_prob
+                )
             k = min(depth, shape.total_tokens)  # one token a position: the block's chain
         temperature = float(getattr(sampling, "temperature", 0.0) or 0.0)
         return self.drafter.propose(state, k, temperature, self.rng)
@@ -113,6 +117,7 @@ class DFlashProposer:
             "mask_token_id": str(cfg.mask_token_id),
             "draft_vocab": "all" if readout is None else str(len(readout)),
             "tree": self.default_tree.describe(),
+            "tree_min_prob": str(self.tree_min_prob),
         }
 
 

@@ -7,6 +7,7 @@ live for one proposal and are dropped.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -259,12 +260,15 @@ class Eagle3Drafter:
             return _CpuLevels(self.cpu_head, state, most)
         return _MlxLevels(self, state)
 
-    def tree(self, state: Eagle3State, shape: TreeShape) -> Proposal:
+    def tree(self, state: Eagle3State, shape: TreeShape, min_prob: float = 0.0) -> Proposal:
         """Expand the top_k best nodes per depth (by cumulative log-prob), each with its top_k
-        children; send the best total_tokens nodes, closed under ancestors, parents first."""
+        children; send the best total_tokens nodes, closed under ancestors, parents first.
+        min_prob: no node whose path probability is below it, the likeliest first draft aside,
+        is sent or expanded (each node costs the verify a row)."""
         if not self.ready(state) or shape.total_tokens <= 0 or shape.depth <= 0:
             return Proposal([], parents=[])
         top_k = max(1, min(shape.top_k, self.cfg.draft_vocab_size))
+        floor = math.log(min_prob) if min_prob > 0 else -math.inf
         # candidate pool: token (draft id), parent (pool index or -1), score, depth
         tokens: list[int] = []
         parents: list[int] = []
@@ -276,6 +280,8 @@ class Eagle3Drafter:
         def add_children(parent: int, logp_row: np.ndarray, base: float, depth: int) -> None:
             best = np.argpartition(-logp_row, top_k - 1)[:top_k]
             for d in best[np.argsort(-logp_row[best], kind="stable")]:
+                if base + float(logp_row[d]) < floor and tokens:
+                    break  # the rest score lower still
                 tokens.append(int(d))
                 parents.append(parent)
                 scores.append(base + float(logp_row[d]))
@@ -287,6 +293,8 @@ class Eagle3Drafter:
         parent_hidden = {i: state.last_hidden for i in frontier}  # hidden feeding each node
         for depth in range(1, shape.depth):
             n = len(frontier)
+            if not n:
+                break
             # each new entry sees the committed context, its expanded ancestors and itself
             cols = levels.columns
             mask = np.zeros((n, state.entries + cols + n), dtype=bool)
@@ -308,8 +316,9 @@ class Eagle3Drafter:
             logp = levels.logp(hidden)
             first_new = len(tokens)
             for row, node in enumerate(frontier):
+                before = len(tokens)
                 add_children(node, logp[row], scores[node], depth + 1)
-                for child in range(len(tokens) - top_k, len(tokens)):
+                for child in range(before, len(tokens)):
                     parent_hidden[child] = hidden[row]
             new = list(range(first_new, len(tokens)))
             frontier = sorted(new, key=lambda i: -scores[i])[:top_k]

@@ -34,6 +34,7 @@ class Eagle3Options:
     tree: TreeShape | None = None  # default shape; None: from the head's config; total 0: chain
     forwards: str = "auto"  # HEAD_FORWARDS: where the head's forwards of a few rows run
     draft_p_min: float = 0.0  # a chain ends before a later draft the head gives less than this
+    tree_min_prob: float = 0.0  # a tree sends no later node of a lower path probability
     extra: dict = field(default_factory=dict)
 
 
@@ -60,6 +61,7 @@ class Eagle3Proposer:
             )
         self.source = source
         self.p_min = options.draft_p_min
+        self.tree_min_prob = options.tree_min_prob
 
     def open(self, context_ids: list[int], hidden_rows=None) -> Eagle3State:
         return self.drafter.open(list(context_ids), joined_rows(hidden_rows))
@@ -82,6 +84,7 @@ class Eagle3Proposer:
                 state,
                 TreeShape(shape.total_tokens, min(depth, self.max_draft_tokens),
                           shape.top_k or self.default_tree.top_k or 4),
+                self.tree_min_prob,
             )  # fmt: skip
         return self.drafter.chain(state, k, p_min=self.p_min)
 
@@ -92,6 +95,7 @@ class Eagle3Proposer:
             "draft_vocab": str(self.drafter.cfg.draft_vocab_size),
             "chain_forwards": "numpy" if self.drafter.cpu_head is not None else "mlx",
             "draft_p_min": str(self.p_min),
+            "tree_min_prob": str(self.tree_min_prob),
             "tree": self.default_tree.describe(),
         }
 
