@@ -3,6 +3,7 @@ a tree of them."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,6 +33,11 @@ class TreeShape:
         if self.total_tokens <= 0:
             return "chain"
         return f"total={self.total_tokens} depth={self.depth} top_k={self.top_k}"
+
+
+def log_floor(min_prob: float) -> float:
+    """A tree's --tree-min-prob as the log-probability its node scores are compared with."""
+    return math.log(min_prob) if min_prob > 0 else -math.inf
 
 
 class Proposer(Protocol):

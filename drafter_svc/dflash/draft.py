@@ -12,7 +12,7 @@ import numpy as np
 
 from drafter_svc.dflash.model import DFlashDrafter
 from drafter_svc.kv import EntryBuffers
-from drafter_svc.proposal import Proposal, TreeShape
+from drafter_svc.proposal import Proposal, TreeShape, log_floor
 
 
 @dataclass
@@ -128,7 +128,7 @@ class BlockDrafter:
         order = np.argsort(-best_logp, axis=-1, kind="stable")
         ranked = np.take_along_axis(np.array(best), order, axis=-1)
         ranked_logp = np.take_along_axis(best_logp, order, axis=-1)
-        floor = math.log(min_prob) if min_prob > 0 else -math.inf
+        floor = log_floor(min_prob)
         parents, tokens = best_first_tree(ranked_logp[: shape.depth], shape.total_tokens, floor)
         ids = self._target_ids(np.array([ranked[d, r] for d, r in tokens], dtype=np.int64))
         return Proposal(ids, parents=parents)

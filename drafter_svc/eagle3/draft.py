@@ -7,7 +7,6 @@ live for one proposal and are dropped.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -16,7 +15,7 @@ import numpy as np
 
 from drafter_svc.eagle3.model import Eagle3Head
 from drafter_svc.kv import EntryBuffers
-from drafter_svc.proposal import Proposal, TreeShape
+from drafter_svc.proposal import Proposal, TreeShape, log_floor
 
 if TYPE_CHECKING:  # its imports (mlx-lm) cost an n-gram drafter ~34 MiB
     from drafter_svc.eagle3.cpu_head import CpuHead
@@ -268,7 +267,7 @@ class Eagle3Drafter:
         if not self.ready(state) or shape.total_tokens <= 0 or shape.depth <= 0:
             return Proposal([], parents=[])
         top_k = max(1, min(shape.top_k, self.cfg.draft_vocab_size))
-        floor = math.log(min_prob) if min_prob > 0 else -math.inf
+        floor = log_floor(min_prob)
         # candidate pool: token (draft id), parent (pool index or -1), score, depth
         tokens: list[int] = []
         parents: list[int] = []
