@@ -37,9 +37,10 @@
 # verify   what a verify of 1..16 tokens and a decode call of 16 steps cost the engine as the
 #          verifier serves a session, keeping the drafters' hidden rows or none, drafts
 #          rejected, then every draft kept
-# trees    a verify of a draft tree of 16 tokens through the compiled forwards (commit
-#          28558c0), then through the model's own (--compiled-forwards off), each beside a
-#          chain of as many rows: whether a tree's verify now costs a chain's
+# trees    verifies of draft trees of 2-15 drafts through the compiled forwards, the nodes
+#          attending in the pool kernel's one launch a layer, then through a mask
+#          (--pool-kernel off), each beside chains of as many drafts: whether a tree's verify
+#          costs a chain's
 # mix      the pooled batch's forward with plain steps beside one verify of 0-15 drafts, at 16
 #          and 64 sessions (pooled_mix.py: what a verify costs the batch)
 # cpool    the compiled pooled forward (--compiled-pooled) against the model's own: the batch
@@ -136,7 +137,7 @@ load)
     --verifier-args "--dtype float32" > "$OUT/batched.log" 2>&1 ;;
 clients)
   # the verifier logs its load each second: whether 64 sessions run in step (run Y)
-  timeout 300 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
+  timeout 540 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
     --max-tokens 128 --drafter "${3:-none,ngram}" --concurrency 1,16,64 \
     --concurrency-requests "${4:-1}" \
     --temperature "${2:-0}" --verifier-args "--log-stats 1 ${5:-}" --json ~/res/clients"${2:-}".json \
@@ -185,10 +186,13 @@ verify)
   timeout 100 python3 benchmarks/verify_cost.py --target "$model" --dtype float32 \
     --drafts 0 1 3 6 15 --calls 15 --accept >> "$OUT/verify.log" 2>&1 ;;
 trees)
+  # chains against trees of as many drafts, a tree's nodes attending in the pool kernel's
+  # one launch a layer or through a mask (--pool-kernel)
   for mode in on off; do
-    echo "== --compiled-forwards $mode" >> "$OUT/trees.log"
+    echo "== --pool-kernel $mode" >> "$OUT/trees.log"
     timeout 150 python3 benchmarks/verify_cost.py --target "$model" --dtype float32 \
-      --drafts 15 --trees 15 --calls 30 --compiled-forwards "$mode" >> "$OUT/trees.log" 2>&1
+      --drafts 0 2 3 5 15 --trees 2 3 5 15 --calls 30 --pool-kernel "$mode" \
+      >> "$OUT/trees.log" 2>&1
   done ;;
 mix)
   # a pooled batch of plain steps beside one verify of K drafts (ragged since 29d79a3): what

@@ -10,13 +10,14 @@ one k. --burst N also times plain decode calls of N steps (a drafting-off or
 adaptive-k call), ms a token. --trees N times verifies of draft trees of N nodes (rejected
 drafts, the shape a DFlash tree of top-8 takes when each position's candidates halve in
 probability), beside chains of as many rows.
---row-forwards, --compiled-forwards and --kv-pool as the verifier takes them (default auto, as
-the verifier: on on a GPU); --no-rows keeps no hidden rows (drafting off and n-gram keep none,
-the model drafters three layers').
+--row-forwards, --compiled-forwards, --kv-pool and --pool-kernel as the verifier takes them
+(default auto, as the verifier: on on a GPU); --no-rows keeps no hidden rows (drafting off
+and n-gram keep none, the model drafters three layers').
 
     python benchmarks/verify_cost.py [--drafts 0 6 16] [--calls 15] [--profile 6] [--burst 16]
         [--row-forwards auto|on|off] [--compiled-forwards auto|on|off]
-        [--kv-pool auto|on|off] [--no-rows] [--accept] [--trees 15 16]
+        [--kv-pool auto|on|off] [--pool-kernel auto|on|off] [--no-rows] [--accept]
+        [--trees 15 16]
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def main() -> None:
     parser.add_argument("--row-forwards", choices=GPU_MODES, default="auto")
     parser.add_argument("--compiled-forwards", choices=GPU_MODES, default="auto")
     parser.add_argument("--kv-pool", choices=GPU_MODES, default="auto")
+    parser.add_argument("--pool-kernel", choices=GPU_MODES, default="auto")
     parser.add_argument("--no-rows", action="store_true", help="keep no hidden rows")
     parser.add_argument(
         "--accept", action="store_true", help="draft the target's greedy reply: every draft kept"
@@ -68,10 +70,12 @@ def main() -> None:
         row_forwards=on_gpu(args.row_forwards, "row-forwards"),
         compiled_forwards=on_gpu(args.compiled_forwards, "compiled-forwards"),
         kv_pool=on_gpu(args.kv_pool, "kv-pool"),
+        pool_kernel=args.pool_kernel,
     )
     print(f"target {target.identity.name} ({target.loaded.dtype}; {target.numpy_part}; "
           f"row forwards {target.row_forwards}, compiled {target.compiled_forwards}, "
-          f"pool {target.kv_pool is not None}, rows kept {not args.no_rows})")  # fmt: skip
+          f"pool {target.kv_pool is not None}, pool kernel {args.pool_kernel}, "
+          f"rows kept {not args.no_rows})")  # fmt: skip
     capture = () if args.no_rows else CAPTURE
     if args.accept:
         prompt = encode_chat(target.loaded.tokenizer, [{"role": "user", "content": LONG_REPLY}])

@@ -8,10 +8,13 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_engine import PROMPT
 
 from specd.models import pool_attention
 from specd.models.compiled import CompiledForward
 from specd.models.load import load_target
+from verifier_svc.engine import Target
+from verifier_svc.forwards import CompiledMlxForward
 from verifier_svc.kv_pool import KVPool, PooledStep, attend_rows, batch_mask
 from verifier_svc.tree import ancestor_mask
 
@@ -155,3 +158,40 @@ def test_row_info_that_does_not_describe_the_rows_is_refused_before_any_launch()
     info = mx.array(pool_attention.row_info(np.array([0]), np.array([3]), np.array([4])))
     with pytest.raises(ValueError, match="does not describe 5 query rows"):
         pool_attention.attend(q, grid, grid, info, HEAD_DIM**-0.5)
+
+
+@pytest.mark.parametrize("parents", [[-1], [-1, -1, 0, 0, 1, 2], [-1, -1, 0, 2, 2, 1]])
+def test_a_lone_sessions_tree_through_the_kernel_is_the_masked_trees(
+    tiny_model_dir, monkeypatch, parents
+):
+    """A compiled forward's draft tree on a session's own cache: with the pool kernel (here
+    its stand-in) each node attends over the cache as a pool of one slot, and the logits and
+    rows are the masked attention's; the kernel is called once a layer and no mask is built."""
+    calls = []
+
+    def counted(q, keys, values, info, scale):
+        calls.append(np.array(info))
+        return _attention_by_row_info(q, keys, values, info, scale)
+
+    tokens = mx.array([5, 17, 29, 41, 53, 65, 77][: len(parents) + 1])
+    results = []
+    for kernel in (False, True):
+        target = Target(
+            load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0, compiled_forwards=True
+        )
+        forward = next(f for f in target.forwards if isinstance(f, CompiledMlxForward))
+        forward.compiled.pool_kernel = kernel
+        monkeypatch.setattr(pool_attention, "attend", counted)
+        cache = target.new_cache()
+        target.forward(mx.array(PROMPT), cache, ())
+        results.append(target.forward_tree(tokens, parents, cache, (0, 1)))
+        assert cache[0].offset == len(PROMPT) + len(parents) + 1
+    layers = len(load_target(str(tiny_model_dir), dtype="float32").model.model.layers)
+    assert len(calls) == layers
+    sees = ancestor_mask(parents)
+    bits = (sees.astype(np.int64) << np.arange(len(sees))).sum(axis=1)
+    assert calls[0][:, 1].tolist() == [len(PROMPT)] * len(sees)  # the cached keys first
+    assert calls[0][:, 3].tolist() == bits.tolist()  # then the node's ancestors and itself
+    (masked_logits, masked_rows), (kernel_logits, kernel_rows) = results
+    assert mx.allclose(kernel_logits, masked_logits, rtol=1e-5, atol=1e-5).item()
+    assert mx.allclose(kernel_rows, masked_rows, rtol=1e-5, atol=1e-5).item()

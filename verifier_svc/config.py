@@ -140,8 +140,10 @@ class VerifierConfig:
         "instead of gathering every session's keys and attending through a mask; a chain's "
         "row sums as a decode step of that session alone (float32 targets, sessions of at "
         "most 32 new rows, rows over at most 1024 keys; checked against MLX's attention at "
-        "first use, else the mask); auto = where it runs (a CUDA GPU, a float32 target), "
-        "elsewhere the mask; on = the same, with a warning where it cannot run",
+        "first use, else the mask); a draft tree's nodes on a session's own cache "
+        "(--compiled-forwards) attend in the same launch; auto = where it runs (a CUDA GPU, "
+        "a float32 target), elsewhere the mask; on = the same, with a warning where it "
+        "cannot run",
         choices=GPU_MODES,
     )
     log_stats_s: float = option(

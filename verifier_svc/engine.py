@@ -94,8 +94,9 @@ class Target:
         keeps a session opened while no other is open out of the pool (`new_cache`).
         compiled_pooled: the pool's batches of up to compiled.MAX_POOLED_ROWS rows with the
         work between attentions compiled, where the architecture allows. pool_kernel: auto, on
-        or off: their rows attend in specd.models.pool_attention's one launch (auto: where
-        it runs; on: a warning where it cannot)."""
+        or off: their rows, and a compiled forward's draft tree, attend in
+        specd.models.pool_attention's one launch (auto: where it runs; on: a warning where it
+        cannot)."""
         self.loaded = loaded
         self.model = loaded.model
         device = device_kind()
@@ -130,9 +131,7 @@ class Target:
         pooled = kv_pool and self._mlx.takes_many()
         compiled_pooled = pooled and compiled_pooled and compiled.supports(self.model)
         if self.compiled_forwards or compiled_pooled:  # one set of joined weights for both
-            compiled_forward = CompiledForward(
-                self.model, pool_kernel=pool_kernel if compiled_pooled else "off"
-            )
+            compiled_forward = CompiledForward(self.model, pool_kernel=pool_kernel)
             if self.compiled_forwards:
                 self.forwards.insert(0, CompiledMlxForward(compiled_forward))
             if compiled_pooled:

@@ -325,8 +325,7 @@ class CompiledMlxForward:
             logits, kept = self.compiled.forward(token_ids, cache, frozenset(capture))
         else:
             positions = mx.array(tree.positions(), dtype=mx.int32)
-            mask = tree.attention_mask()
-            logits, kept = self.compiled.forward_tree(token_ids, cache, positions, mask,
+            logits, kept = self.compiled.forward_tree(token_ids, cache, positions, tree.sees(),
                                                       frozenset(capture))  # fmt: skip
         rows = mx.concatenate([kept[i] for i in capture], axis=-1) if capture else None
         return logits, rows

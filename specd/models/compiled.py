@@ -27,6 +27,7 @@ from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.activations import swiglu
 
 from specd.models import few_rows, pool_attention, row_attention
@@ -170,16 +171,36 @@ class CompiledForward:
         token_ids: mx.array,
         cache: list,
         positions: mx.array,
-        sees: mx.array,
+        node_sees: np.ndarray,
         capture: frozenset[int] = frozenset(),
     ) -> tuple[mx.array, dict[int, mx.array]]:
         """A draft tree's nodes [T] appended at the end of `cache`, node i rotated at
-        positions[i] (the cache's length plus its depth) and attending where `sees` [T, past + T]
-        (bool) allows: the whole cache and, among the nodes, itself and its ancestors. The
-        nodes go through the rows' compiled pieces, one sequence; returns as `forward`."""
+        positions[i] (the cache's length plus its depth) and attending to the whole cache and,
+        among the nodes, where `node_sees` [T, T] (bool) allows: itself and its ancestors. The
+        nodes go through the rows' compiled pieces, one sequence; returns as `forward`. Where
+        the pool kernel runs, every node's attention is one launch a layer reading the cache
+        in place; else one masked attention a layer (on a GPU several launches and a mask the
+        size of the cache, which made a tree of a few nodes cost twice a chain's verify)."""
         rows, scale = token_ids.shape[0], self.shape.scale
+        base = cache[0].offset
+        info = None
+        if self.pool_kernel:
+            info = pool_attention.row_info(np.zeros(1, np.int32), np.array([base]),
+                                           np.array([rows]), [(None, node_sees)])  # fmt: skip
+        if info is not None:
+            info = mx.array(info)
 
-        def attend(layer: int, q, k, v):
+            def attend(layer: int, q, k, v):
+                # the cache as a pool of one slot: [1, kv_heads, length, D]
+                keys, values = cache[layer].update_and_fetch(k.transpose(2, 1, 0, 3),
+                                                             v.transpose(2, 1, 0, 3))  # fmt: skip
+                return pool_attention.attend(q.reshape(rows, q.shape[1], -1), keys, values,
+                                             info, scale)  # fmt: skip
+
+            return self.forward_rows(token_ids, positions, attend, capture)
+        sees = mx.array(np.concatenate([np.ones((rows, base), bool), node_sees], axis=1))
+
+        def attend_masked(layer: int, q, k, v):
             # rows [T, heads, 1, D] -> one sequence [1, heads, T, D], as the cache keeps it
             keys, values = cache[layer].update_and_fetch(k.transpose(2, 1, 0, 3),
                                                          v.transpose(2, 1, 0, 3))  # fmt: skip
@@ -188,7 +209,7 @@ class CompiledForward:
             )
             return out[0].transpose(1, 0, 2).reshape(rows, -1)
 
-        return self.forward_rows(token_ids, positions, attend, capture)
+        return self.forward_rows(token_ids, positions, attend_masked, capture)
 
     def forward_rows(
         self, token_ids: mx.array, positions: mx.array, attend, capture=frozenset()
