@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import statistics
 import time
@@ -70,11 +71,13 @@ def main() -> None:
         row_forwards=on_gpu(args.row_forwards, "row-forwards"),
         compiled_forwards=on_gpu(args.compiled_forwards, "compiled-forwards"),
         kv_pool=on_gpu(args.kv_pool, "kv-pool"),
+        pool_alone=args.kv_pool == "on",  # as the verifier: a lone session keeps its own cache
         pool_kernel=args.pool_kernel,
     )
     print(f"target {target.identity.name} ({target.loaded.dtype}; {target.numpy_part}; "
           f"row forwards {target.row_forwards}, compiled {target.compiled_forwards}, "
-          f"pool {target.kv_pool is not None}, pool kernel {args.pool_kernel}, "
+          f"pool {target.kv_pool is not None} (a lone session pooled: {target.pool_alone}), "
+          f"pool kernel {args.pool_kernel}, "
           f"rows kept {not args.no_rows})")  # fmt: skip
     capture = () if args.no_rows else CAPTURE
     if args.accept:
@@ -88,6 +91,10 @@ def main() -> None:
     accepted = asked = 0
     session = None
 
+    def new_session():
+        gc.collect()  # the last session's caches are gone: the target counts it closed
+        return prefill(target, prompt, capture).session
+
     def drafts_for(k: int) -> list[int]:
         if not args.accept:
             return [rejected] * k
@@ -97,7 +104,8 @@ def main() -> None:
     def calls(k: int, n: int) -> list[float]:
         nonlocal accepted, asked, session
         if session is None or args.accept:  # an accepting session starts at the prompt again
-            session = prefill(target, prompt, capture).session
+            session = None  # closed first: a lone session keeps its own cache
+            session = new_session()
         times = []
         for _ in range(n):
             drafts = drafts_for(k)
@@ -113,7 +121,8 @@ def main() -> None:
         print(f"{k:3d} drafts ({k + 1:2d} tokens): {ms:6.1f} ms")
     print(f"drafts accepted in all: {accepted} of {asked}")
     for nodes in args.trees:
-        session = prefill(target, prompt, capture).session
+        session = None  # closed first: a lone session keeps its own cache
+        session = new_session()
         parents = tree_parents(nodes)
         times = []
         for _ in range(3 + args.calls):
@@ -123,13 +132,15 @@ def main() -> None:
         ms = 1000 * statistics.median(times[3:])
         print(f"tree of {nodes:3d} drafts ({nodes + 1:2d} tokens): {ms:6.1f} ms")
     if args.burst:
-        session = prefill(target, prompt, capture).session
+        session = None  # closed first: a lone session keeps its own cache
+        session = new_session()
         for _ in range(2):  # first use of the shapes
             decode(target, session, args.burst)
         times = []
         for _ in range(args.calls):
             if session.finished:  # an EOS drawn from the prompt's noise
-                session = prefill(target, prompt, capture).session
+                session = None  # closed first: a lone session keeps its own cache
+                session = new_session()
             start = time.perf_counter()
             committed = len(decode(target, session, args.burst).committed)
             times.append((time.perf_counter() - start) / committed)
