@@ -15,6 +15,7 @@ from drafter_svc.dflash.train import train as train_dflash
 from drafter_svc.eagle3.model import load_head
 from drafter_svc.eagle3.train import TrainOptions
 from drafter_svc.eagle3.train import train as train_eagle3
+from drafter_svc.features import FeatureSelection
 
 REPLIES = ["abc abc abc abc", "hello there hello there", "one two three four five six"]
 
@@ -707,7 +708,7 @@ def test_distill_refuses_an_out_file_it_did_not_write(tiny_model_dir, data, tmp_
 
 def test_features_reuse_a_smaller_cache_and_a_partial_run(tiny_model_dir, data, tmp_path,
                                                          monkeypatch):  # fmt: skip
-    from drafter_svc.eagle3 import train as eagle3_train
+    from drafter_svc import features as feature_cache
     from specd.models.load import load_target
 
     loaded = load_target(str(tiny_model_dir), "float32")
@@ -716,11 +717,11 @@ def test_features_reuse_a_smaller_cache_and_a_partial_run(tiny_model_dir, data, 
     def features(n):
         opts = TrainOptions(target=str(tiny_model_dir), out=tmp_path, conversations=n,
                             max_len=64, data=data, cache_dir=cache)  # fmt: skip
-        return eagle3_train.prepare_features(opts, loaded, (0, 1))
+        return feature_cache.prepare_features(FeatureSelection.of(opts), loaded, (0, 1))
 
     computed = []
-    real = eagle3_train.TargetFeatures.many
-    monkeypatch.setattr(eagle3_train.TargetFeatures, "many",
+    real = feature_cache.TargetFeatures.many
+    monkeypatch.setattr(feature_cache.TargetFeatures, "many",
                         lambda self, exs: computed.extend(exs) or real(self, exs))  # fmt: skip
     small = features(2)
     assert len(computed) == 2
@@ -730,8 +731,8 @@ def test_features_reuse_a_smaller_cache_and_a_partial_run(tiny_model_dir, data, 
         assert (a.ids == b.ids).all() and (a.rows == b.rows).all()
 
     # a run cut off after a partial save resumes from it
-    monkeypatch.setattr(eagle3_train, "FEATURE_SAVE_EVERY", 2)
-    monkeypatch.setattr(eagle3_train, "FEATURE_SAVE_SECONDS", 0)
+    monkeypatch.setattr(feature_cache, "FEATURE_SAVE_EVERY", 2)
+    monkeypatch.setattr(feature_cache, "FEATURE_SAVE_SECONDS", 0)
     for f in cache.glob("*.npz"):
         f.unlink()
     calls = {"n": 0}
@@ -742,12 +743,12 @@ def test_features_reuse_a_smaller_cache_and_a_partial_run(tiny_model_dir, data, 
             raise KeyboardInterrupt
         return real(self, exs)
 
-    monkeypatch.setattr(eagle3_train.TargetFeatures, "many", dies_after_three)
+    monkeypatch.setattr(feature_cache.TargetFeatures, "many", dies_after_three)
     with pytest.raises(KeyboardInterrupt):
         features(6)
     assert len(list(cache.glob("*.partial.npz"))) == 1
     computed.clear()
-    monkeypatch.setattr(eagle3_train.TargetFeatures, "many",
+    monkeypatch.setattr(feature_cache.TargetFeatures, "many",
                         lambda self, exs: computed.extend(exs) or real(self, exs))  # fmt: skip
     again = features(6)
     assert len(computed) == 4  # two were saved before the cut
@@ -761,42 +762,42 @@ def test_features_reuse_a_smaller_cache_and_a_partial_run(tiny_model_dir, data, 
 def test_features_that_cannot_fit_the_disk_are_refused_before_any_forward(
     tiny_model_dir, data, tmp_path, monkeypatch
 ):
-    from drafter_svc.eagle3 import train as eagle3_train
+    from drafter_svc import features as feature_cache
     from specd.models.load import load_target
 
     loaded = load_target(str(tiny_model_dir), "float32")
     opts = TrainOptions(target=str(tiny_model_dir), out=tmp_path, conversations=6, max_len=64,
                         data=data, cache_dir=tmp_path / "f")  # fmt: skip
     computed = []
-    real = eagle3_train.TargetFeatures.many
-    monkeypatch.setattr(eagle3_train.TargetFeatures, "many",
+    real = feature_cache.TargetFeatures.many
+    monkeypatch.setattr(feature_cache.TargetFeatures, "many",
                         lambda self, exs: computed.extend(exs) or real(self, exs))  # fmt: skip
-    monkeypatch.setattr(eagle3_train, "_free_bytes", lambda directory: 1000)
+    monkeypatch.setattr(feature_cache, "_free_bytes", lambda directory: 1000)
     with pytest.raises(ValueError, match=r"need .* GiB in .*f, which has 0.0 GiB free; pass fewer"):
-        eagle3_train.prepare_features(opts, loaded, (0, 1))
+        feature_cache.prepare_features(FeatureSelection.of(opts), loaded, (0, 1))
     assert computed == []
 
     # with room, the estimate is the file's contents: what the features hold per token
-    monkeypatch.setattr(eagle3_train, "_free_bytes", lambda directory: 2**40)
-    feats = eagle3_train.prepare_features(opts, loaded, (0, 1))
+    monkeypatch.setattr(feature_cache, "_free_bytes", lambda directory: 2**40)
+    feats = feature_cache.prepare_features(FeatureSelection.of(opts), loaded, (0, 1))
     tokens = sum(len(f.ids) for f in feats)
-    per_token = eagle3_train.feature_bytes_per_token(loaded.identity.hidden_size, 2)
-    assert eagle3_train._features_bytes(feats) == per_token * tokens
+    per_token = feature_cache.feature_bytes_per_token(loaded.identity.hidden_size, 2)
+    assert feature_cache._features_bytes(feats) == per_token * tokens
 
 
 def test_the_final_feature_save_drops_the_partial_when_both_do_not_fit(
     tiny_model_dir, data, tmp_path, monkeypatch
 ):
-    from drafter_svc.eagle3 import train as eagle3_train
+    from drafter_svc import features as feature_cache
     from specd.models.load import load_target
 
     loaded = load_target(str(tiny_model_dir), "float32")
-    monkeypatch.setattr(eagle3_train, "FEATURE_SAVE_EVERY", 2)
-    monkeypatch.setattr(eagle3_train, "FEATURE_SAVE_SECONDS", 0)
+    monkeypatch.setattr(feature_cache, "FEATURE_SAVE_EVERY", 2)
+    monkeypatch.setattr(feature_cache, "FEATURE_SAVE_SECONDS", 0)
     cache = tmp_path / "f"
     opts = TrainOptions(target=str(tiny_model_dir), out=tmp_path, conversations=6, max_len=64,
                         data=data, cache_dir=cache, batch_size=2)  # fmt: skip
-    real_save = eagle3_train.save_features
+    real_save = feature_cache.save_features
     seen_at_final = []
 
     def save(path, feats):
@@ -804,22 +805,22 @@ def test_the_final_feature_save_drops_the_partial_when_both_do_not_fit(
             seen_at_final.append(sorted(f.name for f in cache.glob("*.npz")))
         real_save(path, feats)
 
-    monkeypatch.setattr(eagle3_train, "save_features", save)
-    monkeypatch.setattr(eagle3_train, "_free_bytes", lambda directory: 2**40)
-    eagle3_train.prepare_features(opts, loaded, (0, 1))
+    monkeypatch.setattr(feature_cache, "save_features", save)
+    monkeypatch.setattr(feature_cache, "_free_bytes", lambda directory: 2**40)
+    feature_cache.prepare_features(FeatureSelection.of(opts), loaded, (0, 1))
     assert any("partial" in name for name in seen_at_final[0])  # room for both: kept to the end
 
     for f in cache.glob("*.npz"):
         f.unlink()
     seen_at_final.clear()
     free = iter([2**40] + [10] * 100)  # room at the start, little at the final save
-    monkeypatch.setattr(eagle3_train, "_free_bytes", lambda directory: next(free))
-    feats = eagle3_train.prepare_features(opts, loaded, (0, 1))
+    monkeypatch.setattr(feature_cache, "_free_bytes", lambda directory: next(free))
+    feats = feature_cache.prepare_features(FeatureSelection.of(opts), loaded, (0, 1))
     assert seen_at_final == [[]]
     assert sorted(f.name for f in cache.glob("*.npz")) == [
         f"n6-len64-seed0-layers0_1-{data.stem}-clean.npz"
     ]
-    again = eagle3_train.prepare_features(opts, loaded, (0, 1))
+    again = feature_cache.prepare_features(FeatureSelection.of(opts), loaded, (0, 1))
     assert all((a.rows == b.rows).all() for a, b in zip(feats, again, strict=True))
 
 
@@ -844,15 +845,15 @@ def test_features_of_a_padded_batch_equal_those_of_each_conversation_alone(tiny_
 
 def test_features_in_batches_save_and_resume_like_one_at_a_time(tiny_model_dir, data, tmp_path,
                                                                 monkeypatch):  # fmt: skip
-    from drafter_svc.eagle3 import train as eagle3_train
+    from drafter_svc import features as feature_cache
     from specd.models.load import load_target
 
     loaded = load_target(str(tiny_model_dir), "float32")
-    monkeypatch.setattr(eagle3_train, "FEATURE_SAVE_EVERY", 3)
-    monkeypatch.setattr(eagle3_train, "FEATURE_SAVE_SECONDS", 0)
+    monkeypatch.setattr(feature_cache, "FEATURE_SAVE_EVERY", 3)
+    monkeypatch.setattr(feature_cache, "FEATURE_SAVE_SECONDS", 0)
     opts = TrainOptions(target=str(tiny_model_dir), out=tmp_path, conversations=6, max_len=64,
                         data=data, cache_dir=tmp_path / "f", batch_size=4)  # fmt: skip
-    real = eagle3_train.TargetFeatures.many
+    real = feature_cache.TargetFeatures.many
     sizes = []
 
     def dies_on_second_batch(self, exs):
@@ -861,13 +862,13 @@ def test_features_in_batches_save_and_resume_like_one_at_a_time(tiny_model_dir, 
             raise KeyboardInterrupt
         return real(self, exs)
 
-    monkeypatch.setattr(eagle3_train.TargetFeatures, "many", dies_on_second_batch)
+    monkeypatch.setattr(feature_cache.TargetFeatures, "many", dies_on_second_batch)
     with pytest.raises(KeyboardInterrupt):
-        eagle3_train.prepare_features(opts, loaded, (0, 1))
+        feature_cache.prepare_features(FeatureSelection.of(opts), loaded, (0, 1))
     assert sizes == [4, 2]  # the first batch crossed a save point, so it was kept
-    monkeypatch.setattr(eagle3_train.TargetFeatures, "many",
+    monkeypatch.setattr(feature_cache.TargetFeatures, "many",
                         lambda self, exs: sizes.append(len(exs)) or real(self, exs))  # fmt: skip
-    feats = eagle3_train.prepare_features(opts, loaded, (0, 1))
+    feats = feature_cache.prepare_features(FeatureSelection.of(opts), loaded, (0, 1))
     assert sizes[2:] == [2] and len(feats) == 6
 
 
@@ -987,9 +988,7 @@ def test_dflash_step_cut_into_groups_updates_as_one_packed_context(
                          batch_size=6, lr=1e-2)  # fmt: skip
     loaded = load_target(opts.target, "float32")
     layers = (0, 1)
-    feats = dflash_train.prepare_features(
-        dflash_train.TrainOptions(target=opts.target, out=opts.out, conversations=6,
-                                  max_len=64, data=data), loaded, layers)  # fmt: skip
+    feats = dflash_train.prepare_features(FeatureSelection.of(opts), loaded, layers)
 
     def one_step():
         mx.random.seed(0)

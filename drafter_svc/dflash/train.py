@@ -40,8 +40,8 @@ from drafter_svc.dflash.model import (
     save_drafter,
 )
 from drafter_svc.eagle3.model import default_capture_layers
-from drafter_svc.eagle3.train import (
-    TrainOptions,
+from drafter_svc.features import (
+    FeatureSelection,
     check_held_out,
     choose_draft_vocab,
     prepare_features,
@@ -77,7 +77,7 @@ class DFlashOptions:
     draft_vocab: int = 8192  # tokens listed for frequency-ranked readout; 0: none
     batch_size: int = 1  # conversations per step, packed into one context (a GPU wants many)
     held_out: int = 0  # conversations kept out of training, their acceptance printed as it goes
-    held_out_data: Path | None = None  # the held-out ones from this file (eagle3's TrainOptions)
+    held_out_data: Path | None = None  # the held-out ones from this file (FeatureSelection)
     time_limit: float | None = None  # seconds from the start: no step after, resumable
 
 
@@ -367,15 +367,11 @@ def train(opts: DFlashOptions) -> dict:
     mx.random.seed(opts.seed)
     loaded = load_target(opts.target, "float32")
     layer_ids = default_capture_layers(loaded.identity.num_layers)
-    feature_opts = TrainOptions(
-        target=opts.target, out=opts.out, conversations=opts.conversations,
-        max_len=opts.max_len, seed=opts.seed, cache_dir=opts.cache_dir, data=opts.data,
-        batch_size=opts.batch_size, held_out=opts.held_out, held_out_data=opts.held_out_data,
-    )  # fmt: skip
-    check_held_out(feature_opts)
+    selection = FeatureSelection.of(opts)
+    check_held_out(selection)
     t0 = time.perf_counter()
-    feats = prepare_features(feature_opts, loaded, layer_ids)
-    feats, held = training_and_held_out(feature_opts, loaded, layer_ids, feats)
+    feats = prepare_features(selection, loaded, layer_ids)
+    feats, held = training_and_held_out(selection, loaded, layer_ids, feats)
     feature_s = time.perf_counter() - t0
     trainer = DFlashTrainer(opts, loaded, feats, layer_ids)
     ckpt = opts.out / "checkpoint"
