@@ -13,7 +13,9 @@ rows for them. The target's replies and rows are computed once and cached (`--ca
         --shapes 15:15:1 16:15:4
 
 A shape is total:depth:top_k (the drafter's --tree-total-tokens, --tree-depth, --tree-top-k);
-a top_k of 1 is a chain (15:15:1: DFlash's block of 16).
+a top_k of 1 is a chain (15:15:1: DFlash's block of 16). The drafting time a round is the tree
+and the round's tokens taken in, as a served draft call does both; `--flush-mb 300` writes over
+300 MB before each, so the drafter's weights are out of the caches as after a target forward.
 """
 
 from __future__ import annotations
@@ -96,14 +98,21 @@ def kept_path(tokens: list[int], parents: list[int], reply: np.ndarray) -> list[
     return accept_tree_greedy(tokens, parents, after, eos_ids=())[1]
 
 
-def replay(proposer, replies, shape: TreeShape, calibration: dict | None, tap: ScoreTap):
-    """(tau, drafting ms a round, drafts a round) of greedy tree rounds over the replies."""
+def replay(
+    proposer, replies, shape: TreeShape, calibration: dict | None, tap: ScoreTap, flush=None
+):
+    """(tau, drafting ms a round, drafts a round) of greedy tree rounds over the replies. The
+    drafting time covers the tree and taking the round's tokens in (as a served draft call
+    does both); `flush`, an array, is written over before each, as a served round's target
+    forward streams its weights through the caches between two draft calls."""
     committed = rounds = drafts = 0
     seconds = 0.0
     for prompt_len, seq, rows in replies:
         n = prompt_len
         state = proposer.open(seq[:n].tolist(), rows[: n - 1])
         while n < len(seq):
+            if flush is not None:
+                flush += 1.0
             start = time.perf_counter()
             # as the drafter service serves a request's tree (a top-k of 1: a chain)
             proposal = proposer.propose(state, shape.depth, tree=shape)
@@ -115,7 +124,11 @@ def replay(proposer, replies, shape: TreeShape, calibration: dict | None, tap: S
             if calibration is not None:
                 record_nodes(calibration, proposal, tap.sent, path)
             new = min(len(path) + 1, len(seq) - n)
+            if flush is not None:
+                flush += 1.0
+            start = time.perf_counter()
             proposer.extend(state, seq[n : n + new].tolist(), rows[n - 1 : n - 1 + new])
+            seconds += time.perf_counter() - start
             n += new
             committed += new
             rounds += 1
@@ -185,6 +198,11 @@ def main() -> None:
         help="each shape at each --tree-min-prob: no node below that path probability",
     )  # fmt: skip
     p.add_argument("--cache", type=Path, help="where the target's replies and rows are kept")
+    p.add_argument(
+        "--flush-mb", type=positive_int, metavar="MB",
+        help="write MB of memory before each drafting step, as the target's forward evicts the "
+        "drafter's weights between two served draft calls (the embedded target reads ~270)",
+    )  # fmt: skip
     args = p.parse_args()
     if args.calibration and args.kind != "eagle3":
         p.error("--calibration reads EAGLE-3's node scores; DFlash's are per position")
@@ -193,10 +211,11 @@ def main() -> None:
     replies = target_replies(questions, args.tokens, proposer.capture_layers, args.cache)
     print(f"{len(replies)} questions, {sum(len(s) - n for n, s, _ in replies)} reply tokens")
     tap = ScoreTap()
+    flush = None if args.flush_mb is None else np.zeros(args.flush_mb * 2**20 // 4, np.float32)
     for shape, min_prob in itertools.product(args.shapes, args.min_probs):
         calibration = {} if args.calibration else None
         proposer.tree_min_prob = min_prob
-        tau, ms, nodes = replay(proposer, replies, shape, calibration, tap)
+        tau, ms, nodes = replay(proposer, replies, shape, calibration, tap, flush)
         label = f"{shape.total_tokens}:{shape.depth}:{shape.top_k}"
         floor = f" min-prob {min_prob:g}" if min_prob else ""
         print(f"tree {label}{floor}: tau {tau:.3f}, {nodes:.2f} drafts a round, drafting "
