@@ -31,7 +31,6 @@ import numpy as np
 from coordinator.bench import plain_decode
 from drafter_svc.config import DrafterConfig, drafter_options
 from drafter_svc.data import Example, TargetFeatures
-from drafter_svc.eagle3 import draft as eagle3_draft
 from drafter_svc.proposal import TreeShape
 from drafter_svc.server import make_proposer
 from specd.argtypes import positive_int
@@ -98,9 +97,7 @@ def kept_path(tokens: list[int], parents: list[int], reply: np.ndarray) -> list[
     return accept_tree_greedy(tokens, parents, after, eos_ids=())[1]
 
 
-def replay(
-    proposer, replies, shape: TreeShape, calibration: dict | None, tap: ScoreTap, flush=None
-):
+def replay(proposer, replies, shape: TreeShape, calibration: dict | None, flush=None):
     """(tau, drafting ms a round, drafts a round) of greedy tree rounds over the replies. The
     drafting time covers the tree and taking the round's tokens in (as a served draft call
     does both); `flush`, an array, is written over before each, as a served round's target
@@ -122,7 +119,7 @@ def replay(
             drafts += len(proposal.ids)
             path = kept_path(proposal.ids, proposal.parents, seq[n:])
             if calibration is not None:
-                record_nodes(calibration, proposal, tap.sent, path)
+                record_nodes(calibration, proposal, path)
             new = min(len(path) + 1, len(seq) - n)
             if flush is not None:
                 flush += 1.0
@@ -135,31 +132,15 @@ def replay(
     return committed / rounds, 1000 * seconds / rounds, drafts / rounds
 
 
-class ScoreTap:
-    """Keeps the head's cumulative log-probs of the nodes a tree sends, in the proposal's order
-    (parents first, then by score within a depth, as the drafter orders them)."""
-
-    def __init__(self):
-        self.sent: list[float] = []
-        self._pick = eagle3_draft._best_closed
-        eagle3_draft._best_closed = self._tap
-
-    def _tap(self, parents, scores, budget):
-        chosen = self._pick(parents, scores, budget)
-        depth = {}
-        for i in chosen:  # ancestors come first in a best-first closed pick
-            depth[i] = 1 if parents[i] < 0 else depth[parents[i]] + 1
-        self.sent = [scores[i] for i in sorted(chosen, key=lambda i: (depth[i], -scores[i]))]
-        return chosen
-
-
 P_BINS = (0.0, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.01)
 
 
-def record_nodes(calibration: dict, proposal, sent_scores, path: list[int]) -> None:
+def record_nodes(calibration: dict, proposal, path: list[int]) -> None:
     """Per depth and band of the head's probability for a node given its parent: nodes sent
     whose parent the target kept, how many of them it kept, and their summed probabilities."""
-    kept = set(path)
+    kept, sent_scores = set(path), proposal.scores
+    if sent_scores is None:  # a chain's drafts carry no scores
+        return
     depth = depths(proposal.parents)
     for i, parent in enumerate(proposal.parents):
         if parent < 0 or parent in kept:
@@ -210,12 +191,11 @@ def main() -> None:
     proposer = make_proposer(DrafterConfig(**drafter_options(args.kind, weights=args.weights)))
     replies = target_replies(questions, args.tokens, proposer.capture_layers, args.cache)
     print(f"{len(replies)} questions, {sum(len(s) - n for n, s, _ in replies)} reply tokens")
-    tap = ScoreTap()
     flush = None if args.flush_mb is None else np.zeros(args.flush_mb * 2**20 // 4, np.float32)
     for shape, min_prob in itertools.product(args.shapes, args.min_probs):
         calibration = {} if args.calibration else None
         proposer.tree_min_prob = min_prob
-        tau, ms, nodes = replay(proposer, replies, shape, calibration, tap, flush)
+        tau, ms, nodes = replay(proposer, replies, shape, calibration, flush)
         label = f"{shape.total_tokens}:{shape.depth}:{shape.top_k}"
         floor = f" min-prob {min_prob:g}" if min_prob else ""
         print(f"tree {label}{floor}: tau {tau:.3f}, {nodes:.2f} drafts a round, drafting "

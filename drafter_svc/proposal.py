@@ -18,6 +18,9 @@ class Proposal:
     # tree drafts: parent index of each draft in `ids` (-1: the last committed token); listed
     # parents-first. None: a chain (each draft follows the previous one).
     parents: list[int] | None = None
+    # tree drafts: each draft's path log-probability under the drafter, where it scores them
+    # (measurements read it; it is not sent)
+    scores: list[float] | None = None
 
 
 @dataclass

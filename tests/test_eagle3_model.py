@@ -281,32 +281,19 @@ def test_tree_is_ancestor_closed_parents_first_within_budget(make_drafter):
     assert all(len(set(s)) == len(s) for s in siblings.values())  # no duplicate children
 
 
-def test_a_probability_floor_keeps_the_trees_likelier_nodes_alone(make_drafter, monkeypatch):
+def test_a_probability_floor_keeps_the_trees_likelier_nodes_alone(make_drafter):
     """--tree-min-prob: the tree is the whole tree's nodes of path probability at the floor or
     above (its first draft always), the same tokens under the same parents, so a floor changes
     which rows are verified and nothing else."""
     import math
-
-    from drafter_svc.eagle3 import draft
 
     head = tiny_head()
     embedding, rows, tokens = sample_inputs(t=10)
     drafter = make_drafter(head, embedding)
     state = drafter.open(tokens[:8], rows[:7])
     shape = TreeShape(total_tokens=12, depth=4, top_k=3)
-    pool, pick = {}, draft._best_closed
-
-    def keep_scores(parents, scores, budget):  # the pool's path log-probs, as sent
-        chosen = pick(parents, scores, budget)
-        depth = {}
-        for i in chosen:
-            depth[i] = 1 if parents[i] < 0 else depth[parents[i]] + 1
-        pool["sent"] = [scores[i] for i in sorted(chosen, key=lambda i: (depth[i], -scores[i]))]
-        return chosen
-
-    monkeypatch.setattr(draft, "_best_closed", keep_scores)
     whole = drafter.tree(state, shape)
-    logp = pool["sent"]
+    logp = whole.scores  # each node's path log-probability, as sent
     assert len(logp) == len(whole.ids) == 12
     sizes = set()
     for prob in sorted({math.exp(x) for x in logp}):

@@ -325,7 +325,8 @@ class Eagle3Drafter:
         chosen.sort(key=lambda i: (depths[i], -scores[i]))  # parents first
         index = {node: j for j, node in enumerate(chosen)}
         out_parents = [index[parents[i]] if parents[i] >= 0 else -1 for i in chosen]
-        return Proposal(self._to_target([tokens[i] for i in chosen]), parents=out_parents)
+        return Proposal(self._to_target([tokens[i] for i in chosen]), parents=out_parents,
+                        scores=[scores[i] for i in chosen])  # fmt: skip
 
 
 class _MlxLevels:
