@@ -93,7 +93,7 @@ def float32_view(array: mx.array) -> np.ndarray | None:
     return view if view.flags.c_contiguous else None  # else numpy copies it every call
 
 
-def _weight_view(array: mx.array) -> np.ndarray | None:
+def weight_view(array: mx.array) -> np.ndarray | None:
     """A float32 view, or a float16 one of a weight kept half (the compiled products read
     both)."""
     if array.dtype == mx.float16 and compiled():
@@ -118,7 +118,7 @@ def _with_products(module: nn.Module, max_rows: int) -> nn.Module | None:
         return None
     if module.weight.dtype != mx.float32 and type(module) not in (HalfLinear, HalfEmbedding):
         return None  # a model computing in half precision: MLX's
-    weight = _weight_view(module.weight)
+    weight = weight_view(module.weight)
     bias = module.get("bias")
     bias_view = None if bias is None else float32_view(bias)
     if weight is None or (bias is not None and bias_view is None):

@@ -14,7 +14,8 @@ entries of 2026-12-01.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,7 +23,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import Llama3RoPE
 
-from specd.cpu.gemv import GemvWeights, float32_view
+from specd.cpu.gemv import GemvWeights, float32_view, weight_view
 from specd.cpu.row_products import layer_kernels
 
 ROPE_BLOCK = 256  # positions per table of RoPE angles, made on first use
@@ -35,13 +36,56 @@ DEFAULT_MAX_ROWS = 32
 class _Layer:
     input_norm: np.ndarray
     post_norm: np.ndarray
-    q: GemvWeights
-    k: GemvWeights
-    v: GemvWeights
+    qkv: GemvWeights  # q, k and v side by side: one product (`_joined`)
     o: GemvWeights
-    gate: GemvWeights
-    up: GemvWeights
+    gate_up: GemvWeights  # gate and up side by side
     down: GemvWeights
+
+
+def _return_freed_memory() -> None:
+    """Give freed buffers back to the system: MLX's cache, and glibc's heap, which keeps
+    freed pages resident (joining a model's weights otherwise left ~100 MiB of them)."""
+    mx.clear_cache()
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def _find_malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc; other C libraries lack it
+    except (AttributeError, OSError):
+        return None
+
+
+_malloc_trim = _find_malloc_trim()
+
+
+def _joined(modules: list[nn.Module]) -> GemvWeights | None:
+    """One product for gemv modules that share their input (q/k/v, gate/up): their weights
+    moved into one buffer of which each module's weight, and its numpy view, is now a slice,
+    so no memory is added. Each output sums as it did alone; a few rows' forward reads the
+    layer in fewer, longer passes (~8 % less time for its products here, 1-4 rows)."""
+    gemvs = [_gemv_of(m) for m in modules]
+    if any(g is None for g in gemvs):
+        return None
+    bias = None  # the biases side by side too (a small copy), zeros for a module without
+    if any(g.bias is not None for g in gemvs):
+        bias = np.concatenate([
+            g.bias if g.bias is not None else np.zeros(g.weight.shape[0], np.float32)
+            for g in gemvs
+        ])  # fmt: skip
+    joined = mx.concatenate([m.weight for m in modules])
+    mx.eval(joined)
+    view = weight_view(joined)
+    if view is None:
+        return None
+    start = 0
+    for module, gemv in zip(modules, gemvs, strict=True):
+        stop = start + module.weight.shape[0]
+        module.weight = joined[start:stop]
+        module._gemv = replace(gemv, weight=view[start:stop])
+        start = stop
+    return GemvWeights(view, bias, gemvs[0].max_rows)
 
 
 # RoPEs that turn each pair of features by an angle of its position alone
@@ -169,8 +213,12 @@ class CpuLlama:
             ]
             if any(p is None for p in parts) or any(n is None for n in norms):
                 return None
-            q, k, v, o, gate, up, down = parts
-            layers.append(_Layer(norms[0], norms[1], q, k, v, o, gate, up, down))
+            qkv = _joined([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up = _joined([mlp.gate_proj, mlp.up_proj])
+            if qkv is None or gate_up is None:
+                return None
+            layers.append(_Layer(norms[0], norms[1], qkv, parts[3], gate_up, parts[6]))
+            _return_freed_memory()  # the layer's weights before `_joined`
         inner = model.model
         embed = _gemv_of(inner.embed_tokens)
         head = embed if args.tie_word_embeddings else _gemv_of(getattr(model, "lm_head", None))
@@ -234,6 +282,8 @@ class CpuLlama:
             rms, heads, attend, swiglu = self._rms, self._heads, self._attend, _swiglu
         token_ids = np.concatenate([s.token_ids for s in segments])
         n = len(token_ids)
+        q_end = self.heads * self.head_dim
+        k_end = q_end + self.kv_heads * self.head_dim
         h = self.embed[token_ids].astype(np.float32, copy=False)  # [T, H]; a half table's rows
         captured: dict[int, np.ndarray] = {}
         try:
@@ -242,15 +292,18 @@ class CpuLlama:
             buffers = [self._cache_buffers(s.cache, len(s.token_ids)) for s in segments]
             for i, layer in enumerate(self.layers):
                 x = rms(h, layer.input_norm)
-                q = heads(layer.q.of_rows(x), self.heads, cos, sin)
-                k = heads(layer.k.of_rows(x), self.kv_heads, cos, sin)
-                v = layer.v.of_rows(x).reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
+                qkv = layer.qkv.of_rows(x)
+                q = heads(np.ascontiguousarray(qkv[:, :q_end]), self.heads, cos, sin)
+                k = heads(np.ascontiguousarray(qkv[:, q_end:k_end]), self.kv_heads, cos, sin)
+                v = qkv[:, k_end:].reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
                 keys, values = [own[i][0] for own in buffers], [own[i][1] for own in buffers]
                 attended = attend(q, k, v, keys, values, offsets, bounds, sees)
                 h = h + layer.o.of_rows(attended)
                 x = rms(h, layer.post_norm)
-                gate = layer.gate.of_rows(x)
-                swiglu(gate, layer.up.of_rows(x))
+                gate_up = layer.gate_up.of_rows(x)
+                width = gate_up.shape[1] // 2
+                gate = np.ascontiguousarray(gate_up[:, :width])
+                swiglu(gate, np.ascontiguousarray(gate_up[:, width:]))
                 h = h + layer.down.of_rows(gate)
                 if i in capture:
                     captured[i] = h
