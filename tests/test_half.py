@@ -74,6 +74,29 @@ def test_a_half_weight_target_decodes_as_float32_mlx_does(quantized_dir):
     assert len(want) > 40 and decode_in_bursts(half, PROMPT) == want
 
 
+def test_joined_products_hold_no_second_copy_of_the_weights(quantized_dir):
+    """The CPU layers' q/k/v and gate/up products read one buffer each: every module's half
+    weight is a slice of it, and a float32 copy kept beside a weight stays paired with the
+    weight it now has (a stale pair would hold the old buffer and be remade)."""
+    target = Target(load_target(str(quantized_dir), "float32", half_weights=True))
+    layers = target.cpu_layers.layers
+    block = target.model.model.layers[0]
+    block = getattr(block, "inner", block)
+    attn, mlp = block.self_attn, block.mlp
+    kept_copies = 0
+    for module, joined in ((attn.q_proj, layers[0].qkv), (attn.v_proj, layers[0].qkv),
+                           (mlp.up_proj, layers[0].gate_up)):  # fmt: skip
+        assert module.weight.dtype == mx.float16
+        assert np.shares_memory(np.asarray(module.weight), joined.weight)
+        assert np.shares_memory(module._gemv.weight, joined.weight)
+        kept = module.__dict__.get("_float32_copy")
+        if kept is not None:
+            kept_copies += 1
+            assert kept[0] is module.weight
+            assert mx.array_equal(kept[1], module.weight.astype(mx.float32)).item()
+    assert kept_copies  # the tiny model's copies fit the limit: the pairing is checked
+
+
 @pytest.mark.parametrize("float32_weights", [False, True])
 def test_the_verifier_service_says_what_it_holds_and_decodes_the_same(
     quantized_dir, tmp_path, float32_weights

@@ -44,6 +44,15 @@ def float32_weight(module: nn.Module) -> mx.array:
     return kept[1]
 
 
+def move_weight(module: nn.Module, weight: mx.array) -> None:
+    """Give `module` `weight`, its own values in another buffer: a float32 copy made beside
+    the old one stays (it would otherwise be remade, and hold the old buffer meanwhile)."""
+    kept = module.__dict__.get("_float32_copy")
+    module.weight = weight
+    if kept is not None:
+        module.__dict__["_float32_copy"] = (weight, kept[1])
+
+
 def _copy_of(module: nn.Module, weight: mx.array) -> tuple[mx.array, mx.array]:
     kept = (weight, weight.astype(mx.float32))
     mx.eval(kept[1])

@@ -24,6 +24,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import Llama3RoPE
 
 from specd.cpu.gemv import GemvWeights, float32_view, weight_view
+from specd.cpu.half import move_weight
 from specd.cpu.row_products import layer_kernels
 
 ROPE_BLOCK = 256  # positions per table of RoPE angles, made on first use
@@ -82,7 +83,7 @@ def _joined(modules: list[nn.Module]) -> GemvWeights | None:
     start = 0
     for module, gemv in zip(modules, gemvs, strict=True):
         stop = start + module.weight.shape[0]
-        module.weight = joined[start:stop]
+        move_weight(module, joined[start:stop])
         module._gemv = replace(gemv, weight=view[start:stop])
         start = stop
     return GemvWeights(view, bias, gemvs[0].max_rows)
