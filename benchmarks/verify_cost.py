@@ -91,9 +91,13 @@ def main() -> None:
     accepted = asked = 0
     session = None
 
-    def new_session():
-        gc.collect()  # the last session's caches are gone: the target counts it closed
-        return prefill(target, prompt, capture).session
+    def reopen() -> None:
+        """A new session at the prompt, the last one closed first (its caches collected),
+        so a lone session keeps its own cache as the verifier gives it."""
+        nonlocal session
+        session = None
+        gc.collect()
+        session = prefill(target, prompt, capture).session
 
     def drafts_for(k: int) -> list[int]:
         if not args.accept:
@@ -104,8 +108,7 @@ def main() -> None:
     def calls(k: int, n: int) -> list[float]:
         nonlocal accepted, asked, session
         if session is None or args.accept:  # an accepting session starts at the prompt again
-            session = None  # closed first: a lone session keeps its own cache
-            session = new_session()
+            reopen()
         times = []
         for _ in range(n):
             drafts = drafts_for(k)
@@ -121,8 +124,7 @@ def main() -> None:
         print(f"{k:3d} drafts ({k + 1:2d} tokens): {ms:6.1f} ms")
     print(f"drafts accepted in all: {accepted} of {asked}")
     for nodes in args.trees:
-        session = None  # closed first: a lone session keeps its own cache
-        session = new_session()
+        reopen()
         parents = tree_parents(nodes)
         times = []
         for _ in range(3 + args.calls):
@@ -132,15 +134,13 @@ def main() -> None:
         ms = 1000 * statistics.median(times[3:])
         print(f"tree of {nodes:3d} drafts ({nodes + 1:2d} tokens): {ms:6.1f} ms")
     if args.burst:
-        session = None  # closed first: a lone session keeps its own cache
-        session = new_session()
+        reopen()
         for _ in range(2):  # first use of the shapes
             decode(target, session, args.burst)
         times = []
         for _ in range(args.calls):
             if session.finished:  # an EOS drawn from the prompt's noise
-                session = None  # closed first: a lone session keeps its own cache
-                session = new_session()
+                reopen()
             start = time.perf_counter()
             committed = len(decode(target, session, args.burst).committed)
             times.append((time.perf_counter() - start) / committed)

@@ -28,7 +28,7 @@ from specd.models.capture import (
     GroupedRoPE,
     rotate_in_groups,
 )
-from specd.models.compiled import MAX_POOLED_ROWS, CompiledForward, traced_rows
+from specd.models.compiled import MAX_POOLED_ROWS, CompiledForward, sees_after, traced_rows
 from specd.models.compiled import MAX_ROWS as COMPILED_MAX_ROWS
 from specd.models.rowwise import ChunkedAttention
 from verifier_svc.kv_pool import PooledStep, attend_rows, batched_attention, spare_position
@@ -52,7 +52,7 @@ class TreeLayout:
     def attention_mask(self) -> mx.array:
         """[T, base + T] bool: every node sees the whole cache, and among the nodes itself and
         its ancestors."""
-        return mx.array(_sees_after(self.sees(), self.base))
+        return mx.array(sees_after(self.sees(), self.base))
 
 
 class Forward(Protocol):
@@ -290,7 +290,7 @@ def _attention_many(
         past = cache.offset
         k, v = cache.update_and_fetch(k, v)
         if segment.sees is not None:  # a tree, as `MlxForward.__call__` attends it
-            mask = mx.array(_sees_after(segment.sees, past))
+            mask = mx.array(sees_after(segment.sees, past))
             out = scaled_dot_product_attention(q, k, v, cache=cache, scale=own.scale, mask=mask)
         elif isinstance(attn, ChunkedAttention) and attn.chunks(rows):
             out = attn.attend(q, k, v, rows)
@@ -299,11 +299,6 @@ def _attention_many(
             out = scaled_dot_product_attention(q, k, v, cache=cache, scale=own.scale, mask=mask)
         parts.append(out.transpose(0, 2, 1, 3).reshape(1, rows, -1))
     return own.o_proj(mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0])
-
-
-def _sees_after(sees: np.ndarray, past: int) -> np.ndarray:
-    """[T, past + T] bool: new tokens that see the whole cache and, among themselves, `sees`."""
-    return np.concatenate([np.ones((len(sees), past), dtype=bool), sees], axis=1)
 
 
 class CompiledMlxForward:

@@ -188,28 +188,23 @@ class CompiledForward:
             info = pool_attention.row_info(np.zeros(1, np.int32), np.array([base]),
                                            np.array([rows]), [(None, node_sees)])  # fmt: skip
         if info is not None:
-            info = mx.array(info)
+            info, mask = mx.array(info), None
+        else:
+            mask = mx.array(sees_after(node_sees, base))
 
-            def attend(layer: int, q, k, v):
-                # the cache as a pool of one slot: [1, kv_heads, length, D]
-                keys, values = cache[layer].update_and_fetch(k.transpose(2, 1, 0, 3),
-                                                             v.transpose(2, 1, 0, 3))  # fmt: skip
-                return pool_attention.attend(q.reshape(rows, q.shape[1], -1), keys, values,
-                                             info, scale)  # fmt: skip
-
-            return self.forward_rows(token_ids, positions, attend, capture)
-        sees = mx.array(np.concatenate([np.ones((rows, base), bool), node_sees], axis=1))
-
-        def attend_masked(layer: int, q, k, v):
+        def attend(layer: int, q, k, v):
             # rows [T, heads, 1, D] -> one sequence [1, heads, T, D], as the cache keeps it
             keys, values = cache[layer].update_and_fetch(k.transpose(2, 1, 0, 3),
                                                          v.transpose(2, 1, 0, 3))  # fmt: skip
+            if mask is None:  # the cache as a pool of one slot
+                return pool_attention.attend(q.reshape(rows, q.shape[1], -1), keys, values,
+                                             info, scale)  # fmt: skip
             out = mx.fast.scaled_dot_product_attention(
-                q.transpose(2, 1, 0, 3), keys, values, scale=scale, mask=sees
+                q.transpose(2, 1, 0, 3), keys, values, scale=scale, mask=mask
             )
             return out[0].transpose(1, 0, 2).reshape(rows, -1)
 
-        return self.forward_rows(token_ids, positions, attend_masked, capture)
+        return self.forward_rows(token_ids, positions, attend, capture)
 
     def forward_rows(
         self, token_ids: mx.array, positions: mx.array, attend, capture=frozenset()
@@ -263,6 +258,11 @@ class CompiledForward:
             k, v = (keys, values) if stop == rows else (keys[:, :, :seen], values[:, :, :seen])
             parts.append(sdpa(q[:, :, start:stop], k, v, scale=scale, mask="causal"))
         return parts
+
+
+def sees_after(sees: np.ndarray, past: int) -> np.ndarray:
+    """[T, past + T] bool: new tokens that see the whole cache and, among themselves, `sees`."""
+    return np.concatenate([np.ones((len(sees), past), dtype=bool), sees], axis=1)
 
 
 def _middle(shape, finish, rotate, h, attn, offset, o_w, post_w, gate_up_w, down_w, in_w, qkv_w):
