@@ -193,7 +193,12 @@ trees)
     timeout 150 python3 benchmarks/verify_cost.py --target "$model" --dtype float32 \
       --drafts 0 2 3 5 15 --trees 2 3 5 15 --calls 30 --pool-kernel "$mode" \
       >> "$OUT/trees.log" 2>&1
-  done ;;
+  done
+  # a path kept: chains and trees whose drafts are the target's reply, a tree's path after
+  # earlier siblings, so its KV rows are moved into place as a served tree's are
+  echo "== --accept" >> "$OUT/trees.log"
+  timeout 150 python3 benchmarks/verify_cost.py --target "$model" --dtype float32 \
+    --drafts 0 2 3 --trees 2 3 5 15 --calls 15 --accept >> "$OUT/trees.log" 2>&1 ;;
 mix)
   # a pooled batch of plain steps beside one verify of K drafts (ragged since 29d79a3): what
   # the verify costs the batch, at 16 and 64 sessions

@@ -9,7 +9,9 @@ tokens kept, the context growing k + 1 a call). With --profile, cProfile's top f
 one k. --burst N also times plain decode calls of N steps (a drafting-off or
 adaptive-k call), ms a token. --trees N times verifies of draft trees of N nodes (rejected
 drafts, the shape a DFlash tree of top-8 takes when each position's candidates halve in
-probability), beside chains of as many rows.
+probability), beside chains of as many rows; with --accept the target's greedy reply lies
+along the path to the tree's last deepest node, so every call keeps a path whose KV rows
+must be moved into place, as a served tree's accepted side branch is.
 --row-forwards, --compiled-forwards, --kv-pool and --pool-kernel as the verifier takes them
 (default auto, as the verifier: on on a GPU); --no-rows keeps no hidden rows (drafting off
 and n-gram keep none, the model drafters three layers').
@@ -38,6 +40,7 @@ from specd.prompts import encode_chat
 from verifier_svc.config import GPU_MODES
 from verifier_svc.engine import Target, decode, half_weights_pay, prefill, verify, verify_tree
 from verifier_svc.servicer import on_gpu
+from verifier_svc.tree import depths
 
 CAPTURE = (1, 14, 26)  # the shipped drafters' target layers
 # a request for a long reply: --accept drafts the target's greedy reply to it
@@ -82,7 +85,7 @@ def main() -> None:
     capture = () if args.no_rows else CAPTURE
     if args.accept:
         prompt = encode_chat(target.loaded.tokenizer, [{"role": "user", "content": LONG_REPLY}])
-        longest = max([*args.drafts, args.profile or 0])
+        longest = max([*args.drafts, *args.trees, args.profile or 0])
         reply = greedy_reply(target, prompt, (args.calls + 3) * (1 + longest))
     else:
         prompt = [1000 + i % 500 for i in range(args.prompt_tokens)]
@@ -126,13 +129,19 @@ def main() -> None:
     for nodes in args.trees:
         reopen()
         parents = tree_parents(nodes)
-        times = []
+        path = deepest_path(parents) if args.accept else []
+        times, kept = [], 0
         for _ in range(3 + args.calls):
+            drafts = [rejected] * nodes
+            done = session.position - len(prompt)
+            for node, token in zip(path, reply[done : done + len(path)] if path else []):
+                drafts[node] = token
             start = time.perf_counter()
-            verify_tree(target, session, [rejected] * nodes, parents)
+            kept += verify_tree(target, session, drafts, parents).num_accepted
             times.append(time.perf_counter() - start)
         ms = 1000 * statistics.median(times[3:])
-        print(f"tree of {nodes:3d} drafts ({nodes + 1:2d} tokens): {ms:6.1f} ms")
+        print(f"tree of {nodes:3d} drafts ({nodes + 1:2d} tokens): {ms:6.1f} ms"
+              f"{f', {kept / len(times):.1f} drafts kept a call' if args.accept else ''}")  # fmt: skip
     if args.burst:
         reopen()
         for _ in range(2):  # first use of the shapes
@@ -159,6 +168,18 @@ def tree_parents(nodes: int) -> list[int]:
     halve in probability rank by rank and whose best falls by a factor of sqrt(2) a position."""
     ranked = np.log(0.5) * (np.arange(8)[None, :] + np.arange(16)[:, None] * 0.5)
     return best_first_tree(ranked, nodes)[0]
+
+
+def deepest_path(parents: list[int]) -> list[int]:
+    """The root-to-leaf path to the tree's last deepest node: listed breadth-first, its nodes
+    sit after earlier siblings, so keeping it moves KV rows (the first children's chain, at
+    the front of each level, would not)."""
+    depth = depths(parents)
+    node = max(range(len(parents)), key=lambda i: (depth[i], i))
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
 
 
 def greedy_reply(target: Target, prompt: list[int], length: int) -> list[int]:
