@@ -133,15 +133,16 @@ def main() -> None:
         times, kept = [], 0
         for _ in range(3 + args.calls):
             drafts = [rejected] * nodes
-            done = session.position - len(prompt)
-            for node, token in zip(path, reply[done : done + len(path)] if path else []):
-                drafts[node] = token
+            if path:
+                done = session.position - len(prompt)
+                for node, token in zip(path, reply[done : done + len(path)], strict=True):
+                    drafts[node] = token
             start = time.perf_counter()
             kept += verify_tree(target, session, drafts, parents).num_accepted
             times.append(time.perf_counter() - start)
         ms = 1000 * statistics.median(times[3:])
-        print(f"tree of {nodes:3d} drafts ({nodes + 1:2d} tokens): {ms:6.1f} ms"
-              f"{f', {kept / len(times):.1f} drafts kept a call' if args.accept else ''}")  # fmt: skip
+        kept_line = f", {kept / len(times):.1f} drafts kept a call" if args.accept else ""
+        print(f"tree of {nodes:3d} drafts ({nodes + 1:2d} tokens): {ms:6.1f} ms{kept_line}")
     if args.burst:
         reopen()
         for _ in range(2):  # first use of the shapes
