@@ -171,3 +171,33 @@ def test_sibling_sampling_rule_preserves_the_distribution():
     expected = p * n
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 16.3  # df 3, alpha 1e-3
+
+
+def test_a_kept_path_moves_within_the_host_buffers_as_mlx_would_move_it(target, monkeypatch):
+    """On the CPU device a tree's kept path is moved inside each layer's own KV buffers (no
+    copy of the buffer), leaving the same cache as MLX's slice assignment leaves."""
+    from verifier_svc import engine
+
+    reference = plain_greedy(target, PROMPT, 4)
+    vocab = target.identity.vocab_size
+    # the planted path is the second root and its child: forward indices 2 and 3 move to 1, 2
+    ids, parents = [(reference[1] + 1) % vocab, reference[1], reference[2]], [-1, -1, 1]
+    moved = []
+    real = engine._moved_on_host
+    monkeypatch.setattr(engine, "_moved_on_host", lambda *a: moved.append(real(*a)) or moved[-1])
+    host = prefill(target, PROMPT).session
+    buffers = [id(c.keys) for c in host.cache]
+    on_host = verify_tree(target, host, ids, parents)
+    assert moved and all(moved)
+    assert [id(c.keys) for c in host.cache] == buffers  # the same buffers, written in place
+    monkeypatch.setattr(engine, "_moved_on_host", lambda *a: False)
+    by_mlx = prefill(target, PROMPT).session
+    assert verify_tree(target, by_mlx, ids, parents).committed == on_host.committed
+    assert on_host.committed[:2] == reference[1:3]
+    end = host.position - 1
+    assert end == by_mlx.position - 1 == host.cache[0].offset
+    for a, b in zip(host.cache, by_mlx.cache, strict=True):
+        assert np.array_equal(np.array(a.keys[..., :end, :]), np.array(b.keys[..., :end, :]))
+        assert np.array_equal(np.array(a.values[..., :end, :]), np.array(b.values[..., :end, :]))
+    # and the next forward reads the moved rows: the same continuation either way
+    assert verify(target, host, []).committed == verify(target, by_mlx, []).committed
