@@ -41,6 +41,10 @@
 #          attending in the pool kernel's one launch a layer, then through a mask
 #          (--pool-kernel off), each beside chains of as many drafts: whether a tree's verify
 #          costs a chain's
+# layouts  the few-row kernel's layouts (few_rows.LAYOUTS) against each other: a product's cost
+#          and rows equal to one-row products bit for bit (few_rows_layouts.py), then a verify
+#          of chains and trees and the pooled forward at 16 sessions with the layout before
+#          (whole) and the shipped one
 # mix      the pooled batch's forward with plain steps beside one verify of 0-15 drafts, at 16
 #          and 64 sessions (pooled_mix.py: what a verify costs the batch)
 # cpool    the compiled pooled forward (--compiled-pooled) against the model's own: the batch
@@ -199,6 +203,19 @@ trees)
   echo "== --accept" >> "$OUT/trees.log"
   timeout 150 python3 benchmarks/verify_cost.py --target "$model" --dtype float32 \
     --drafts 0 2 3 --trees 2 3 5 15 --calls 15 --accept >> "$OUT/trees.log" 2>&1 ;;
+layouts)
+  timeout 150 python3 benchmarks/few_rows_layouts.py --rows 2 3 4 8 16 \
+    --json "$OUT/layouts.json" > "$OUT/layouts.log" 2>&1
+  timeout 60 python3 benchmarks/few_rows_layouts.py --rows 32 64 --layouts t4 t8 t4c2 \
+    >> "$OUT/layouts.log" 2>&1
+  for layout in whole "${2:-t4}"; do
+    echo "== --few-rows-layout $layout" >> "$OUT/layouts.log"
+    timeout 120 python3 benchmarks/verify_cost.py --target "$model" --dtype float32 \
+      --drafts 0 3 7 15 --trees 3 5 15 --calls 20 --few-rows-layout "$layout" \
+      >> "$OUT/layouts.log" 2>&1
+    timeout 60 python3 benchmarks/pooled_pieces.py --target "$model" --sessions 16 --calls 20 \
+      --few-rows-layout "$layout" >> "$OUT/layouts.log" 2>&1
+  done ;;
 mix)
   # a pooled batch of plain steps beside one verify of K drafts (ragged since 29d79a3): what
   # the verify costs the batch, at 16 and 64 sessions

@@ -35,7 +35,7 @@ import numpy as np
 from pooled_mix import pooled_sessions, pooled_target, variant_switch  # this directory
 
 from specd.cpu.llama import Segment
-from specd.models import pool_attention
+from specd.models import few_rows, pool_attention
 from verifier_svc.engine import Target, _rollback
 from verifier_svc.kv_pool import PooledStep
 
@@ -61,12 +61,19 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--calls", type=int, default=20, help="timed graphs per piece")
     parser.add_argument("--context", type=int, default=64, help="the shortest prompt's tokens")
+    parser.add_argument(
+        "--few-rows-layout",
+        choices=sorted(few_rows.LAYOUTS),
+        help="the few-row kernel's layout for up to 16 sessions (default: the shipped one)",
+    )
     args = parser.parse_args()
+    if args.few_rows_layout:
+        few_rows.use(args.few_rows_layout)
     target = pooled_target(args.target, args.dtype)
     rng = np.random.default_rng(0)
     print(f"device {mx.default_device()}, {len(target.model.layers)} layers; ms per graph of "
           f"every layer's piece (the host's part building it in brackets), median of "
-          f"{args.calls}")  # fmt: skip
+          f"{args.calls}; few-row layout {few_rows.layout_name()}")  # fmt: skip
     for count in args.sessions:
         measure(target, pooled_sessions(target, count, args.context, rng), args.calls, rng)
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from drafter_svc.dflash.draft import best_first_tree
 from specd.argtypes import positive_int
+from specd.models import few_rows
 from specd.models.load import load_target
 from specd.prompts import encode_chat
 from verifier_svc.config import GPU_MODES
@@ -67,7 +68,14 @@ def main() -> None:
     parser.add_argument(
         "--trees", type=positive_int, nargs="*", default=[], help="tree sizes to time"
     )
+    parser.add_argument(
+        "--few-rows-layout",
+        choices=sorted(few_rows.LAYOUTS),
+        help="the few-row kernel's layout (CUDA; default: the shipped one)",
+    )
     args = parser.parse_args()
+    if args.few_rows_layout:
+        few_rows.use(args.few_rows_layout)
     half = half_weights_pay(args.dtype, None)  # as the verifier decides it
     target = Target(
         load_target(args.target, args.dtype, half_weights=half),
@@ -80,7 +88,7 @@ def main() -> None:
     print(f"target {target.identity.name} ({target.loaded.dtype}; {target.numpy_part}; "
           f"row forwards {target.row_forwards}, compiled {target.compiled_forwards}, "
           f"pool {target.kv_pool is not None} (a lone session pooled: {target.pool_alone}), "
-          f"pool kernel {args.pool_kernel}, "
+          f"pool kernel {args.pool_kernel}, few-row layout {few_rows.layout_name()}, "
           f"rows kept {not args.no_rows})")  # fmt: skip
     capture = () if args.no_rows else CAPTURE
     if args.accept:

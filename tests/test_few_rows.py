@@ -176,3 +176,51 @@ def test_joined_products_fall_back_where_the_kernel_does_not_fit(tiny_model_dir,
     calls.clear()
     mx.eval(mlp(x[:, :1]))
     assert calls == []  # one row: a decode step's own products
+
+
+@pytest.mark.parametrize(
+    ("layout", "rows", "outputs", "grid", "tile_args"),
+    [
+        ("whole", 5, 100, (32, 104, 1), []),
+        ("t4", 5, 100, (32, 104, 2), [("ROW_TILE", 4), ("COLUMNS", 1)]),
+        ("t4", 16, 960, (32, 960, 4), [("ROW_TILE", 4), ("COLUMNS", 1)]),
+        ("t4c2", 3, 100, (32, 56, 1), [("ROW_TILE", 4), ("COLUMNS", 2)]),
+        ("t2c2", 7, 49152, (32, 24576, 4), [("ROW_TILE", 2), ("COLUMNS", 2)]),
+    ],
+)
+def test_a_layout_launches_a_warp_per_tile_of_rows_and_columns(
+    monkeypatch, layout, rows, outputs, grid, tile_args
+):
+    """The launch each layout asks of MLX (the kernel stood in for by the product it
+    computes): a warp for each tile of rows (grid z) and each `columns` outputs (grid y, whole
+    blocks of 8 warps)."""
+    launches = []
+
+    def kernel_maker(**made):
+        def kernel(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            launches.append((made["name"], template, grid, threadgroup))
+            x, w = inputs
+            return [x @ w.T]
+
+        return kernel
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", kernel_maker, raising=False)
+    monkeypatch.setattr(few_rows, "_kernels", {})
+    x, w = mx.random.normal((rows, 64)), mx.random.normal((outputs, 64))
+    out = few_rows.product(x, w, few_rows.LAYOUTS[layout])
+    assert mx.allclose(out, x @ w.T).item()
+    name, template, launched, threadgroup = launches[0]
+    assert template == [("T", mx.float32), ("PER_LANE", 2), *tile_args]
+    assert launched == grid and threadgroup == (32, 8, 1)
+    assert name == ("specd_few_rows" if layout == "whole" else "specd_few_row_tiles")
+
+
+def test_a_layout_is_chosen_by_name():
+    shipped = few_rows.layout_name()
+    try:
+        few_rows.use("whole")
+        assert few_rows.layout_name() == "whole"
+        with pytest.raises(ValueError, match="few-row layout is one of"):
+            few_rows.use("t3")
+    finally:
+        few_rows.use(shipped)

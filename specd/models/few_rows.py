@@ -10,11 +10,18 @@ mlx/backend/cuda/gemms/gemv.cu: lane j takes `per_lane` columns from `per_lane *
 number a decode step computes. `benchmarks/gpu_ops.py` checks the rows bit for bit on a GPU and
 times the kernel: on an H200, in compiled chains, 8-31 us for 2-16 rows against 6-9 for one
 row's product (docs/gpu.md, run AG).
+
+How the sums are spread over warps is a layout (LAYOUTS): `whole` gives each warp one output
+column of every row, the row count built in; the tiled layouts give a warp a tile of a few rows
+(grid z counts the tiles) and one or two columns, so 16 rows run as four times the warps, each
+a quarter as long. Every layout sums a (row, column) the same way, so each is bit for bit the
+one-row product; benchmarks/few_rows_layouts.py times them and checks that on a GPU.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -74,7 +81,7 @@ __device__ void specd_rows_product(const T* x, const T* w, T* out, int cols, int
 }}
 """
 )
-_SOURCE = (
+_SOURCE_ROWS = (
     "    switch (x_shape[0]) {\n"
     + "".join(
         f"    case {rows}: specd_rows_product<T, PER_LANE, {rows}>"
@@ -84,7 +91,116 @@ _SOURCE = (
     + "    }\n"
 )
 
-_kernel = None
+# The same sums spread wider: a warp takes ROW_TILE rows (a tile; grid z counts the tiles, the
+# last one's missing rows skipped) of COLUMNS output columns, so a product of many rows runs as
+# many short warps instead of a few long ones, and a warp's loads of x serve COLUMNS weight
+# rows. Each (row, column) sum is still one lane's columns in order, then the warp reduction.
+_HEADER_TILES = (
+    _HEADER
+    + f"""
+template <typename T, int PER_LANE, int ROW_TILE, int COLUMNS>
+__device__ void specd_tile_product(
+        const T* x, const T* w, T* out, int rows, int cols, int outputs) {{
+    struct alignas(sizeof(T) * PER_LANE) Pack {{
+        T v[PER_LANE];
+    }};
+    namespace cg = cooperative_groups;
+    auto warp = cg::tiled_partition<32>(cg::this_thread_block());
+    const int first = (blockIdx.y * {_WARPS_PER_BLOCK} + threadIdx.y) * COLUMNS;
+    if (first >= outputs) {{
+        return;  // a whole warp
+    }}
+    const int row0 = blockIdx.z * ROW_TILE;
+    const int tile_rows = min(ROW_TILE, rows - row0);
+    const T* x_tile = x + static_cast<int64_t>(row0) * cols;
+    float sums[ROW_TILE][COLUMNS];
+    #pragma unroll
+    for (int t = 0; t < ROW_TILE; ++t) {{
+        #pragma unroll
+        for (int c = 0; c < COLUMNS; ++c) {{
+            sums[t][c] = 0.0f;
+        }}
+    }}
+    for (int col = PER_LANE * warp.thread_rank(); col < cols; col += 32 * PER_LANE) {{
+        Pack weights[COLUMNS];
+        #pragma unroll
+        for (int c = 0; c < COLUMNS; ++c) {{
+            // a column past the last re-reads the last one; its sums are never written
+            const int n = min(first + c, outputs - 1);
+            weights[c] = *reinterpret_cast<const Pack*>(w + static_cast<int64_t>(n) * cols + col);
+        }}
+        #pragma unroll
+        for (int t = 0; t < ROW_TILE; ++t) {{
+            if (t < tile_rows) {{
+                const Pack xs =
+                    *reinterpret_cast<const Pack*>(x_tile + static_cast<int64_t>(t) * cols + col);
+                #pragma unroll
+                for (int c = 0; c < COLUMNS; ++c) {{
+                    #pragma unroll
+                    for (int j = 0; j < PER_LANE; ++j) {{
+                        sums[t][c] +=
+                            static_cast<float>(weights[c].v[j]) * static_cast<float>(xs.v[j]);
+                    }}
+                }}
+            }}
+        }}
+    }}
+    #pragma unroll
+    for (int t = 0; t < ROW_TILE; ++t) {{
+        #pragma unroll
+        for (int c = 0; c < COLUMNS; ++c) {{
+            if (t < tile_rows && first + c < outputs) {{
+                float total = cg::reduce(warp, sums[t][c], cg::plus<float>());
+                if (warp.thread_rank() == 0) {{
+                    out[static_cast<int64_t>(row0 + t) * outputs + first + c] =
+                        static_cast<T>(total);
+                }}
+            }}
+        }}
+    }}
+}}
+"""
+)
+_SOURCE_TILES = (
+    "    specd_tile_product<T, PER_LANE, ROW_TILE, COLUMNS>"
+    "(x, w, out, x_shape[0], w_shape[1], w_shape[0]);\n"
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a product's sums are spread over warps: row_tile rows and `columns` output columns
+    a warp (row_tile 0: every row in one warp, the row count built in)."""
+
+    row_tile: int
+    columns: int = 1
+
+
+# benchmarks/few_rows_layouts.py times each on a GPU and checks its rows bit for bit
+LAYOUTS = {
+    "whole": Layout(0),
+    "t2": Layout(2),
+    "t4": Layout(4),
+    "t8": Layout(8),
+    "t4c2": Layout(4, 2),
+    "t2c2": Layout(2, 2),
+}
+_layout = LAYOUTS["t4"]
+
+
+def layout_name() -> str:
+    return next(name for name, layout in LAYOUTS.items() if layout == _layout)
+
+
+def use(name: str) -> None:
+    """Make LAYOUTS[name] the layout of every product from now on (for benchmarks)."""
+    global _layout
+    if name not in LAYOUTS:
+        raise ValueError(f"few-row layout is one of {', '.join(LAYOUTS)}, not {name!r}")
+    _layout = LAYOUTS[name]
+
+
+_kernels: dict[bool, object] = {}  # tiled or not: built at first use
 _works: bool | None = None  # the first use's check on this device
 
 
@@ -141,25 +257,32 @@ def fits(rows: int, x: mx.array, weight: mx.array) -> bool:
     )
 
 
-def product(x: mx.array, weight: mx.array) -> mx.array:
+def product(x: mx.array, weight: mx.array, layout: Layout | None = None) -> mx.array:
     """x [..., K] (2..MAX_ROWS rows in all) times weight [N, K] transposed: [..., N]."""
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="specd_few_rows",
+    layout = layout or _layout
+    tiled = layout.row_tile > 0
+    kernel = _kernels.get(tiled)
+    if kernel is None:
+        kernel = _kernels[tiled] = mx.fast.cuda_kernel(
+            name="specd_few_row_tiles" if tiled else "specd_few_rows",
             input_names=["x", "w"],
             output_names=["out"],
-            source=_SOURCE,
-            header=_HEADER_ROWS,
+            source=_SOURCE_TILES if tiled else _SOURCE_ROWS,
+            header=_HEADER_TILES if tiled else _HEADER_ROWS,
         )
     cols = x.shape[-1]
     rows = x.size // cols
     outputs = weight.shape[0]
-    blocks = -(-outputs // _WARPS_PER_BLOCK)
-    (out,) = _kernel(
+    template = [("T", weight.dtype), ("PER_LANE", per_lane(cols))]
+    if tiled:
+        template += [("ROW_TILE", layout.row_tile), ("COLUMNS", layout.columns)]
+    warps = -(-outputs // layout.columns)
+    blocks = -(-warps // _WARPS_PER_BLOCK)
+    tiles = -(-rows // layout.row_tile) if tiled else 1
+    (out,) = kernel(
         inputs=[x.reshape(rows, cols), weight],
-        template=[("T", weight.dtype), ("PER_LANE", per_lane(cols))],
-        grid=(32, blocks * _WARPS_PER_BLOCK, 1),
+        template=template,
+        grid=(32, blocks * _WARPS_PER_BLOCK, tiles),
         threadgroup=(32, _WARPS_PER_BLOCK, 1),
         output_shapes=[(rows, outputs)],
         output_dtypes=[weight.dtype],
