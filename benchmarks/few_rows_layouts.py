@@ -9,7 +9,7 @@ beside them. Then whether every row equals one-row products bit for bit at each 
 that does not is not one the verifier may use (its verifies would not be decode steps).
 
     python benchmarks/few_rows_layouts.py [--dtype float32] [--rows 2 3 4 8 16]
-        [--layouts whole t2 t4 t8 t4c2 t2c2] [--json OUT]
+        [--layouts auto whole t2 ...] [--json OUT]
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--rows", type=int, nargs="+", default=[2, 3, 4, 8, 16])
-    parser.add_argument("--layouts", nargs="+", default=list(few_rows.LAYOUTS))
+    parser.add_argument("--layouts", nargs="+", default=["auto", *few_rows.LAYOUTS])
     parser.add_argument("--json", dest="json_out")
     args = parser.parse_args()
     if not few_rows.runs_here():
@@ -119,8 +119,8 @@ def main() -> None:
         table[rows] = {"matmul": timings(w, rows, lambda v, m: v @ m.T)}
         print(f"{rows:>2} rows, MLX (cuBLAS) {_cells(table[rows]['matmul'])}")
         for name in args.layouts:
-            layout = few_rows.LAYOUTS[name]
-            if not layout.row_tile and rows > few_rows.MAX_ROWS:
+            layout = few_rows.LAYOUTS.get(name)
+            if layout is not None and not layout.row_tile and rows > few_rows.MAX_ROWS:
                 continue
             few_rows.use(name)
             equal, compared, worst = exact(w, rows)

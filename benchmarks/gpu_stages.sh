@@ -206,9 +206,9 @@ trees)
 layouts)
   timeout 150 python3 benchmarks/few_rows_layouts.py --rows 2 3 4 8 16 \
     --json "$OUT/layouts.json" > "$OUT/layouts.log" 2>&1
-  timeout 60 python3 benchmarks/few_rows_layouts.py --rows 32 64 --layouts t4 t8 t4c2 \
+  timeout 60 python3 benchmarks/few_rows_layouts.py --rows 32 64 --layouts t2 t4 t4c2 \
     >> "$OUT/layouts.log" 2>&1
-  for layout in whole "${2:-t4}"; do
+  for layout in whole "${2:-auto}"; do
     echo "== --few-rows-layout $layout" >> "$OUT/layouts.log"
     timeout 120 python3 benchmarks/verify_cost.py --target "$model" --dtype float32 \
       --drafts 0 3 7 15 --trees 3 5 15 --calls 20 --few-rows-layout "$layout" \

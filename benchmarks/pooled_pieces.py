@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=64, help="the shortest prompt's tokens")
     parser.add_argument(
         "--few-rows-layout",
-        choices=sorted(few_rows.LAYOUTS),
+        choices=["auto", *sorted(few_rows.LAYOUTS)],
         help="the few-row kernel's layout for up to 16 sessions (default: the shipped one)",
     )
     args = parser.parse_args()

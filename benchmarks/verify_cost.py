@@ -70,7 +70,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--few-rows-layout",
-        choices=sorted(few_rows.LAYOUTS),
+        choices=["auto", *sorted(few_rows.LAYOUTS)],
         help="the few-row kernel's layout (CUDA; default: the shipped one)",
     )
     args = parser.parse_args()

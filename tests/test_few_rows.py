@@ -220,7 +220,17 @@ def test_a_layout_is_chosen_by_name():
     try:
         few_rows.use("whole")
         assert few_rows.layout_name() == "whole"
-        with pytest.raises(ValueError, match="few-row layout is one of"):
+        with pytest.raises(ValueError, match="few-row layout is auto or one of"):
             few_rows.use("t3")
+        few_rows.use("auto")
+        assert few_rows.layout_name() == "auto"
     finally:
         few_rows.use(shipped)
+
+
+def test_auto_tiles_a_weight_that_stays_in_l2_and_reads_a_larger_one_whole():
+    assert few_rows.layout_name() == "auto"
+    small = mx.zeros((3072, 576))  # gate/up joined, 7 MB in float32
+    logits = mx.zeros((few_rows.TILED_WEIGHT_BYTES // (4 * 576) + 1, 576))
+    assert few_rows.layout_for(small) == few_rows.LAYOUTS["t2"]
+    assert few_rows.layout_for(logits) == few_rows.LAYOUTS["whole"]

@@ -184,20 +184,37 @@ LAYOUTS = {
     "t8": Layout(8),
     "t4c2": Layout(4, 2),
     "t2c2": Layout(2, 2),
+    "t16c2": Layout(16, 2),
+    "t16c4": Layout(16, 4),
 }
-_layout = LAYOUTS["t4"]
+# Past this a weight does not stay in the GPU's L2 cache (50 MB on an H100) between the tiles
+# that read it: the logits' (113 MB in float32) is read once, whole.
+TILED_WEIGHT_BYTES = 32 * 2**20
+_layout: Layout | None = None  # None: by the weight's size (`layout_for`)
+
+
+def layout_for(weight: mx.array) -> Layout:
+    """Tiles of two rows for a weight that stays in L2 (on an H100 at 8-16 rows ~2.4x faster
+    than whole, the same at 2-4 rows; docs/gpu.md, run AW), whole for a larger one (tiles
+    would read it from memory once each)."""
+    if _layout is not None:
+        return _layout
+    return LAYOUTS["t2"] if weight.nbytes <= TILED_WEIGHT_BYTES else LAYOUTS["whole"]
 
 
 def layout_name() -> str:
+    if _layout is None:
+        return "auto"
     return next(name for name, layout in LAYOUTS.items() if layout == _layout)
 
 
 def use(name: str) -> None:
-    """Make LAYOUTS[name] the layout of every product from now on (for benchmarks)."""
+    """Make LAYOUTS[name] the layout of every product from now on, or "auto" (`layout_for`)
+    again (for benchmarks)."""
     global _layout
-    if name not in LAYOUTS:
-        raise ValueError(f"few-row layout is one of {', '.join(LAYOUTS)}, not {name!r}")
-    _layout = LAYOUTS[name]
+    if name != "auto" and name not in LAYOUTS:
+        raise ValueError(f"few-row layout is auto or one of {', '.join(LAYOUTS)}, not {name!r}")
+    _layout = None if name == "auto" else LAYOUTS[name]
 
 
 _kernels: dict[bool, object] = {}  # tiled or not: built at first use
@@ -259,7 +276,7 @@ def fits(rows: int, x: mx.array, weight: mx.array) -> bool:
 
 def product(x: mx.array, weight: mx.array, layout: Layout | None = None) -> mx.array:
     """x [..., K] (2..MAX_ROWS rows in all) times weight [N, K] transposed: [..., N]."""
-    layout = layout or _layout
+    layout = layout or layout_for(weight)
     tiled = layout.row_tile > 0
     kernel = _kernels.get(tiled)
     if kernel is None:
