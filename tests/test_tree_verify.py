@@ -201,3 +201,38 @@ def test_a_kept_path_moves_within_the_host_buffers_as_mlx_would_move_it(target, 
         assert np.array_equal(np.array(a.values[..., :end, :]), np.array(b.values[..., :end, :]))
     # and the next forward reads the moved rows: the same continuation either way
     assert verify(target, host, []).committed == verify(target, by_mlx, []).committed
+
+
+def test_a_kept_path_moved_by_mlx_in_one_compiled_call_equals_slice_assignments():
+    """Off the CPU device a kept path's rows move through one compiled call over every layer:
+    the same arrays as a gather and slice assignment per layer leave, for paths of several
+    lengths and bases (the base an input, so one trace serves every round)."""
+    from verifier_svc import engine
+
+    rng = np.random.default_rng(3)
+    for base, keep in [(5, [0, 2, 3]), (9, [0, 1, 4]), (0, [0, 3]), (7, [0, 2, 5, 6])]:
+        arrays = [mx.array(rng.standard_normal((1, 3, 24, 8)).astype(np.float32)) for _ in range(4)]
+        rows = [base + i for i in keep]
+        moved = engine._moved_rows(arrays, mx.array(rows), mx.array([base]))
+        for a, got in zip(arrays, moved, strict=True):
+            want = np.array(a)
+            want[..., base : base + len(rows), :] = np.array(a)[..., rows, :]
+            assert np.array_equal(np.array(got), want)
+
+
+def test_a_kept_path_moves_through_mlx_where_the_host_cannot_move_it(target, monkeypatch):
+    """With the host's in-place move unavailable (another device), the compiled move leaves a
+    cache that continues as plain decoding does."""
+    from verifier_svc import engine
+
+    reference = plain_greedy(target, PROMPT, 5)
+    vocab = target.identity.vocab_size
+    ids, parents = [(reference[1] + 1) % vocab, reference[1], reference[2]], [-1, -1, 1]
+    calls = []
+    real = engine._moved_rows
+    monkeypatch.setattr(engine, "_moved_on_host", lambda *a: False)
+    monkeypatch.setattr(engine, "_moved_rows", lambda *a: calls.append(1) or real(*a))
+    session = prefill(target, PROMPT).session
+    assert verify_tree(target, session, ids, parents).committed == reference[1:4]
+    assert calls == [1]  # every layer in one call
+    assert verify(target, session, []).committed == reference[4:5]

@@ -1105,17 +1105,29 @@ def _compact(cache: list, base: int, keep: list[int]) -> None:
     """Move the KV rows of forward indices `keep` (ascending) to base.. and drop the rest."""
     if keep != list(range(len(keep))):
         rows = [base + i for i in keep]
-        index = mx.array(rows)
-        n = len(keep)
+        by_mlx = []  # layers whose rows move through MLX
         for c in cache:
             if isinstance(c, PooledCache):
                 c.move_rows(rows, base)
-                continue
-            if _moved_on_host(c, rows, base):
-                continue
-            c.keys[..., base : base + n, :] = c.keys[..., index, :]
-            c.values[..., base : base + n, :] = c.values[..., index, :]
+            elif not _moved_on_host(c, rows, base):
+                by_mlx.append(c)
+        if by_mlx:
+            arrays = [a for c in by_mlx for a in (c.keys, c.values)]
+            moved = _moved_rows(arrays, mx.array(rows), mx.array([base]))
+            for c, keys, values in zip(by_mlx, moved[::2], moved[1::2], strict=True):
+                c.keys, c.values = keys, values
     _rollback(cache, base + len(keep))
+
+
+@mx.compile
+def _moved_rows(arrays: list[mx.array], rows: mx.array, base: mx.array) -> list[mx.array]:
+    """Each KV array [B, heads, T, D] with its positions `rows` moved to base.. (the gather
+    reads the array before the update, so overlapping rows are safe). One compiled call for
+    every layer: on a GPU, a gather and a slice assignment for keys and for values in each of
+    30 layers, each built by Python, cost a tree's verify ~2.7 ms where its forward took ~4
+    (H100, `benchmarks/verify_cost.py --trees 3 --accept`, docs/gpu.md, run AW). Traced once
+    per path length and cache size; the base is an input, not a constant."""
+    return [mx.slice_update(a, mx.take(a, rows, axis=2), base, axes=(2,)) for a in arrays]
 
 
 def _moved_on_host(c, rows: list[int], base: int) -> bool:
