@@ -1113,21 +1113,22 @@ def _compact(cache: list, base: int, keep: list[int]) -> None:
                 by_mlx.append(c)
         if by_mlx:
             arrays = [a for c in by_mlx for a in (c.keys, c.values)]
-            moved = _moved_rows(arrays, mx.array(rows), mx.array([base]))
+            order = np.arange(arrays[0].shape[2], dtype=np.int32)  # each position from itself
+            order[base : base + len(rows)] = rows
+            moved = _moved_rows(arrays, mx.array(order))
             for c, keys, values in zip(by_mlx, moved[::2], moved[1::2], strict=True):
                 c.keys, c.values = keys, values
     _rollback(cache, base + len(keep))
 
 
 @mx.compile
-def _moved_rows(arrays: list[mx.array], rows: mx.array, base: mx.array) -> list[mx.array]:
-    """Each KV array [B, heads, T, D] with its positions `rows` moved to base.. (the gather
-    reads the array before the update, so overlapping rows are safe). One compiled call for
-    every layer: on a GPU, a gather and a slice assignment for keys and for values in each of
-    30 layers, each built by Python, cost a tree's verify ~2.7 ms where its forward took ~4
-    (H100, `benchmarks/verify_cost.py --trees 3 --accept`, docs/gpu.md, run AW). Traced once
-    per path length and cache size; the base is an input, not a constant."""
-    return [mx.slice_update(a, mx.take(a, rows, axis=2), base, axes=(2,)) for a in arrays]
+def _moved_rows(arrays: list[mx.array], order: mx.array) -> list[mx.array]:
+    """Each KV array [B, heads, T, D] with position t taken from position order[t]: one gather
+    an array, in one compiled call for every layer. On a GPU a gather and a slice assignment
+    for keys and for values in each of 30 layers (~240 small kernels with the assignments'
+    copies) cost a tree's verify ~2.7 ms where its forward took ~4 (H100, `verify_cost.py
+    --trees 3 --accept`, docs/gpu.md, run AW); the same in one compiled call took as long."""
+    return [mx.take(a, order, axis=2) for a in arrays]
 
 
 def _moved_on_host(c, rows: list[int], base: int) -> bool:
