@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import mlx.core as mx
+from gpu_ops import per_op_us  # this directory
 
 from specd.models import few_rows
 
@@ -32,24 +31,6 @@ SHAPES = {
     "down": (MLP, HIDDEN),
     "logits": (HIDDEN, VOCAB),
 }
-
-
-def per_link_us(step, x, links: int = 30, repeats: int = 15) -> float:
-    """Median microseconds a link of a compiled chain of `links` dependent calls of step."""
-
-    def chain(v):
-        for _ in range(links):
-            v = step(v)
-        return v
-
-    run = mx.compile(chain)
-    mx.eval(run(x))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mx.eval(run(x))
-        samples.append((time.perf_counter() - start) / links)
-    return 1e6 * statistics.median(samples)
 
 
 def weights(dtype) -> dict[str, mx.array]:
@@ -79,9 +60,9 @@ def timings(w: dict[str, mx.array], rows: int, multiply) -> dict[str, float]:
 
     x = mx.random.normal((rows, HIDDEN)).astype(w["o"].dtype)
     return {
-        "layer": per_link_us(layer, x) / 4,
-        "pair": per_link_us(pair, x) / 2,
-        "logits": per_link_us(logits, x),
+        "layer": per_op_us(layer, x, compiled=True) / 4,
+        "pair": per_op_us(pair, x, compiled=True) / 2,
+        "logits": per_op_us(logits, x, compiled=True),
     }
 
 

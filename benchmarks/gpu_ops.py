@@ -31,7 +31,7 @@ VOCAB = 49152
 SHAPES = ((HIDDEN, HIDDEN), (HIDDEN, 192), (HIDDEN, MLP), (MLP, HIDDEN), (HIDDEN, VOCAB))
 
 
-def _per_op_us(step, x, links: int = 30, repeats: int = 15, compiled: bool = False) -> float:
+def per_op_us(step, x, links: int = 30, repeats: int = 15, compiled: bool = False) -> float:
     """Median microseconds per link of a chain of `links` dependent calls of step; compiled:
     the chain under mx.compile, so no Python builds the links and what is left is MLX's
     evaluation of each operation and the device's work."""
@@ -78,10 +78,10 @@ def products(dtype, rows: int) -> dict:
                 ("qmm", quantized), ("qmm_rowwise", quantized_one_row_each)]  # fmt: skip
     if few_rows.runs_here() and few_rows.fits(rows, x, up):
         variants.append(("few_rows", few))
-    times = {name: _per_op_us(fn, x) / 2 for name, fn in variants}  # two products a link
+    times = {name: per_op_us(fn, x) / 2 for name, fn in variants}  # two products a link
     compiled = [("matmul", plain)] + [v for v in variants if v[0] == "few_rows"]
     for name, fn in compiled:
-        times[f"{name}_compiled"] = _per_op_us(fn, x, compiled=True) / 2
+        times[f"{name}_compiled"] = per_op_us(fn, x, compiled=True) / 2
     return times
 
 
@@ -123,13 +123,13 @@ def attention(dtype, rows: int) -> dict:
         p = mx.softmax(s, axis=-1, precise=True).reshape(1, KV_HEADS, -1, CONTEXT + rows)
         return (p @ values).reshape(1, HEADS, rows, HEAD_DIM)
 
-    times = {"sdpa": _per_op_us(fused, q), "sdpa_written": _per_op_us(written, q)}
+    times = {"sdpa": per_op_us(fused, q), "sdpa_written": per_op_us(written, q)}
     if row_attention.runs_here(HEAD_DIM) and row_attention.fits(q, keys, CONTEXT):
 
         def one_launch(v):
             return row_attention.attend(v, keys, values, scale)
 
-        times["row_attention"] = _per_op_us(one_launch, q)
+        times["row_attention"] = per_op_us(one_launch, q)
     return times
 
 

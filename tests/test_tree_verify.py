@@ -175,7 +175,7 @@ def test_sibling_sampling_rule_preserves_the_distribution():
 
 def test_a_kept_path_moves_within_the_host_buffers_as_mlx_would_move_it(target, monkeypatch):
     """On the CPU device a tree's kept path is moved inside each layer's own KV buffers (no
-    copy of the buffer), leaving the same cache as MLX's slice assignment leaves."""
+    copy of the buffer), leaving the same cache as MLX's move leaves."""
     from verifier_svc import engine
 
     reference = plain_greedy(target, PROMPT, 4)

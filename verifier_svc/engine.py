@@ -1113,7 +1113,8 @@ def _compact(cache: list, base: int, keep: list[int]) -> None:
                 by_mlx.append(c)
         if by_mlx:
             arrays = [a for c in by_mlx for a in (c.keys, c.values)]
-            order = np.arange(arrays[0].shape[2], dtype=np.int32)  # each position from itself
+            # each position from itself; a session's layers' caches grow alike, one length
+            order = np.arange(arrays[0].shape[2], dtype=np.int32)
             order[base : base + len(rows)] = rows
             moved = _moved_rows(arrays, mx.array(order))
             for c, keys, values in zip(by_mlx, moved[::2], moved[1::2], strict=True):
@@ -1133,11 +1134,12 @@ def _moved_rows(arrays: list[mx.array], order: mx.array) -> list[mx.array]:
 
 def _moved_on_host(c, rows: list[int], base: int) -> bool:
     """Move a layer's kept rows within its own buffers, in place, where those are host memory
-    that the CPU kernels write through numpy (float32 on the CPU device). Through MLX (a
-    gather and a slice assignment for keys and for values, each layer) a verify of a tree of
-    3 that kept a moved path of 2 drafts took 27.3 ms against 22.8 in place on this project's
-    2-core host (`benchmarks/verify_cost.py --trees 3 --accept`); evaluating the gathers
-    first, so the assignments could reuse their buffers, did not shorten it."""
+    that the CPU kernels write through numpy (float32 on the CPU device). Through MLX, as a
+    gather and a slice assignment for keys and for values in each layer (before `_moved_rows`),
+    a verify of a tree of 3 that kept a moved path of 2 drafts took 27.3 ms against 22.8 in
+    place on this project's 2-core host (`benchmarks/verify_cost.py --trees 3 --accept`);
+    evaluating the gathers first, so the assignments could reuse their buffers, did not
+    shorten it."""
     if type(c) is not KVCache or c.keys is None or c.keys.dtype != mx.float32:
         return False
     if mx.default_device() != mx.cpu:
