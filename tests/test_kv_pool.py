@@ -609,3 +609,89 @@ def test_a_long_session_beside_a_verify_of_a_short_one_finds_the_pool_grown(
         drafts = [3, 1, 4, 1, 5, 9, 2]
         runs.append(rounds_many(made, [Round(long_one, [], 1), Round(short, drafts, 1)]))
     assert_same_rounds(runs[1], runs[0])
+
+
+@pytest.fixture(scope="module")
+def queued_pooled(tiny_model_dir):
+    made = Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0,
+                  row_forwards=True, kv_pool=True, compiled_pooled=True,
+                  queue_pooled_steps=True)  # fmt: skip
+    assert made.queues_pooled_steps
+    return made
+
+
+def _bursts_with_an_eos(target, eos: int) -> tuple[list, list]:
+    """Plain bursts of every length, some asking a look-ahead row (`ahead_in_company`), one
+    session meeting `eos` in its burst: the results and the sessions after them."""
+    sessions = _sessions(target)
+    steps, ahead = [6, 5, 3, 1, 4], [True, False, True, True, False]
+    target.eos_ids = frozenset({eos})
+    rounds = [Round(s, [], n, ahead_in_company=a) for s, n, a in zip(sessions, steps, ahead,
+                                                                    strict=True)]  # fmt: skip
+    return rounds_many(target, rounds), sessions
+
+
+def test_queued_pooled_steps_commit_what_steps_read_one_at_a_time_do(
+    compiled_pooled, queued_pooled, monkeypatch
+):
+    """Each step built and queued before the last one's tokens are read: the same tokens,
+    captured rows, look-aheads and caches as reading every step before building the next,
+    a session that stops at an EOS dropping its queued row; later rounds find every cache
+    right."""
+    from verifier_svc import engine
+
+    probe = _sessions(compiled_pooled)[1]
+    eos = decode(compiled_pooled, probe, 4).committed[2]  # session 1 stops at its third token
+    queued_steps = []
+    real = engine._queue_next
+
+    def counting(running, choices, forward_many, capture):
+        queued_steps.append(len(running))
+        return real(running, choices, forward_many, capture)
+
+    monkeypatch.setattr(engine, "_queue_next", counting)
+    runs = []
+    for target in (compiled_pooled, queued_pooled):
+        monkeypatch.setattr(target, "eos_ids", target.eos_ids)  # put back afterwards
+        results, sessions = _bursts_with_an_eos(target, eos)
+        after = [
+            (s.position, s.cache[0].offset, None if s.ahead is None else int(s.ahead.choice.item()))
+            for s in sessions
+        ]
+        later = rounds_many(target, [Round(s, [], 3) for s in sessions])
+        runs.append((results, after, later))
+        if target is compiled_pooled:
+            assert not queued_steps
+    (results, after, later), (q_results, q_after, q_later) = runs
+    assert queued_steps, "no step was queued"
+    assert results[1].finished and len(results[1].committed) == 3
+    assert_same_rounds(results, q_results)
+    assert after == q_after
+    assert sum(a is not None for _, _, a in after) >= 2  # look-aheads taken in company
+    assert_same_rounds(later, q_later)
+
+
+def test_a_queued_step_that_fails_to_build_leaves_every_session_as_it_was(
+    queued_pooled, monkeypatch
+):
+    """The first step runs; building the step queued behind it fails: every round gets the
+    error, every session is as before its round, and its next rounds commit as if none ran."""
+    sessions = _sessions(queued_pooled)[:3]
+    before = [(s.position, s.cache[0].offset) for s in sessions]
+    want = [decode(queued_pooled, s, 3).committed for s in _sessions(queued_pooled)[:3]]
+    real = type(queued_pooled._mlx).forward_pooled
+    calls = []
+
+    def failing_second(self, segments, capture):
+        calls.append(len(segments))
+        if len(calls) == 2:
+            raise RuntimeError("device out of memory")
+        return real(self, segments, capture)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(type(queued_pooled._mlx), "forward_pooled", failing_second)
+        results = rounds_many(queued_pooled, [Round(s, [], 3) for s in sessions])
+    assert len(calls) == 2 and all(isinstance(r, RuntimeError) for r in results)
+    assert [(s.position, s.cache[0].offset) for s in sessions] == before
+    again = rounds_many(queued_pooled, [Round(s, [], 3) for s in sessions])
+    assert [r.committed for r in again] == want

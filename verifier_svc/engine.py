@@ -80,6 +80,7 @@ class Target:
         pool_alone: bool = True,
         compiled_pooled: bool = False,
         pool_kernel: str = "off",
+        queue_pooled_steps: bool = False,
     ):
         """gemv_rows: forwards of at most this many tokens run on numpy: whole layers for
         Llama-family models (specd.cpu.llama), else the weight products alone
@@ -96,7 +97,8 @@ class Target:
         work between attentions compiled, where the architecture allows. pool_kernel: auto, on
         or off: their rows, and a compiled forward's draft tree, attend in
         specd.models.pool_attention's one launch (auto: where it runs; on: a warning where it
-        cannot)."""
+        cannot). queue_pooled_steps: with compiled_pooled, a batch of plain greedy steps
+        builds and queues its next step before it reads this one's tokens (`rounds_stream`)."""
         self.loaded = loaded
         self.model = loaded.model
         device = device_kind()
@@ -136,6 +138,7 @@ class Target:
                 self.forwards.insert(0, CompiledMlxForward(compiled_forward))
             if compiled_pooled:
                 self._mlx.compiled_pooled = compiled_forward
+        self.queues_pooled_steps = compiled_pooled and queue_pooled_steps
         if cpu_layers is not None:
             self.forwards.insert(0, CpuKernelForward(cpu_layers))
         self._tree_ready: bool | None = None
@@ -773,14 +776,26 @@ def rounds_stream(
     leaves the sessions in it as they were and answers each with the error. `stepped(n)`:
     the sessions of each shared forward (1 for each forward of a round run alone). A plain
     round answered while others run on takes a row of the next forward if it asks
-    (`Round.ahead_in_company`). Returns once every round is answered and `more()` has no more."""
+    (`Round.ahead_in_company`). With `Target.queues_pooled_steps`, a step of plain greedy
+    rounds alone builds and queues the next before it reads its own tokens, as a lone decode
+    does (`_Queued`); rounds that arrive meanwhile join the step after.
+    Returns once every round is answered and `more()` has no more."""
     shared = target.many_forward()
     forward_many, max_rows = shared if shared is not None else (None, 0)
     pending = collections.deque(rounds)
     running: list[_Running] = []
     finished: list[Session] = []  # sessions answered by the last step that may look ahead
+    queued: _Queued | None = None  # the next step, built and queued by the last one
     while True:
         pending.extend(more())
+        if queued is not None:
+            if stepped is not None:
+                stepped(len(queued.states))
+            # arrivals wait for the step after: this one is queued with the rounds it has
+            running, finished, queued = _step(
+                target, queued.states, forward_many, answer, queued, queue=not pending
+            )
+            continue
         if not pending and not running:
             return
         if target.kv_pool is not None and len(pending) + len(running) > 1:
@@ -832,7 +847,9 @@ def rounds_stream(
         finished = []
         if stepped is not None:
             stepped(len(running))
-        running, finished = _step(target, running, forward_many, answer)
+        running, finished, queued = _step(
+            target, running, forward_many, answer, queue=target.queues_pooled_steps
+        )
 
 
 def _took_ahead(r: Round) -> _Running | None:
@@ -891,34 +908,66 @@ class _Running:
         return VerifyResult(tokens, self.accepted, session.finished, kept, seconds, share)
 
 
+@dataclass
+class _Queued:
+    """A shared forward built and queued before the step before it was read: row i of
+    `outs` is `states[i]`'s, its token that step's greedy choice (lazy); rows of rounds that
+    ended there are in the forward but in no state (their caches rolled back)."""
+
+    states: list[_Running]
+    outs: list  # (logits, outputs) of each state's row
+    choices: list[mx.array]  # each row's greedy choice, lazy
+    step_rows: int  # rows of the whole forward
+
+
 def _step(
-    target: Target, running: list[_Running], forward_many, answer
-) -> tuple[list[_Running], list[Session]]:
+    target: Target, running: list[_Running], forward_many, answer,
+    queued: _Queued | None = None, queue: bool = False,
+) -> tuple[list[_Running], list[Session], _Queued | None]:  # fmt: skip
     """One shared forward: every running round's tokens, then each one's verdict; answers the
     rounds that finish, and a round whose verdict fails with its error (the session as it was
-    before the round; the others go on). Returns those still running, and the sessions of the
+    before the round; the others go on). Returns those still running, the sessions of the
     rounds answered that may look ahead in the next step (`Round.ahead_in_company`) if others
-    run on. A look-ahead row leaves its choice as its session's `Session.ahead`. forward_many's
-    logits and rows are numpy (the CPU kernels) or MLX arrays."""
+    run on, and the next step if this one queued it. A look-ahead row leaves its choice as its
+    session's `Session.ahead`. forward_many's logits and rows are numpy (the CPU kernels) or
+    MLX arrays. `queued`: this step, built and queued by the last (`running` its states).
+    queue: where every round is a plain greedy one, build and queue the next step before
+    reading this one's tokens, so the device runs this step while Python builds the next."""
     start = time.perf_counter()
     capture = frozenset().union(*(s.round.session.capture for s in running))
-    segments = [_segment(s) for s in running]
     done: list[_Running] = []
     failed: list[_Running] = []
+    following: _Queued | None = None
     try:
-        outs = forward_many(segments, capture)
-        sampled = [s.round.session.rng is not None for s in running]
-        greedy_logits = [x for (x, _), s in zip(outs, sampled, strict=True) if not s]
-        drawn_logits = [x for (x, _), s in zip(outs, sampled, strict=True) if s]
-        greedy = iter(_greedy_choices(greedy_logits, drawn_logits))
-        choices = [None if s else next(greedy) for s in sampled]
+        if queued is not None:
+            outs, lazy, step_rows = queued.outs, queued.choices, queued.step_rows
+            own_rows = [1] * len(running)
+        else:
+            segments = [_segment(s) for s in running]
+            outs = forward_many(segments, capture)
+            own_rows = [len(segment.token_ids) for segment in segments]
+            step_rows = sum(own_rows)
+            lazy = None
+        if queue and _queueable(running):
+            if lazy is None:
+                lazy = [_greedy_next(_mx(x)) for x, _ in outs]
+                mx.async_eval(lazy)  # the device starts on this step while the next is built
+            following = _queue_next(running, lazy, forward_many, capture)
+        if lazy is not None:  # every round greedy
+            mx.eval(lazy)
+            choices = lazy
+        else:
+            sampled = [s.round.session.rng is not None for s in running]
+            greedy_logits = [x for (x, _), s in zip(outs, sampled, strict=True) if not s]
+            drawn_logits = [x for (x, _), s in zip(outs, sampled, strict=True) if s]
+            greedy = iter(_greedy_choices(greedy_logits, drawn_logits))
+            choices = [None if s else next(greedy) for s in sampled]
         seconds = time.perf_counter() - start  # every session's logits computed by now
-        step_rows = sum(len(segment.token_ids) for segment in segments)
-        for state, segment, (logits, outputs), choice in zip(running, segments, outs, choices,
-                                                             strict=True):  # fmt: skip
+        for state, rows, (logits, outputs), choice in zip(running, own_rows, outs, choices,
+                                                          strict=True):  # fmt: skip
             try:
-                if _take_step(target, state, len(segment.token_ids), logits, outputs, choice,
-                              seconds, step_rows):  # fmt: skip
+                if _take_step(target, state, rows, logits, outputs, choice, seconds,
+                              step_rows):  # fmt: skip
                     done.append(state)
             except Exception as exc:  # noqa: BLE001 - this session's verdict; the others go on
                 _undo(state)
@@ -930,7 +979,7 @@ def _step(
             _undo(state)
             if not state.looks_ahead:
                 answer(state.round, exc)
-        return [], []
+        return [], [], None
     except BaseException:
         for state in running:
             _undo(state)
@@ -946,7 +995,54 @@ def _step(
             looking.append(r.session)
     ended = done + failed
     still = [s for s in running if all(s is not d for d in ended)]
-    return still, looking
+    kept = None if following is None else _kept_rows(following, still, looking)
+    if kept is not None:
+        return [], [], kept
+    return still, looking, None
+
+
+def _queueable(running: list[_Running]) -> bool:
+    """Whether every round in a step is a plain greedy one whose next row is wanted: another
+    step of its own, or its look-ahead (`Round.ahead_in_company`, whose room was checked)."""
+    rounds = [s for s in running if not s.looks_ahead]
+    return bool(rounds) and all(
+        not s.round.drafts
+        and s.round.parents is None
+        and s.round.session.rng is None
+        and (len(s.committed) + 1 < s.round.steps or s.round.ahead_in_company)
+        for s in rounds
+    )
+
+
+def _queue_next(running: list[_Running], choices: list, forward_many, capture) -> _Queued:
+    """The next shared forward of a step's plain rounds, each row's token its lazy choice
+    in this step, built and queued on the device."""
+    rows = [(s, c) for s, c in zip(running, choices, strict=True) if not s.looks_ahead]
+    outs = forward_many([Segment(c, s.round.session.cache) for s, c in rows], capture)
+    nxt = [_greedy_next(logits) for logits, _ in outs]
+    mx.async_eval(nxt, *(kept for _, layer in outs for kept in layer.values()))
+    return _Queued([s for s, _ in rows], outs, nxt, len(rows))
+
+
+def _kept_rows(queued: _Queued, still: list[_Running], looking: list[Session]) -> _Queued | None:
+    """The queued step's rows that stay wanted once this step is read: the rounds still
+    running, and, beside them, a look-ahead for each session in `looking`; the rest (a round
+    that ended at an EOS, failed, or looks no further) have their caches rolled back. None
+    when no round runs on."""
+    states, outs, choices = [], [], []
+    for state, out, choice in zip(queued.states, queued.outs, queued.choices, strict=True):
+        session = state.round.session
+        if any(state is s for s in still):
+            kept = state
+        elif still and any(session is s for s in looking):
+            kept = _Running(Round(session), looks_ahead=True)
+        else:
+            _rollback(session.cache, session.position - 1)
+            continue
+        states.append(kept)
+        outs.append(out)
+        choices.append(choice)
+    return _Queued(states, outs, choices, queued.step_rows) if states else None
 
 
 def _take_step(
