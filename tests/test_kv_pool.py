@@ -695,3 +695,78 @@ def test_a_queued_step_that_fails_to_build_leaves_every_session_as_it_was(
     assert [(s.position, s.cache[0].offset) for s in sessions] == before
     again = rounds_many(queued_pooled, [Round(s, [], 3) for s in sessions])
     assert [r.committed for r in again] == want
+
+
+def _stream_of_rounds(target, plans) -> tuple[dict, list]:
+    """Every session's rounds through one `rounds_stream`, each next round arriving as soon
+    as its session's last is answered (as a coordinator asks again): per session the results
+    of its rounds, and the sessions."""
+    from verifier_svc.engine import rounds_stream
+
+    sessions = _sessions(target)
+    left = {id(s): list(p) for s, p in zip(sessions, plans, strict=True)}
+    got: dict[int, list] = {id(s): [] for s in sessions}
+    arrivals: list[Round] = []
+
+    def ask(session) -> Round | None:
+        if not left[id(session)]:
+            return None
+        drafts, steps = left[id(session)].pop(0)
+        return Round(session, drafts, steps, ahead_in_company=not drafts)
+
+    def answer(r, result) -> None:
+        assert not isinstance(result, BaseException), result
+        got[id(r.session)].append(result)
+        if (nxt := ask(r.session)) is not None:
+            arrivals.append(nxt)
+
+    def more() -> list:
+        out = arrivals[:]
+        arrivals.clear()
+        return out
+
+    rounds_stream(target, [ask(s) for s in sessions], more, answer)
+    return got, sessions
+
+
+def test_rounds_arriving_while_steps_are_queued_join_them_and_commit_the_same(
+    compiled_pooled, queued_pooled, monkeypatch
+):
+    """Sessions asking their next round as each is answered: a plain round of a session whose
+    look-ahead row is queued takes that row as its first step, a round with drafts waits for
+    it to be read, and every session commits what it commits with each step read before the
+    next is built."""
+    from verifier_svc import engine
+
+    wrong = decode(compiled_pooled, _sessions(compiled_pooled)[2], 4).committed[3] + 1
+    plans = [
+        [([], 3), ([], 2), ([], 4)],
+        [([], 5), ([], 1), ([], 3)],
+        [([], 2), ([wrong, 7], 1), ([], 3)],
+        [([], 1), ([], 1), ([], 6)],
+        [([], 4), ([], 4)],
+    ]
+    took, joined = [], []
+    real_take, real_queue = engine._take_queued_look_aheads, engine._queue_next
+
+    def taking(queued, pending):
+        looks = sum(s.looks_ahead for s in queued.states)
+        real_take(queued, pending)
+        took.append(looks - sum(s.looks_ahead for s in queued.states))
+
+    def queueing(running, choices, joining, forward_many):
+        joined.append(len(joining))
+        return real_queue(running, choices, joining, forward_many)
+
+    monkeypatch.setattr(engine, "_take_queued_look_aheads", taking)
+    monkeypatch.setattr(engine, "_queue_next", queueing)
+    read, read_sessions = _stream_of_rounds(compiled_pooled, plans)
+    assert not joined
+    queued, queued_sessions = _stream_of_rounds(queued_pooled, plans)
+    assert sum(took) >= 1 and sum(joined) >= 1
+    for a, b in zip(read_sessions, queued_sessions, strict=True):
+        assert_same_rounds(read[id(a)], queued[id(b)])
+        assert a.position == b.position
+    for session in queued_sessions:
+        want = session.position - (0 if session.ahead is None else -1) - 1
+        assert session.cache[0].offset == want

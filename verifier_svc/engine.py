@@ -778,7 +778,7 @@ def rounds_stream(
     round answered while others run on takes a row of the next forward if it asks
     (`Round.ahead_in_company`). With `Target.queues_pooled_steps`, a step of plain greedy
     rounds alone builds and queues the next before it reads its own tokens, as a lone decode
-    does (`_Queued`); rounds that arrive meanwhile join the step after.
+    does (`_Queued`); rounds that arrive meanwhile join the step it queues next.
     Returns once every round is answered and `more()` has no more."""
     shared = target.many_forward()
     forward_many, max_rows = shared if shared is not None else (None, 0)
@@ -789,11 +789,16 @@ def rounds_stream(
     while True:
         pending.extend(more())
         if queued is not None:
+            # the queued step runs as built; rounds that arrived join the one it queues next
+            _take_queued_look_aheads(queued, pending)
+            unread = [s.round.session for s in queued.states if s.looks_ahead]
+            joining = _admit(target, pending, queued.states, max_rows, answer, unread)
             if stepped is not None:
                 stepped(len(queued.states))
-            # arrivals wait for the step after: this one is queued with the rounds it has
+            # a round that runs alone is taken once the queue stops
+            queue = all(target.joins(r) for r in pending)
             running, finished, queued = _step(
-                target, queued.states, forward_many, answer, queued, queue=not pending
+                target, queued.states, forward_many, answer, queued, queue, joining
             )
             continue
         if not pending and not running:
@@ -814,29 +819,12 @@ def rounds_stream(
             answer(r, _alone(target, r))
         if alone:
             continue
+        joined = _admit(target, pending, running, max_rows, answer)
+        running.extend(joined)
+        # a session that joined computes its own next token
+        finished = [f for f in finished if all(f is not s.round.session for s in joined)]
         rows = sum(len(state.tokens()) for state in running)
         longest = max((len(state.tokens()) for state in running), default=0)
-        while pending and target.joins(pending[0]):
-            r = pending[0]
-            asks = 1 + len(r.drafts)
-            if running and (
-                rows + asks > max_rows or not target.grid_fits(len(running) + 1, max(longest, asks))
-            ):
-                break
-            took = _took_ahead(r)
-            pending.popleft()
-            finished = [f for f in finished if f is not r.session]  # it computes its own
-            if took is not None:
-                state = took
-            else:
-                _drop_ahead(r.session)  # a queued forward is recomputed in the shared one
-                state = _Running(r)
-            if state.done(target):  # its look-ahead was all it asked for
-                answer(r, state.result(target, state.seconds))
-                continue
-            running.append(state)
-            rows += len(state.tokens())
-            longest = max(longest, len(state.tokens()))
         if not running:
             finished = []
             continue
@@ -850,6 +838,62 @@ def rounds_stream(
         running, finished, queued = _step(
             target, running, forward_many, answer, queue=target.queues_pooled_steps
         )
+
+
+def _admit(
+    target: Target, pending: collections.deque, present: list[_Running], max_rows: int,
+    answer, unread: list[Session] = (),
+) -> list[_Running]:  # fmt: skip
+    """The rounds at the front of `pending` that join a step beside `present` while it has rows
+    to spare, in order (taken out of `pending`); a round whose session's look-ahead was all it
+    asked for is answered at once. Stops at a round that cannot share; passes over those of
+    `unread` sessions (their look-ahead rows still queued), which stay pending."""
+    joined: list[_Running] = []
+    waiting: list[Round] = []
+    rows = sum(len(state.tokens()) for state in present)
+    longest = max((len(state.tokens()) for state in present), default=0)
+    while pending and target.joins(pending[0]):
+        r = pending.popleft()
+        if any(r.session is s for s in unread):
+            waiting.append(r)
+            continue
+        asks = 1 + len(r.drafts)
+        sessions = len(present) + len(joined)
+        if sessions and (
+            rows + asks > max_rows or not target.grid_fits(sessions + 1, max(longest, asks))
+        ):
+            pending.appendleft(r)
+            break
+        if target.kv_pool is not None and sessions:
+            target.pool_session(r.session)  # one opened alone joins the pool in company
+        took = _took_ahead(r)
+        if took is not None:
+            state = took
+        else:
+            _drop_ahead(r.session)  # a queued forward is recomputed in the shared one
+            state = _Running(r)
+        if state.done(target):  # its look-ahead was all it asked for
+            answer(r, state.result(target, state.seconds))
+            continue
+        joined.append(state)
+        rows += len(state.tokens())
+        longest = max(longest, len(state.tokens()))
+    pending.extendleft(reversed(waiting))
+    return joined
+
+
+def _take_queued_look_aheads(queued: _Queued, pending: collections.deque) -> None:
+    """A plain greedy round of a session whose look-ahead row is queued takes that row as its
+    first step, as it would take the look-ahead's token once read (`_took_ahead`)."""
+    for state in queued.states:
+        if not state.looks_ahead:
+            continue
+        session = state.round.session
+        r = next((r for r in pending if r.session is session), None)
+        if r is None or r.drafts or r.parents is not None or session.rng is not None:
+            continue
+        pending.remove(r)
+        state.round, state.looks_ahead = r, False
 
 
 def _took_ahead(r: Round) -> _Running | None:
@@ -915,14 +959,15 @@ class _Queued:
     ended there are in the forward but in no state (their caches rolled back)."""
 
     states: list[_Running]
-    outs: list  # (logits, outputs) of each state's row
-    choices: list[mx.array]  # each row's greedy choice, lazy
+    outs: list  # (logits, outputs) of each state's rows
+    choices: list[mx.array]  # each state's greedy choices, lazy
+    own_rows: list[int]  # each state's rows
     step_rows: int  # rows of the whole forward
 
 
 def _step(
     target: Target, running: list[_Running], forward_many, answer,
-    queued: _Queued | None = None, queue: bool = False,
+    queued: _Queued | None = None, queue: bool = False, joining: list[_Running] = (),
 ) -> tuple[list[_Running], list[Session], _Queued | None]:  # fmt: skip
     """One shared forward: every running round's tokens, then each one's verdict; answers the
     rounds that finish, and a round whose verdict fails with its error (the session as it was
@@ -932,7 +977,8 @@ def _step(
     session's `Session.ahead`. forward_many's logits and rows are numpy (the CPU kernels) or
     MLX arrays. `queued`: this step, built and queued by the last (`running` its states).
     queue: where every round is a plain greedy one, build and queue the next step before
-    reading this one's tokens, so the device runs this step while Python builds the next."""
+    reading this one's tokens, so the device runs this step while Python builds the next.
+    joining: rounds new to the next step (in the one queued, else among those returned)."""
     start = time.perf_counter()
     capture = frozenset().union(*(s.round.session.capture for s in running))
     done: list[_Running] = []
@@ -941,7 +987,7 @@ def _step(
     try:
         if queued is not None:
             outs, lazy, step_rows = queued.outs, queued.choices, queued.step_rows
-            own_rows = [1] * len(running)
+            own_rows = queued.own_rows
         else:
             segments = [_segment(s) for s in running]
             outs = forward_many(segments, capture)
@@ -952,7 +998,7 @@ def _step(
             if lazy is None:
                 lazy = [_greedy_next(_mx(x)) for x, _ in outs]
                 mx.async_eval(lazy)  # the device starts on this step while the next is built
-            following = _queue_next(running, lazy, forward_many, capture)
+            following = _queue_next(running, lazy, joining, forward_many)
         if lazy is not None:  # every round greedy
             mx.eval(lazy)
             choices = lazy
@@ -979,6 +1025,9 @@ def _step(
             _undo(state)
             if not state.looks_ahead:
                 answer(state.round, exc)
+        for state in joining:  # theirs was the next step, whose build may have failed
+            _undo(state)
+            answer(state.round, exc)
         return [], [], None
     except BaseException:
         for state in running:
@@ -995,10 +1044,10 @@ def _step(
             looking.append(r.session)
     ended = done + failed
     still = [s for s in running if all(s is not d for d in ended)]
-    kept = None if following is None else _kept_rows(following, still, looking)
+    kept = None if following is None else _kept_rows(following, still, looking, joining)
     if kept is not None:
         return [], [], kept
-    return still, looking, None
+    return still + list(joining), looking, None
 
 
 def _queueable(running: list[_Running]) -> bool:
@@ -1014,27 +1063,37 @@ def _queueable(running: list[_Running]) -> bool:
     )
 
 
-def _queue_next(running: list[_Running], choices: list, forward_many, capture) -> _Queued:
-    """The next shared forward of a step's plain rounds, each row's token its lazy choice
-    in this step, built and queued on the device."""
-    rows = [(s, c) for s, c in zip(running, choices, strict=True) if not s.looks_ahead]
-    outs = forward_many([Segment(c, s.round.session.cache) for s, c in rows], capture)
+def _queue_next(running: list[_Running], choices: list, joining: list[_Running],
+                forward_many) -> _Queued:  # fmt: skip
+    """The next shared forward, built and queued on the device: a row for each of a step's
+    plain rounds, its token its lazy choice in this step, and the rounds `joining`."""
+    going = [(s, c) for s, c in zip(running, choices, strict=True) if not s.looks_ahead]
+    states = [s for s, _ in going] + list(joining)
+    segments = [Segment(c, s.round.session.cache) for s, c in going]
+    segments += [_segment(s) for s in joining]
+    capture = frozenset().union(*(s.round.session.capture for s in states))
+    outs = forward_many(segments, capture)
     nxt = [_greedy_next(logits) for logits, _ in outs]
     mx.async_eval(nxt, *(kept for _, layer in outs for kept in layer.values()))
-    return _Queued([s for s, _ in rows], outs, nxt, len(rows))
+    own_rows = [len(segment.token_ids) for segment in segments]
+    return _Queued(states, outs, nxt, own_rows, sum(own_rows))
 
 
-def _kept_rows(queued: _Queued, still: list[_Running], looking: list[Session]) -> _Queued | None:
+def _kept_rows(
+    queued: _Queued, still: list[_Running], looking: list[Session], joining: list[_Running]
+) -> _Queued | None:
     """The queued step's rows that stay wanted once this step is read: the rounds still
-    running, and, beside them, a look-ahead for each session in `looking`; the rest (a round
-    that ended at an EOS, failed, or looks no further) have their caches rolled back. None
-    when no round runs on."""
-    states, outs, choices = [], [], []
-    for state, out, choice in zip(queued.states, queued.outs, queued.choices, strict=True):
+    running or joining, and, beside them, a look-ahead for each session in `looking`; the
+    rest (a round that ended at an EOS, failed, or looks no further) have their caches rolled
+    back. None when no round runs on."""
+    states, outs, choices, own_rows = [], [], [], []
+    going = [*still, *joining]
+    rows = zip(queued.states, queued.outs, queued.choices, queued.own_rows, strict=True)
+    for state, out, choice, own in rows:
         session = state.round.session
-        if any(state is s for s in still):
+        if any(state is s for s in going):
             kept = state
-        elif still and any(session is s for s in looking):
+        elif going and any(session is s for s in looking):
             kept = _Running(Round(session), looks_ahead=True)
         else:
             _rollback(session.cache, session.position - 1)
@@ -1042,7 +1101,8 @@ def _kept_rows(queued: _Queued, still: list[_Running], looking: list[Session]) -
         states.append(kept)
         outs.append(out)
         choices.append(choice)
-    return _Queued(states, outs, choices, queued.step_rows) if states else None
+        own_rows.append(own)
+    return _Queued(states, outs, choices, own_rows, queued.step_rows) if states else None
 
 
 def _take_step(
