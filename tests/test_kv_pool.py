@@ -697,16 +697,16 @@ def test_a_queued_step_that_fails_to_build_leaves_every_session_as_it_was(
     assert [r.committed for r in again] == want
 
 
-def _stream_of_rounds(target, plans) -> tuple[dict, list]:
-    """Every session's rounds through one `rounds_stream`, each next round arriving as soon
-    as its session's last is answered (as a coordinator asks again): per session the results
-    of its rounds, and the sessions."""
+def _stream_of_rounds(target, plans, delay: int = 0) -> tuple[dict, list]:
+    """Every session's rounds through one `rounds_stream`, each next round arriving once its
+    session's last is answered (as a coordinator asks again), `delay` steps later: per
+    session the results of its rounds, and the sessions."""
     from verifier_svc.engine import rounds_stream
 
     sessions = _sessions(target)
     left = {id(s): list(p) for s, p in zip(sessions, plans, strict=True)}
     got: dict[int, list] = {id(s): [] for s in sessions}
-    arrivals: list[Round] = []
+    arrivals: list[tuple[int, Round]] = []  # (asks of `more` still to wait, round)
 
     def ask(session) -> Round | None:
         if not left[id(session)]:
@@ -718,24 +718,26 @@ def _stream_of_rounds(target, plans) -> tuple[dict, list]:
         assert not isinstance(result, BaseException), result
         got[id(r.session)].append(result)
         if (nxt := ask(r.session)) is not None:
-            arrivals.append(nxt)
+            arrivals.append((delay, nxt))
 
     def more() -> list:
-        out = arrivals[:]
-        arrivals.clear()
+        out = [r for wait, r in arrivals if wait == 0]
+        arrivals[:] = [(wait - 1, r) for wait, r in arrivals if wait > 0]
         return out
 
     rounds_stream(target, [ask(s) for s in sessions], more, answer)
     return got, sessions
 
 
+@pytest.mark.parametrize("delay", [0, 1, 2])
 def test_rounds_arriving_while_steps_are_queued_join_them_and_commit_the_same(
-    compiled_pooled, queued_pooled, monkeypatch
+    compiled_pooled, queued_pooled, monkeypatch, delay
 ):
-    """Sessions asking their next round as each is answered: a plain round of a session whose
-    look-ahead row is queued takes that row as its first step, a round with drafts waits for
-    it to be read, and every session commits what it commits with each step read before the
-    next is built."""
+    """Sessions asking their next round as each is answered, at once or a step or two later:
+    a plain round of a session whose look-ahead rows are queued takes them as its first steps
+    (a second row kept only while its round may come), a round with drafts waits for them to
+    be read, and every session commits what it commits with each step read before the next
+    is built; their next rounds find the same caches and look-aheads."""
     from verifier_svc import engine
 
     wrong = decode(compiled_pooled, _sessions(compiled_pooled)[2], 4).committed[3] + 1
@@ -749,9 +751,9 @@ def test_rounds_arriving_while_steps_are_queued_join_them_and_commit_the_same(
     took, joined = [], []
     real_take, real_queue = engine._take_queued_look_aheads, engine._queue_next
 
-    def taking(queued, pending):
+    def taking(target, queued, pending):
         looks = sum(s.looks_ahead for s in queued.states)
-        real_take(queued, pending)
+        real_take(target, queued, pending)
         took.append(looks - sum(s.looks_ahead for s in queued.states))
 
     def queueing(running, choices, joining, forward_many):
@@ -760,13 +762,17 @@ def test_rounds_arriving_while_steps_are_queued_join_them_and_commit_the_same(
 
     monkeypatch.setattr(engine, "_take_queued_look_aheads", taking)
     monkeypatch.setattr(engine, "_queue_next", queueing)
-    read, read_sessions = _stream_of_rounds(compiled_pooled, plans)
+    read, read_sessions = _stream_of_rounds(compiled_pooled, plans, delay)
     assert not joined
-    queued, queued_sessions = _stream_of_rounds(queued_pooled, plans)
-    assert sum(took) >= 1 and sum(joined) >= 1
+    queued, queued_sessions = _stream_of_rounds(queued_pooled, plans, delay)
+    assert sum(joined) >= 1
+    assert (sum(took) >= 1) == (delay < 2)  # two steps late, the look-ahead rows were read
     for a, b in zip(read_sessions, queued_sessions, strict=True):
         assert_same_rounds(read[id(a)], queued[id(b)])
         assert a.position == b.position
     for session in queued_sessions:
         want = session.position - (0 if session.ahead is None else -1) - 1
         assert session.cache[0].offset == want
+    pairs = ((compiled_pooled, read_sessions), (queued_pooled, queued_sessions))
+    after = [rounds_many(t, [Round(s, [], 3) for s in sessions]) for t, sessions in pairs]
+    assert_same_rounds(*after)

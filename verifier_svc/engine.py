@@ -790,7 +790,7 @@ def rounds_stream(
         pending.extend(more())
         if queued is not None:
             # the queued step runs as built; rounds that arrived join the one it queues next
-            _take_queued_look_aheads(queued, pending)
+            _take_queued_look_aheads(target, queued, pending)
             unread = [s.round.session for s in queued.states if s.looks_ahead]
             joining = _admit(target, pending, queued.states, max_rows, answer, unread)
             if stepped is not None:
@@ -882,9 +882,12 @@ def _admit(
     return joined
 
 
-def _take_queued_look_aheads(queued: _Queued, pending: collections.deque) -> None:
-    """A plain greedy round of a session whose look-ahead row is queued takes that row as its
-    first step, as it would take the look-ahead's token once read (`_took_ahead`)."""
+def _take_queued_look_aheads(
+    target: Target, queued: _Queued, pending: collections.deque
+) -> None:
+    """A plain greedy round of a session whose look-ahead rows are queued takes them as its
+    first steps, their tokens read so far committed (as `_took_ahead` takes a lone one's),
+    the row in the queued step its next."""
     for state in queued.states:
         if not state.looks_ahead:
             continue
@@ -892,6 +895,8 @@ def _take_queued_look_aheads(queued: _Queued, pending: collections.deque) -> Non
         r = next((r for r in pending if r.session is session), None)
         if r is None or r.drafts or r.parents is not None or session.rng is not None:
             continue
+        if len(state.committed) >= r.steps or target.eos_ids.intersection(state.committed):
+            continue  # read once the row is: done with what it has
         pending.remove(r)
         state.round, state.looks_ahead = r, False
 
@@ -999,6 +1004,8 @@ def _step(
                 lazy = [_greedy_next(_mx(x)) for x, _ in outs]
                 mx.async_eval(lazy)  # the device starts on this step while the next is built
             following = _queue_next(running, lazy, joining, forward_many)
+        goes_on = [following is not None and any(s is f for f in following.states)
+                   for s in running]  # fmt: skip
         if lazy is not None:  # every round greedy
             mx.eval(lazy)
             choices = lazy
@@ -1009,11 +1016,12 @@ def _step(
             greedy = iter(_greedy_choices(greedy_logits, drawn_logits))
             choices = [None if s else next(greedy) for s in sampled]
         seconds = time.perf_counter() - start  # every session's logits computed by now
-        for state, rows, (logits, outputs), choice in zip(running, own_rows, outs, choices,
-                                                          strict=True):  # fmt: skip
+        for state, rows, (logits, outputs), choice, more in zip(
+            running, own_rows, outs, choices, goes_on, strict=True
+        ):
             try:
                 if _take_step(target, state, rows, logits, outputs, choice, seconds,
-                              step_rows):  # fmt: skip
+                              step_rows, more):  # fmt: skip
                     done.append(state)
             except Exception as exc:  # noqa: BLE001 - this session's verdict; the others go on
                 _undo(state)
@@ -1066,8 +1074,10 @@ def _queueable(running: list[_Running]) -> bool:
 def _queue_next(running: list[_Running], choices: list, joining: list[_Running],
                 forward_many) -> _Queued:  # fmt: skip
     """The next shared forward, built and queued on the device: a row for each of a step's
-    plain rounds, its token its lazy choice in this step, and the rounds `joining`."""
-    going = [(s, c) for s, c in zip(running, choices, strict=True) if not s.looks_ahead]
+    plain rounds and first look-ahead rows (a second, kept for the session's next round if it
+    comes while it runs), its token its lazy choice in this step, and the rounds `joining`."""
+    going = [(s, c) for s, c in zip(running, choices, strict=True)
+             if not s.looks_ahead or not s.committed]  # fmt: skip
     states = [s for s, _ in going] + list(joining)
     segments = [Segment(c, s.round.session.cache) for s, c in going]
     segments += [_segment(s) for s in joining]
@@ -1107,18 +1117,32 @@ def _kept_rows(
 
 def _take_step(
     target: Target, state: _Running, own_rows: int, logits, outputs, choice, seconds: float,
-    step_rows: int,
+    step_rows: int, goes_on: bool = False,
 ) -> bool:  # fmt: skip
     """A round's verdict on its rows of a shared forward: what it commits (a verify's accepted
     drafts, a tree's kept path moved into place, a plain step's token) or, for a look-ahead,
-    its session's next choice. True when the round is done."""
+    its session's next choice. True when the round is done. goes_on: the state has a row in
+    the next step, queued already: a look-ahead keeps its choice for the round that may take
+    it (`_take_queued_look_aheads`) rather than ending."""
     r = state.round
     captured = None
     if r.session.capture:
         captured = _joined([outputs[j] for j in r.session.capture], -1)
     if state.looks_ahead:
         rows = None if captured is None else _mx(captured)
-        r.session.ahead = Ahead(choice.astype(mx.int32).reshape(1), rows, step_rows)
+        if goes_on:
+            state.committed.append(int(choice.item()))
+            state.rows += [] if rows is None else [rows]
+            state.seconds += seconds
+            state.own_rows += own_rows
+            state.all_rows += step_rows
+            return False
+        if state.committed:  # the second row: its session keeps the first, as a lone one would
+            first = mx.array(state.committed[:1], dtype=mx.int32)
+            r.session.ahead = Ahead(first, state.rows[0] if state.rows else None, state.all_rows)
+            _rollback(r.session.cache, r.session.position)
+        else:
+            r.session.ahead = Ahead(choice.astype(mx.int32).reshape(1), rows, step_rows)
         return True
     state.seconds += seconds
     state.own_rows += own_rows
