@@ -776,3 +776,43 @@ def test_rounds_arriving_while_steps_are_queued_join_them_and_commit_the_same(
     pairs = ((compiled_pooled, read_sessions), (queued_pooled, queued_sessions))
     after = [rounds_many(t, [Round(s, [], 3) for s in sessions]) for t, sessions in pairs]
     assert_same_rounds(*after)
+
+
+def test_a_step_with_a_verify_and_a_tree_ending_in_it_queues_the_next_for_the_bursts(
+    compiled_pooled, queued_pooled, monkeypatch
+):
+    """A verify of drafts and a tree end with the first step: the bursts beside them go on in
+    a step queued before it is read, the same tokens as reading it first; a sampled burst is
+    read before its next step is built."""
+    from verifier_svc import engine
+    from verifier_svc.sampling import SamplingConfig
+
+    queued_steps = []
+    real = engine._queue_next
+
+    def counting(running, choices, joining, forward_many):
+        queued_steps.append(len(running))
+        return real(running, choices, joining, forward_many)
+
+    monkeypatch.setattr(engine, "_queue_next", counting)
+    runs = []
+    for target in (compiled_pooled, queued_pooled):
+        greedy = decode(target, prefill(target, PROMPTS[1]).session, 2).committed
+        sessions = _sessions(target)
+        rounds = [
+            Round(sessions[0], [], 4),
+            Round(sessions[1], [greedy[0], 7, 8], 1, parents=[-1, -1, 0]),
+            Round(sessions[2], [], 3, ahead_in_company=True),
+            Round(sessions[3], [3, 1, 4], 1),
+        ]
+        runs.append(rounds_many(target, rounds))
+    assert queued_steps and queued_steps[0] == 4  # the first step, all four rounds in it
+    assert_same_rounds(*runs)
+    assert runs[1][1].num_accepted == 1
+
+    queued_steps.clear()
+    sampled = _sessions(queued_pooled)[:2]
+    sampled[0].rng = np.random.default_rng(7)
+    sampled[0].sampling = SamplingConfig(temperature=0.8)
+    rounds_many(queued_pooled, [Round(sampled[0], [], 3), Round(sampled[1], [], 3)])
+    assert not queued_steps

@@ -1059,16 +1059,27 @@ def _step(
 
 
 def _queueable(running: list[_Running]) -> bool:
-    """Whether every round in a step is a plain greedy one whose next row is wanted: another
-    step of its own, or its look-ahead (`Round.ahead_in_company`, whose room was checked)."""
+    """Whether the next step can be built before this one is read: some round in it goes on
+    (`_goes_on`) and every other ends here (a verify of drafts or a tree)."""
     rounds = [s for s in running if not s.looks_ahead]
-    return bool(rounds) and all(
-        not s.round.drafts
-        and s.round.parents is None
-        and s.round.session.rng is None
-        and (len(s.committed) + 1 < s.round.steps or s.round.ahead_in_company)
-        for s in rounds
+    going = [_goes_on(s) for s in rounds]
+    return any(going) and all(g or _one_step(s) for s, g in zip(rounds, going, strict=True))
+
+
+def _goes_on(state: _Running) -> bool:
+    """A plain greedy round whose next row is wanted: another step of its own, or its
+    look-ahead (`Round.ahead_in_company`, whose room was checked)."""
+    r = state.round
+    return (
+        not _one_step(state)
+        and r.session.rng is None
+        and (len(state.committed) + 1 < r.steps or r.ahead_in_company)
     )
+
+
+def _one_step(state: _Running) -> bool:
+    """A round that ends with the step it is in: a verify of drafts or of a tree."""
+    return not state.committed and (bool(state.round.drafts) or state.round.parents is not None)
 
 
 def _queue_next(running: list[_Running], choices: list, joining: list[_Running],
@@ -1077,7 +1088,7 @@ def _queue_next(running: list[_Running], choices: list, joining: list[_Running],
     plain rounds and first look-ahead rows (a second, kept for the session's next round if it
     comes while it runs), its token its lazy choice in this step, and the rounds `joining`."""
     going = [(s, c) for s, c in zip(running, choices, strict=True)
-             if not s.looks_ahead or not s.committed]  # fmt: skip
+             if (not s.committed if s.looks_ahead else _goes_on(s))]  # fmt: skip
     states = [s for s, _ in going] + list(joining)
     segments = [Segment(c, s.round.session.cache) for s, c in going]
     segments += [_segment(s) for s in joining]
