@@ -882,9 +882,7 @@ def _admit(
     return joined
 
 
-def _take_queued_look_aheads(
-    target: Target, queued: _Queued, pending: collections.deque
-) -> None:
+def _take_queued_look_aheads(target: Target, queued: _Queued, pending: collections.deque) -> None:
     """A plain greedy round of a session whose look-ahead rows are queued takes them as its
     first steps, their tokens read so far committed (as `_took_ahead` takes a lone one's),
     the row in the queued step its next."""
