@@ -236,22 +236,6 @@ pkernel-services)
       --verifier-args "--log-stats 1 --pool-kernel $mode" --log-dir ~/res/pkernel-$mode \
       >> "$OUT/pkernel.log" 2>&1
   done ;;
-queue)
-  # pooled steps queued before the last is read (--queue-pooled-steps) off and on: the
-  # verifier alone (`verifier`), or the services (`services [requests] [drafters] [modes]`)
-  for mode in ${5:-off on}; do
-    if [ "${2:-verifier}" = verifier ]; then
-      timeout 120 python3 benchmarks/batched_decode.py --target "$model" --clients 1 16 64 \
-        --verifier-args "--dtype float32 --log-stats 1 --warmup minimal --queue-pooled-steps $mode" \
-        >> "$OUT/queue.log" 2>&1
-    else
-      timeout 280 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
-        --max-tokens 128 --drafter "${4:-none}" --concurrency 1,16,64 \
-        --concurrency-requests "${3:-1}" --json ~/res/queue-$mode.json \
-        --verifier-args "--log-stats 1 --warmup minimal --queue-pooled-steps $mode" --log-dir ~/res/queue-$mode \
-        >> "$OUT/queue.log" 2>&1
-    fi
-  done ;;
 pieces)
   timeout 200 python3 benchmarks/pooled_pieces.py --target "$model" --sessions 16 64 --calls 20 \
     > "$OUT/pieces.log" 2>&1 ;;

@@ -133,16 +133,6 @@ class VerifierConfig:
         "a batched step, as on a GPU; auto = on on a GPU",
         choices=GPU_MODES,
     )
-    queue_pooled_steps: str = option(
-        "auto",
-        "with --compiled-pooled, a batched step whose sessions all decode greedily builds "
-        "and queues its next step before reading its own tokens (each row's token the "
-        "step's choice, still on the device), as mlx-lm's decode loop keeps one step queued, "
-        "so the device runs one step while Python builds the next; a session that stops at "
-        "an EOS drops its queued row; sessions arriving meanwhile join the step after; auto "
-        "= on on a GPU",
-        choices=GPU_MODES,
-    )
     pool_kernel: str = option(
         "auto",
         "in the compiled pooled forward (--compiled-pooled), attend each row in one CUDA "

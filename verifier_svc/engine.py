@@ -80,7 +80,6 @@ class Target:
         pool_alone: bool = True,
         compiled_pooled: bool = False,
         pool_kernel: str = "off",
-        queue_pooled_steps: bool = False,
     ):
         """gemv_rows: forwards of at most this many tokens run on numpy: whole layers for
         Llama-family models (specd.cpu.llama), else the weight products alone
@@ -97,8 +96,7 @@ class Target:
         work between attentions compiled, where the architecture allows. pool_kernel: auto, on
         or off: their rows, and a compiled forward's draft tree, attend in
         specd.models.pool_attention's one launch (auto: where it runs; on: a warning where it
-        cannot). queue_pooled_steps: with compiled_pooled, a batch of plain greedy steps
-        builds and queues its next step before it reads this one's tokens (`rounds_stream`)."""
+        cannot)."""
         self.loaded = loaded
         self.model = loaded.model
         device = device_kind()
@@ -138,7 +136,6 @@ class Target:
                 self.forwards.insert(0, CompiledMlxForward(compiled_forward))
             if compiled_pooled:
                 self._mlx.compiled_pooled = compiled_forward
-        self.queues_pooled_steps = compiled_pooled and queue_pooled_steps
         if cpu_layers is not None:
             self.forwards.insert(0, CpuKernelForward(cpu_layers))
         self._tree_ready: bool | None = None
@@ -776,31 +773,14 @@ def rounds_stream(
     leaves the sessions in it as they were and answers each with the error. `stepped(n)`:
     the sessions of each shared forward (1 for each forward of a round run alone). A plain
     round answered while others run on takes a row of the next forward if it asks
-    (`Round.ahead_in_company`). With `Target.queues_pooled_steps`, a step of plain greedy
-    rounds alone builds and queues the next before it reads its own tokens, as a lone decode
-    does (`_Queued`); rounds that arrive meanwhile join the step it queues next.
-    Returns once every round is answered and `more()` has no more."""
+    (`Round.ahead_in_company`). Returns once every round is answered and `more()` has no more."""
     shared = target.many_forward()
     forward_many, max_rows = shared if shared is not None else (None, 0)
     pending = collections.deque(rounds)
     running: list[_Running] = []
     finished: list[Session] = []  # sessions answered by the last step that may look ahead
-    queued: _Queued | None = None  # the next step, built and queued by the last one
     while True:
         pending.extend(more())
-        if queued is not None:
-            # the queued step runs as built; rounds that arrived join the one it queues next
-            _take_queued_look_aheads(target, queued, pending)
-            unread = [s.round.session for s in queued.states if s.looks_ahead]
-            joining = _admit(target, pending, queued.states, max_rows, answer, unread)
-            if stepped is not None:
-                stepped(len(queued.states))
-            # a round that runs alone is taken once the queue stops
-            queue = all(target.joins(r) for r in pending)
-            running, finished, queued = _step(
-                target, queued.states, forward_many, answer, queued, queue, joining
-            )
-            continue
         if not pending and not running:
             return
         if target.kv_pool is not None and len(pending) + len(running) > 1:
@@ -819,12 +799,29 @@ def rounds_stream(
             answer(r, _alone(target, r))
         if alone:
             continue
-        joined = _admit(target, pending, running, max_rows, answer)
-        running.extend(joined)
-        # a session that joined computes its own next token
-        finished = [f for f in finished if all(f is not s.round.session for s in joined)]
         rows = sum(len(state.tokens()) for state in running)
         longest = max((len(state.tokens()) for state in running), default=0)
+        while pending and target.joins(pending[0]):
+            r = pending[0]
+            asks = 1 + len(r.drafts)
+            if running and (
+                rows + asks > max_rows or not target.grid_fits(len(running) + 1, max(longest, asks))
+            ):
+                break
+            took = _took_ahead(r)
+            pending.popleft()
+            finished = [f for f in finished if f is not r.session]  # it computes its own
+            if took is not None:
+                state = took
+            else:
+                _drop_ahead(r.session)  # a queued forward is recomputed in the shared one
+                state = _Running(r)
+            if state.done(target):  # its look-ahead was all it asked for
+                answer(r, state.result(target, state.seconds))
+                continue
+            running.append(state)
+            rows += len(state.tokens())
+            longest = max(longest, len(state.tokens()))
         if not running:
             finished = []
             continue
@@ -835,68 +832,7 @@ def rounds_stream(
         finished = []
         if stepped is not None:
             stepped(len(running))
-        running, finished, queued = _step(
-            target, running, forward_many, answer, queue=target.queues_pooled_steps
-        )
-
-
-def _admit(
-    target: Target, pending: collections.deque, present: list[_Running], max_rows: int,
-    answer, unread: list[Session] = (),
-) -> list[_Running]:  # fmt: skip
-    """The rounds at the front of `pending` that join a step beside `present` while it has rows
-    to spare, in order (taken out of `pending`); a round whose session's look-ahead was all it
-    asked for is answered at once. Stops at a round that cannot share; passes over those of
-    `unread` sessions (their look-ahead rows still queued), which stay pending."""
-    joined: list[_Running] = []
-    waiting: list[Round] = []
-    rows = sum(len(state.tokens()) for state in present)
-    longest = max((len(state.tokens()) for state in present), default=0)
-    while pending and target.joins(pending[0]):
-        r = pending.popleft()
-        if any(r.session is s for s in unread):
-            waiting.append(r)
-            continue
-        asks = 1 + len(r.drafts)
-        sessions = len(present) + len(joined)
-        if sessions and (
-            rows + asks > max_rows or not target.grid_fits(sessions + 1, max(longest, asks))
-        ):
-            pending.appendleft(r)
-            break
-        if target.kv_pool is not None and sessions:
-            target.pool_session(r.session)  # one opened alone joins the pool in company
-        took = _took_ahead(r)
-        if took is not None:
-            state = took
-        else:
-            _drop_ahead(r.session)  # a queued forward is recomputed in the shared one
-            state = _Running(r)
-        if state.done(target):  # its look-ahead was all it asked for
-            answer(r, state.result(target, state.seconds))
-            continue
-        joined.append(state)
-        rows += len(state.tokens())
-        longest = max(longest, len(state.tokens()))
-    pending.extendleft(reversed(waiting))
-    return joined
-
-
-def _take_queued_look_aheads(target: Target, queued: _Queued, pending: collections.deque) -> None:
-    """A plain greedy round of a session whose look-ahead rows are queued takes them as its
-    first steps, their tokens read so far committed (as `_took_ahead` takes a lone one's),
-    the row in the queued step its next."""
-    for state in queued.states:
-        if not state.looks_ahead:
-            continue
-        session = state.round.session
-        r = next((r for r in pending if r.session is session), None)
-        if r is None or r.drafts or r.parents is not None or session.rng is not None:
-            continue
-        if len(state.committed) >= r.steps or target.eos_ids.intersection(state.committed):
-            continue  # read once the row is: done with what it has
-        pending.remove(r)
-        state.round, state.looks_ahead = r, False
+        running, finished = _step(target, running, forward_many, answer)
 
 
 def _took_ahead(r: Round) -> _Running | None:
@@ -955,71 +891,34 @@ class _Running:
         return VerifyResult(tokens, self.accepted, session.finished, kept, seconds, share)
 
 
-@dataclass
-class _Queued:
-    """A shared forward built and queued before the step before it was read: row i of
-    `outs` is `states[i]`'s, its token that step's greedy choice (lazy); rows of rounds that
-    ended there are in the forward but in no state (their caches rolled back)."""
-
-    states: list[_Running]
-    outs: list  # (logits, outputs) of each state's rows
-    choices: list[mx.array]  # each state's greedy choices, lazy
-    own_rows: list[int]  # each state's rows
-    step_rows: int  # rows of the whole forward
-
-
 def _step(
-    target: Target, running: list[_Running], forward_many, answer,
-    queued: _Queued | None = None, queue: bool = False, joining: list[_Running] = (),
-) -> tuple[list[_Running], list[Session], _Queued | None]:  # fmt: skip
+    target: Target, running: list[_Running], forward_many, answer
+) -> tuple[list[_Running], list[Session]]:
     """One shared forward: every running round's tokens, then each one's verdict; answers the
     rounds that finish, and a round whose verdict fails with its error (the session as it was
-    before the round; the others go on). Returns those still running, the sessions of the
+    before the round; the others go on). Returns those still running, and the sessions of the
     rounds answered that may look ahead in the next step (`Round.ahead_in_company`) if others
-    run on, and the next step if this one queued it. A look-ahead row leaves its choice as its
-    session's `Session.ahead`. forward_many's logits and rows are numpy (the CPU kernels) or
-    MLX arrays. `queued`: this step, built and queued by the last (`running` its states).
-    queue: where every round is a plain greedy one, build and queue the next step before
-    reading this one's tokens, so the device runs this step while Python builds the next.
-    joining: rounds new to the next step (in the one queued, else among those returned)."""
+    run on. A look-ahead row leaves its choice as its session's `Session.ahead`. forward_many's
+    logits and rows are numpy (the CPU kernels) or MLX arrays."""
     start = time.perf_counter()
     capture = frozenset().union(*(s.round.session.capture for s in running))
+    segments = [_segment(s) for s in running]
     done: list[_Running] = []
     failed: list[_Running] = []
-    following: _Queued | None = None
     try:
-        if queued is not None:
-            outs, lazy, step_rows = queued.outs, queued.choices, queued.step_rows
-            own_rows = queued.own_rows
-        else:
-            segments = [_segment(s) for s in running]
-            outs = forward_many(segments, capture)
-            own_rows = [len(segment.token_ids) for segment in segments]
-            step_rows = sum(own_rows)
-            lazy = None
-        if queue and _queueable(running):
-            if lazy is None:
-                lazy = [_greedy_next(_mx(x)) for x, _ in outs]
-                mx.async_eval(lazy)  # the device starts on this step while the next is built
-            following = _queue_next(running, lazy, joining, forward_many)
-        goes_on = [following is not None and any(s is f for f in following.states)
-                   for s in running]  # fmt: skip
-        if lazy is not None:  # every round greedy
-            mx.eval(lazy)
-            choices = lazy
-        else:
-            sampled = [s.round.session.rng is not None for s in running]
-            greedy_logits = [x for (x, _), s in zip(outs, sampled, strict=True) if not s]
-            drawn_logits = [x for (x, _), s in zip(outs, sampled, strict=True) if s]
-            greedy = iter(_greedy_choices(greedy_logits, drawn_logits))
-            choices = [None if s else next(greedy) for s in sampled]
+        outs = forward_many(segments, capture)
+        sampled = [s.round.session.rng is not None for s in running]
+        greedy_logits = [x for (x, _), s in zip(outs, sampled, strict=True) if not s]
+        drawn_logits = [x for (x, _), s in zip(outs, sampled, strict=True) if s]
+        greedy = iter(_greedy_choices(greedy_logits, drawn_logits))
+        choices = [None if s else next(greedy) for s in sampled]
         seconds = time.perf_counter() - start  # every session's logits computed by now
-        for state, rows, (logits, outputs), choice, more in zip(
-            running, own_rows, outs, choices, goes_on, strict=True
-        ):
+        step_rows = sum(len(segment.token_ids) for segment in segments)
+        for state, segment, (logits, outputs), choice in zip(running, segments, outs, choices,
+                                                             strict=True):  # fmt: skip
             try:
-                if _take_step(target, state, rows, logits, outputs, choice, seconds,
-                              step_rows, more):  # fmt: skip
+                if _take_step(target, state, len(segment.token_ids), logits, outputs, choice,
+                              seconds, step_rows):  # fmt: skip
                     done.append(state)
             except Exception as exc:  # noqa: BLE001 - this session's verdict; the others go on
                 _undo(state)
@@ -1031,10 +930,7 @@ def _step(
             _undo(state)
             if not state.looks_ahead:
                 answer(state.round, exc)
-        for state in joining:  # theirs was the next step, whose build may have failed
-            _undo(state)
-            answer(state.round, exc)
-        return [], [], None
+        return [], []
     except BaseException:
         for state in running:
             _undo(state)
@@ -1050,108 +946,23 @@ def _step(
             looking.append(r.session)
     ended = done + failed
     still = [s for s in running if all(s is not d for d in ended)]
-    kept = None if following is None else _kept_rows(following, still, looking, joining)
-    if kept is not None:
-        return [], [], kept
-    return still + list(joining), looking, None
-
-
-def _queueable(running: list[_Running]) -> bool:
-    """Whether the next step can be built before this one is read: some round in it goes on
-    (`_goes_on`) and every other ends here (a verify of drafts or a tree)."""
-    rounds = [s for s in running if not s.looks_ahead]
-    going = [_goes_on(s) for s in rounds]
-    return any(going) and all(g or _one_step(s) for s, g in zip(rounds, going, strict=True))
-
-
-def _goes_on(state: _Running) -> bool:
-    """A plain greedy round whose next row is wanted: another step of its own, or its
-    look-ahead (`Round.ahead_in_company`, whose room was checked)."""
-    r = state.round
-    return (
-        not _one_step(state)
-        and r.session.rng is None
-        and (len(state.committed) + 1 < r.steps or r.ahead_in_company)
-    )
-
-
-def _one_step(state: _Running) -> bool:
-    """A round that ends with the step it is in: a verify of drafts or of a tree."""
-    return not state.committed and (bool(state.round.drafts) or state.round.parents is not None)
-
-
-def _queue_next(running: list[_Running], choices: list, joining: list[_Running],
-                forward_many) -> _Queued:  # fmt: skip
-    """The next shared forward, built and queued on the device: a row for each of a step's
-    plain rounds and first look-ahead rows (a second, kept for the session's next round if it
-    comes while it runs), its token its lazy choice in this step, and the rounds `joining`."""
-    going = [(s, c) for s, c in zip(running, choices, strict=True)
-             if (not s.committed if s.looks_ahead else _goes_on(s))]  # fmt: skip
-    states = [s for s, _ in going] + list(joining)
-    segments = [Segment(c, s.round.session.cache) for s, c in going]
-    segments += [_segment(s) for s in joining]
-    capture = frozenset().union(*(s.round.session.capture for s in states))
-    outs = forward_many(segments, capture)
-    nxt = [_greedy_next(logits) for logits, _ in outs]
-    mx.async_eval(nxt, *(kept for _, layer in outs for kept in layer.values()))
-    own_rows = [len(segment.token_ids) for segment in segments]
-    return _Queued(states, outs, nxt, own_rows, sum(own_rows))
-
-
-def _kept_rows(
-    queued: _Queued, still: list[_Running], looking: list[Session], joining: list[_Running]
-) -> _Queued | None:
-    """The queued step's rows that stay wanted once this step is read: the rounds still
-    running or joining, and, beside them, a look-ahead for each session in `looking`; the
-    rest (a round that ended at an EOS, failed, or looks no further) have their caches rolled
-    back. None when no round runs on."""
-    states, outs, choices, own_rows = [], [], [], []
-    going = [*still, *joining]
-    rows = zip(queued.states, queued.outs, queued.choices, queued.own_rows, strict=True)
-    for state, out, choice, own in rows:
-        session = state.round.session
-        if any(state is s for s in going):
-            kept = state
-        elif going and any(session is s for s in looking):
-            kept = _Running(Round(session), looks_ahead=True)
-        else:
-            _rollback(session.cache, session.position - 1)
-            continue
-        states.append(kept)
-        outs.append(out)
-        choices.append(choice)
-        own_rows.append(own)
-    return _Queued(states, outs, choices, own_rows, queued.step_rows) if states else None
+    return still, looking
 
 
 def _take_step(
     target: Target, state: _Running, own_rows: int, logits, outputs, choice, seconds: float,
-    step_rows: int, goes_on: bool = False,
+    step_rows: int,
 ) -> bool:  # fmt: skip
     """A round's verdict on its rows of a shared forward: what it commits (a verify's accepted
     drafts, a tree's kept path moved into place, a plain step's token) or, for a look-ahead,
-    its session's next choice. True when the round is done. goes_on: the state has a row in
-    the next step, queued already: a look-ahead keeps its choice for the round that may take
-    it (`_take_queued_look_aheads`) rather than ending."""
+    its session's next choice. True when the round is done."""
     r = state.round
     captured = None
     if r.session.capture:
         captured = _joined([outputs[j] for j in r.session.capture], -1)
     if state.looks_ahead:
         rows = None if captured is None else _mx(captured)
-        if goes_on:
-            state.committed.append(int(choice.item()))
-            state.rows += [] if rows is None else [rows]
-            state.seconds += seconds
-            state.own_rows += own_rows
-            state.all_rows += step_rows
-            return False
-        if state.committed:  # the second row: its session keeps the first, as a lone one would
-            first = mx.array(state.committed[:1], dtype=mx.int32)
-            r.session.ahead = Ahead(first, state.rows[0] if state.rows else None, state.all_rows)
-            _rollback(r.session.cache, r.session.position)
-        else:
-            r.session.ahead = Ahead(choice.astype(mx.int32).reshape(1), rows, step_rows)
+        r.session.ahead = Ahead(choice.astype(mx.int32).reshape(1), rows, step_rows)
         return True
     state.seconds += seconds
     state.own_rows += own_rows

@@ -236,28 +236,17 @@ class MlxForward:
         # write at their own position
         grid_end = int(step.offsets.max()) + tokens
         pool.reserve(max(grid_end, spare_position(step.offsets, lengths) + 1))
+        ids = np.zeros(rows, np.int32)
+        ids[:real] = np.concatenate([s.token_ids for s in segments])
         scale = compiled.shape.scale
 
         def attend(layer: int, queries, keys, values):
             return attend_rows(scale, pool, step, layer, queries, keys, values)
 
-        logits, kept = compiled.forward_rows(_row_ids(segments, rows), step.ragged.positions,
-                                             attend, capture)  # fmt: skip
+        logits, kept = compiled.forward_rows(mx.array(ids), step.ragged.positions, attend,
+                                             capture)  # fmt: skip
         _advance(segments, lengths)
         return _per_session(logits, kept, lengths)
-
-
-def _row_ids(segments: list[Segment], rows: int) -> mx.array:
-    """The segments' tokens, then zeros up to `rows`; tokens still lazy in MLX (a queued
-    step's, `engine._Queued`) stay so."""
-    parts = [s.token_ids for s in segments]
-    real = sum(len(p) for p in parts)
-    if not any(isinstance(p, mx.array) for p in parts):
-        ids = np.zeros(rows, np.int32)
-        ids[:real] = np.concatenate(parts)
-        return mx.array(ids)
-    ids = [p.astype(mx.int32) if isinstance(p, mx.array) else mx.array(p, mx.int32) for p in parts]
-    return mx.concatenate([*ids, mx.zeros(rows - real, mx.int32)])
 
 
 def _trees(segments: list[Segment]) -> list:

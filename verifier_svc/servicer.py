@@ -124,7 +124,6 @@ def target_for(config: VerifierConfig) -> Target:
         pool_alone=config.kv_pool == "on",
         compiled_pooled=on_gpu(config.compiled_pooled, "compiled-pooled"),
         pool_kernel=config.pool_kernel,
-        queue_pooled_steps=on_gpu(config.queue_pooled_steps, "queue-pooled-steps"),
     )
 
 
