@@ -16,15 +16,20 @@ import time
 
 import mlx.core as mx
 
+from specd.argtypes import positive_int
 from specd.models.load import load_target
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", help="model whose sizes to take (default: the embedded one)")
-    parser.add_argument("--rows", type=int, default=16, help="rows a step (one per session)")
-    parser.add_argument("--context", type=int, default=80, help="cached keys a row attends")
-    parser.add_argument("--builds", type=int, default=30, help="timed builds a way")
+    parser.add_argument(
+        "--rows", type=positive_int, default=16, help="rows a step (one per session)"
+    )
+    parser.add_argument(
+        "--context", type=positive_int, default=80, help="cached keys a row attends"
+    )
+    parser.add_argument("--builds", type=positive_int, default=30, help="timed builds a way")
     args = parser.parse_args()
     a = load_target(args.target, "float32").model.args
     heads, kv_heads, width = a.num_attention_heads, a.num_key_value_heads, a.hidden_size
