@@ -101,6 +101,31 @@ def test_pooled_rounds_run_as_one_forward_and_commit_what_each_does_alone(
     assert [r.committed for r in again] == [decode(plain, s, 3).committed for s in reference]
 
 
+def test_a_pooled_steps_greedy_choices_are_taken_over_every_row_at_once(pooled, plain, monkeypatch):
+    """One argmax a step however many sessions share it (not one per session), choosing what
+    each session chooses alone."""
+    from verifier_svc import engine
+
+    plans = round_plans(plain)
+    alone = run_alone(plain, _sessions(plain), plans)
+    sessions = _sessions(pooled)
+    passes = []
+    real = engine._greedy_next
+
+    def counted(logits):
+        passes.append(logits.shape[0])
+        return real(logits)
+
+    monkeypatch.setattr(engine, "_greedy_next", counted)
+    steps = recorded(monkeypatch, pooled, "forward_pooled")
+    together = rounds_many(
+        pooled, [Round(s, d, k) for s, (d, k) in zip(sessions, plans, strict=True)]
+    )
+    assert steps == [[1, 1, 7, 4, 3]] + [[1]] * 3
+    assert passes == [16, 1, 1, 1]
+    assert_same_rounds(alone, together)
+
+
 def test_the_pool_grows_past_its_capacity_and_its_slots(pooled, plain):
     long_prompt = [5 + j % 80 for j in range(CAPACITY_STEP - 3)]
     prompts = [long_prompt, *PROMPTS]  # six sessions: more than the first four slots

@@ -908,10 +908,7 @@ def _step(
     try:
         outs = forward_many(segments, capture)
         sampled = [s.round.session.rng is not None for s in running]
-        greedy_logits = [x for (x, _), s in zip(outs, sampled, strict=True) if not s]
-        drawn_logits = [x for (x, _), s in zip(outs, sampled, strict=True) if s]
-        greedy = iter(_greedy_choices(greedy_logits, drawn_logits))
-        choices = [None if s else next(greedy) for s in sampled]
+        choices = _step_choices(outs, sampled)
         seconds = time.perf_counter() - start  # every session's logits computed by now
         step_rows = sum(len(segment.token_ids) for segment in segments)
         for state, segment, (logits, outputs), choice in zip(running, segments, outs, choices,
@@ -962,7 +959,8 @@ def _take_step(
         captured = _joined([outputs[j] for j in r.session.capture], -1)
     if state.looks_ahead:
         rows = None if captured is None else _mx(captured)
-        r.session.ahead = Ahead(choice.astype(mx.int32).reshape(1), rows, step_rows)
+        nxt = mx.array(np.asarray(choice, dtype=np.int32).reshape(1))
+        r.session.ahead = Ahead(nxt, rows, step_rows)
         return True
     state.seconds += seconds
     state.own_rows += own_rows
@@ -1020,6 +1018,25 @@ def _accept_tree(target: Target, session: Session, draft_ids, parents, logits, g
         session.rng,
         target.eos_ids,
     )
+
+
+def _step_choices(outs: list, sampled: list[bool]) -> list:
+    """A shared forward's greedy choices per session (None for a sampled one), evaluated with
+    the sampled sessions' logits: over a pooled forward's every row at once
+    (`SessionOutputs.every_logits`: a few operations and one copy to the host a step), else
+    session by session (`_greedy_choices`)."""
+    drawn = [x for (x, _), s in zip(outs, sampled, strict=True) if s]
+    every = getattr(outs, "every_logits", None)
+    if every is None or all(sampled):
+        kept = [x for (x, _), s in zip(outs, sampled, strict=True) if not s]
+        greedy = iter(_greedy_choices(kept, drawn))
+        return [None if s else next(greedy) for s in sampled]
+    together = _greedy_next(every)
+    mx.eval(together, [x for x in drawn if isinstance(x, mx.array)])
+    flat = np.array(together).reshape(-1)
+    ends = np.cumsum([len(x) for x, _ in outs]).tolist()
+    return [None if s else flat[end - len(x) : end]
+            for (x, _), s, end in zip(outs, sampled, ends, strict=True)]  # fmt: skip
 
 
 def _greedy_choices(logits: list, drawn: list = ()) -> list[mx.array]:

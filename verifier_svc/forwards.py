@@ -211,10 +211,10 @@ class MlxForward:
             logits = self.model.lm_head(final)
         if ragged:
             return _per_session(logits[0], {i: rows[0] for i, rows in kept.items()}, lengths)
-        return [
-            (logits[b, :n], {i: rows[b, :n] for i, rows in kept.items()})
-            for b, n in enumerate(lengths.tolist())
-        ]
+        return SessionOutputs(
+            [(logits[b], {i: rows[b] for i, rows in kept.items()}) for b in range(len(lengths))],
+            logits.reshape(-1, logits.shape[-1]),
+        )
 
     def _compiled_pooled(
         self, segments: list[Segment], capture: frozenset[int], lengths: np.ndarray
@@ -261,10 +261,22 @@ def _advance(segments: list[Segment], lengths: np.ndarray) -> None:
             c.offset += int(n)
 
 
+class SessionOutputs(list):
+    """A pooled forward's (logits, captured rows) per session, in the sessions' order, with
+    the logits of all its rows at once (`every_logits` [N, V], padding rows after the
+    sessions'): a step's greedy choices then take a few operations, not a few per session."""
+
+    def __init__(self, outputs: list, every_logits: mx.array):
+        super().__init__(outputs)
+        self.every_logits = every_logits
+
+
 def _per_session(logits: mx.array, kept: dict[int, mx.array], lengths: np.ndarray):
     """Rows [N, ...] of sessions bringing `lengths` rows each, session by session."""
     spans = itertools.pairwise(np.cumsum([0, *lengths.tolist()]).tolist())
-    return [(logits[a:b], {i: rows[a:b] for i, rows in kept.items()}) for a, b in spans]
+    return SessionOutputs(
+        [(logits[a:b], {i: rows[a:b] for i, rows in kept.items()}) for a, b in spans], logits
+    )
 
 
 def _attention_many(
