@@ -542,13 +542,14 @@ def _prefill_group(target: Target, prompts, group: list[int], answers: list) -> 
             [Segment(np.array(p.prompt_ids[-1:]), c) for p, c in zip(chosen, caches, strict=True)],
             capture,
         )
-        firsts = [_greedy_next(logits[-1:]) for logits, _ in lasts]
         kept = []
         for i, (p, (_, outputs)) in enumerate(zip(chosen, lasts, strict=True)):
             if p.capture:
                 parts[i].append(_joined([outputs[j] for j in p.capture], -1))
             kept.append(_joined(parts[i], 0).astype(p.rows_dtype) if parts[i] else None)
-        mx.eval(firsts, [r for r in kept if r is not None], [c.state for c in caches[0]])
+        sampled = [not p.sampling.greedy for p in chosen]
+        also = [[r for r in kept if r is not None], [c.state for c in caches[0]]]
+        firsts = _step_choices(lasts, sampled, also)
     except Exception as exc:  # noqa: BLE001 - the error of this group's prompts
         for n in group:
             answers[n] = exc
@@ -558,7 +559,7 @@ def _prefill_group(target: Target, prompts, group: list[int], answers: list) -> 
                                                      strict=True):  # fmt: skip
         rng = None if p.sampling.greedy else np.random.default_rng(p.seed)
         if rng is None:
-            token = first.item()
+            token = int(first[-1])
         else:
             distribution = target_distribution(np.array(logits[-1], np.float32), p.sampling)
             token = sample(distribution, rng)
@@ -1020,19 +1021,19 @@ def _accept_tree(target: Target, session: Session, draft_ids, parents, logits, g
     )
 
 
-def _step_choices(outs: list, sampled: list[bool]) -> list:
+def _step_choices(outs: list, sampled: list[bool], also: list = ()) -> list:
     """A shared forward's greedy choices per session (None for a sampled one), evaluated with
-    the sampled sessions' logits: over a pooled forward's every row at once
-    (`SessionOutputs.every_logits`: a few operations and one copy to the host a step), else
-    session by session (`_greedy_choices`)."""
+    the sampled sessions' logits and the arrays in `also`: over a pooled forward's every row
+    at once (`SessionOutputs.every_logits`: a few operations and one copy to the host a
+    step), else session by session (`_greedy_choices`)."""
     drawn = [x for (x, _), s in zip(outs, sampled, strict=True) if s]
     every = getattr(outs, "every_logits", None)
     if every is None or all(sampled):
         kept = [x for (x, _), s in zip(outs, sampled, strict=True) if not s]
-        greedy = iter(_greedy_choices(kept, drawn))
+        greedy = iter(_greedy_choices(kept, [*drawn, *also]))
         return [None if s else next(greedy) for s in sampled]
     together = _greedy_next(every)
-    mx.eval(together, [x for x in drawn if isinstance(x, mx.array)])
+    mx.eval(together, [x for x in drawn if isinstance(x, mx.array)], also)
     flat = np.array(together).reshape(-1)
     ends = np.cumsum([len(x) for x, _ in outs]).tolist()
     return [None if s else flat[end - len(x) : end]
@@ -1043,8 +1044,8 @@ def _greedy_choices(logits: list, drawn: list = ()) -> list[mx.array]:
     """Each session's greedy choices, evaluated: float32 numpy logits (the CPU kernels') all in
     one pass on the host where no row holds a near-tie, else each as `_greedy_next` takes them
     in one evaluation (one wait for the device a step), with the sampled sessions' MLX logits
-    (`drawn`) in it too."""
-    pending = [x for x in drawn if isinstance(x, mx.array)]
+    and any other arrays to evaluate (`drawn`) in it too."""
+    pending = [x for x in drawn if not isinstance(x, np.ndarray)]  # MLX arrays, or lists of them
     if logits and all(isinstance(x, np.ndarray) and x.dtype == np.float32 for x in logits):
         together = greedy_on_host(np.concatenate(logits) if len(logits) > 1 else logits[0])
         if together is not None:
