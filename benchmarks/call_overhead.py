@@ -136,12 +136,11 @@ def as_served(target_dir: str | None, dtype: str, verifier_flags: list[str]):
     """The target a verifier started with these flags serves, and whether it leaves the next
     forward queued after a plain decode (as the verifier decides both)."""
     from specd.cli import build_parser
+    from specd.options import flag_values
 
     flags = build_parser().parse_args(["serve", "verifier", *verifier_flags])
-    config = VerifierConfig(
-        model=target_dir, dtype=dtype, gemv_rows=flags.gemv_rows,
-        half_weights=not flags.float32_weights, row_forwards=flags.row_forwards,
-    )  # fmt: skip
+    values = {**flag_values(flags, VerifierConfig), "model": target_dir, "dtype": dtype}
+    config = VerifierConfig(**values)
     target = target_for(config)
     return target, on_gpu(flags.look_ahead, "look-ahead") and target.forwards_queue
 

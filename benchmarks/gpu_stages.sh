@@ -58,6 +58,10 @@
 # pieces   the pooled attention's parts per layer (writes into the pool, the gather of each
 #          session's keys, the masked attention) against the whole pooled forward, at 16 and
 #          64 sessions (pooled_pieces.py: what a cheaper pooled forward must remove)
+# prefills prompts arriving together (issue 28: at 16 clients prefills hold the verifier a fifth
+#          of each second, run AY): a group of 5 MT-bench prompts prefilled in one job of pooled
+#          sessions against the same prompts one by one and plain mlx-lm's first tokens
+#          (prefill_cost.py --group 5), then each prompt alone
 # pool     many clients on the KV pool: the verifier alone, the services, the fault drill (issue 28)
 # distill [SECONDS [DTYPE]]  the target's replies to ShareGPT prompts (every user turn, the
 #          whole prompt range up to 1024 tokens, in shuffled order), appended to ~/dd.jsonl
@@ -244,6 +248,11 @@ cpool-services)
     --max-tokens 128 --drafter "${2:-none,ngram}" --concurrency 1,16,64 \
     --concurrency-requests 1 --verifier-args "--log-stats 1 --compiled-pooled on" \
     >> "$OUT/cpool.log" 2>&1 ;;
+prefills)
+  timeout 300 python3 benchmarks/prefill_cost.py --target "$model" --questions mt-bench \
+    --every 4 --rounds 3 --group 5 > "$OUT/prefills.log" 2>&1
+  timeout 200 python3 benchmarks/prefill_cost.py --target "$model" --questions mt-bench \
+    --every 4 --rounds 3 >> "$OUT/prefills.log" 2>&1 ;;
 pool)
   # the KV pool is the verifier's default on a GPU: the verifier alone with it, then the
   # services (drafting off and n-gram), then the fault drill at 16 sessions
