@@ -528,3 +528,31 @@ def test_dflash_tree_variant_asks_its_drafter_for_trees_of_a_block():
     tree = _drafter_args(args, "dflash-tree")
     assert tree[tree.index("--tree-total-tokens") + 1] == "7"
     assert tree[tree.index("--tree-top-k") + 1] == "3"
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_prompts_opened_in_the_steps_leave_every_output_as_solo(
+    tiny_model_dir, tmp_path, temperature
+):
+    """The services with pooled sessions and `--prefill-in-steps`: clients' prompts open as
+    rows of the running rounds' steps, and every output under concurrency equals its solo run
+    (sampled ones seeded by their prompts)."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(
+        "".join(
+            f'{{"question_id": {i}, "category": "a", "turns": ["say {i} {i} {i}"]}}\n'
+            for i in range(4)
+        )
+    )
+    out = tmp_path / "levels.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "specd", "bench", "--questions", str(questions), "--target",
+         str(tiny_model_dir), "--max-tokens", "12", "--drafter", "none", "--concurrency", "1,4",
+         "--concurrency-requests", "2", "--temperature", temperature, "--json", str(out),
+         "--verifier-args", "--gemv-rows 0 --row-forwards on --kv-pool on --prefill-in-steps 64"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    levels = json.loads(out.read_text())
+    assert [r["outputs_differing_from_solo"] for r in levels["none"]] == [0, 0]
+    assert [r["failed"] for r in levels["none"]] == [0, 0]

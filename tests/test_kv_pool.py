@@ -634,3 +634,124 @@ def test_a_long_session_beside_a_verify_of_a_short_one_finds_the_pool_grown(
         drafts = [3, 1, 4, 1, 5, 9, 2]
         runs.append(rounds_many(made, [Round(long_one, [], 1), Round(short, drafts, 1)]))
     assert_same_rounds(runs[1], runs[0])
+
+
+def test_prompts_open_as_rows_of_the_running_rounds_steps(pooled, plain, monkeypatch):
+    """A prompt joins the batched steps beside running rounds: all but its last token one
+    step, the last the next; its first token, rows and cache as `prefill` makes them, the
+    rounds beside it committing what they commit alone."""
+    from verifier_svc.engine import PrefillResult, PromptToPrefill, prompt_round
+    from verifier_svc.sampling import SamplingConfig
+
+    sessions = [prefill(pooled, PROMPTS[i], CAPTURES[i]).session for i in (0, 1)]
+    reference = [prefill(plain, PROMPTS[i], CAPTURES[i]).session for i in (0, 1)]
+    sampled = SamplingConfig(temperature=0.8)
+    asks = [PromptToPrefill(PROMPTS[2], CAPTURES[2]), PromptToPrefill([42], (0,)),
+            PromptToPrefill(PROMPTS[3], (), sampling=sampled, seed=5)]  # fmt: skip
+    steps = recorded(monkeypatch, pooled, "forward_pooled")
+    rounds = [Round(s, [], 3) for s in sessions] + [prompt_round(pooled, a) for a in asks]
+    results = rounds_many(pooled, rounds)
+    heads = [len(PROMPTS[2]) - 1, 1, len(PROMPTS[3]) - 1]
+    assert steps[:2] == [[1, 1, *heads], [1, 1, 1, 1]]  # a one-token prompt brings it alone
+    assert [r.committed for r in results[:2]] == [decode(plain, s, 3).committed for s in reference]
+    for ask, got in zip(asks, results[2:], strict=True):
+        assert isinstance(got, PrefillResult)
+        alone = prefill(plain, ask.prompt_ids, ask.capture, ask.rows_dtype, ask.sampling, ask.seed)
+        assert got.first_token == alone.first_token
+        assert got.session.position == alone.session.position
+        assert got.session.cache[0].offset == len(ask.prompt_ids)
+        assert (got.rows is None) == (alone.rows is None)
+        if alone.rows is not None:
+            close(got.rows, alone.rows, rtol=1e-3 if device_kind() == "cpu" else 5e-3)
+        if ask.sampling.greedy:
+            assert (
+                decode(pooled, got.session, 4).committed
+                == decode(plain, alone.session, 4).committed
+            )
+        else:  # its generator goes on as the one `prefill` seeded
+            assert got.session.rng.random() == alone.session.rng.random()
+
+
+def test_a_prompt_whose_step_fails_is_answered_with_the_error_and_leaves_no_slot(
+    pooled, monkeypatch
+):
+    from verifier_svc.engine import PromptToPrefill, prompt_round
+    from verifier_svc.forwards import MlxForward
+
+    session = prefill(pooled, PROMPTS[0]).session
+    before = session.cache[0].offset
+    real = MlxForward.forward_pooled
+    calls = []
+
+    def failing_second(self, segments, capture):
+        calls.append(len(segments))
+        if len(calls) == 2:
+            raise RuntimeError("device lost")
+        return real(self, segments, capture)
+
+    monkeypatch.setattr(MlxForward, "forward_pooled", failing_second)
+    slots = pooled.kv_pool.open_slots
+    results = rounds_many(
+        pooled, [Round(session, [], 4), prompt_round(pooled, PromptToPrefill(PROMPTS[2]))]
+    )
+    assert all(isinstance(r, RuntimeError) for r in results)
+    assert session.cache[0].offset == before  # as it was before the round
+    del results
+    gc.collect()
+    assert pooled.kv_pool.open_slots == slots  # the prompt's slot given back
+    monkeypatch.setattr(MlxForward, "forward_pooled", real)
+    assert len(rounds_many(pooled, [Round(session, [], 2)])[0].committed) == 2
+
+
+def test_the_verifier_opens_short_prompts_in_the_running_rounds_steps(
+    tiny_model_dir, plain, monkeypatch
+):
+    """`--prefill-in-steps N`: an OpenSession of at most N tokens queued beside Verify calls
+    joins their batched steps (no prefill job), answering what `prefill` answers."""
+    import asyncio
+    import threading
+
+    from specd.service import MlxThread
+    from specd.v1 import verifier_pb2
+    from verifier_svc import engine
+    from verifier_svc.config import VerifierConfig
+    from verifier_svc.servicer import VerifierServicer
+
+    jobs: list[int] = []
+    monkeypatch.setattr(engine, "_prefill_group", lambda *args: jobs.append(1))
+
+    async def main():
+        mlx = MlxThread(inline_rounds=False)
+        config = VerifierConfig(model=str(tiny_model_dir), warmup="minimal", gemv_rows=0,
+                                row_forwards="on", kv_pool="on", prefill_in_steps=64)  # fmt: skip
+        verifier = VerifierServicer(config, mlx)
+        await verifier.load()
+        first = await verifier.OpenSession(
+            verifier_pb2.OpenSessionRequest(prompt_ids=PROMPTS[0]), RpcContext()
+        )
+        gate = threading.Event()
+        mlx.submit(gate.wait)  # the worker busy while the calls queue up
+        verify = verifier.Verify(
+            verifier_pb2.VerifyRequest(
+                session_id=first.session_id, position=first.position, plain_steps=4
+            ),
+            RpcContext(),
+        )
+        opens = [
+            verifier.OpenSession(verifier_pb2.OpenSessionRequest(prompt_ids=p), RpcContext())
+            for p in PROMPTS[1:3]
+        ]
+        tasks = [asyncio.ensure_future(c) for c in (verify, *opens)]
+        await asyncio.sleep(0.3)
+        gate.set()
+        done = await asyncio.gather(*tasks)
+        line = verifier.load_stats.take().line(0, 0)
+        mlx.shutdown()
+        return done, line
+
+    (verified, *opened), line = asyncio.run(main())
+    assert not jobs  # no prefill job ran
+    assert "2 prompts prefilled in the steps" in line
+    assert [o.first_token for o in opened] == [prefill(plain, p).first_token for p in PROMPTS[1:3]]
+    reference = prefill(plain, PROMPTS[0]).session
+    assert list(verified.committed_ids) == decode(plain, reference, 4).committed

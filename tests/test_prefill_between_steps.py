@@ -77,7 +77,14 @@ def test_a_prompt_opened_beside_a_batch_is_prefilled_between_its_steps(tiny_mode
     assert len(between_results[0]) == 16
 
 
-def test_it_is_refused_beside_a_kv_memory_limit(tiny_model_dir):
-    config = VerifierConfig(model=str(tiny_model_dir), prefill_between_steps=4, max_kv_bytes=2**30)
-    with pytest.raises(ValueError, match="--max-kv-memory"):
+@pytest.mark.parametrize(
+    ("option", "flag"),
+    [
+        ("prefill_between_steps", "--prefill-between-steps"),
+        ("prefill_in_steps", "--prefill-in-steps"),
+    ],
+)
+def test_it_is_refused_beside_a_kv_memory_limit(tiny_model_dir, option, flag):
+    config = VerifierConfig(model=str(tiny_model_dir), max_kv_bytes=2**30, **{option: 4})
+    with pytest.raises(ValueError, match=f"{flag} with --max-kv-memory"):
         VerifierServicer(config, MlxThread())

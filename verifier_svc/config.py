@@ -69,6 +69,14 @@ class VerifierConfig:
         type=int_between(0),
         metavar="N",
     )
+    prefill_in_steps: int = option(
+        0,
+        "where sessions are pooled (--kv-pool), a prompt of at most N tokens opens as rows of "
+        "the running rounds' batched steps (all but its last token in one step, the last in "
+        "the next) instead of a prefill job that holds them; 0: never",
+        type=int_between(0),
+        metavar="N",
+    )
     prefill_between_steps: int = option(
         0,
         "a prompt that opens while other sessions' rounds run waits N of their batched "

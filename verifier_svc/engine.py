@@ -338,6 +338,7 @@ class PrefillResult:
     first_token: int
     rows: mx.array | None  # [len(prompt), L*H]
     compute_s: float
+    in_steps: bool = False  # prefilled as rows of other rounds' steps (`prompt_round`)
 
 
 @dataclass
@@ -741,6 +742,31 @@ class Round:
     ahead_in_company: bool = False
     draft_probs: np.ndarray | None = None
     parents: list[int] | None = None  # a draft tree: each draft's parent (-1: the root)
+    # a prompt opened as rows of the steps (`prompt_round`): answered with a PrefillResult
+    prompt: PromptToPrefill | None = None
+
+
+def prompt_round(target: Target, ask: PromptToPrefill) -> Round:
+    """A prompt's prefill as a round of `rounds_stream`: its session's cache fresh in the pool,
+    all but its last token the rows of one step and the last the row of the next (as
+    `prefill` and `prefill_many` run them), its first token chosen there; answered with a
+    PrefillResult. Run alone (no other round to share with), it is `prefill`."""
+    session = Session(
+        cache=target.new_cache(in_company=True),
+        capture=ask.capture,
+        rows_dtype=ask.rows_dtype,
+        position=1,  # an empty cache: a failed step rolls it back to nothing
+        last_token=ask.prompt_ids[0],
+        sampling=ask.sampling,
+    )
+    return Round(session, prompt=ask)
+
+
+def _rows_asked(r: Round) -> int:
+    """The rows a round brings to its first shared step."""
+    if r.prompt is not None:
+        return max(len(r.prompt.prompt_ids) - 1, 1)
+    return 1 + len(r.drafts)
 
 
 def rounds_many(
@@ -804,7 +830,7 @@ def rounds_stream(
         longest = max((len(state.tokens()) for state in running), default=0)
         while pending and target.joins(pending[0]):
             r = pending[0]
-            asks = 1 + len(r.drafts)
+            asks = _rows_asked(r)
             if running and (
                 rows + asks > max_rows or not target.grid_fits(len(running) + 1, max(longest, asks))
             ):
@@ -863,23 +889,42 @@ class _Running:
     all_rows: int = 0  # rows of those forwards, every session's
     looks_ahead: bool = False  # no round: the next token of a session already answered
     draws: dict | None = None  # a sampled session's generator state before the round
+    prompt_head_done: bool = False  # a prompt's rows but its last are in the cache
 
     def __post_init__(self):
         if not self.looks_ahead:
             self.draws = _draws(self.round.session)
+        prompt = self.round.prompt
+        self.prompt_head_done = prompt is not None and len(prompt.prompt_ids) == 1
 
     def done(self, target: Target) -> bool:
+        if self.round.prompt is not None:
+            return bool(self.committed)  # its first token
         return bool(self.committed) and (
             self.committed[-1] in target.eos_ids or len(self.committed) >= max(self.round.steps, 1)
         )
 
+    def samples(self) -> bool:
+        """Whether its step's choice is drawn from its session's generator, not greedy."""
+        prompt = self.round.prompt
+        if prompt is not None:
+            return not prompt.sampling.greedy
+        return self.round.session.rng is not None
+
     def tokens(self) -> np.ndarray:
-        """This step's new tokens: the last token and drafts first, then the latest token."""
+        """This step's new tokens: the last token and drafts first, then the latest token; a
+        prompt's all but its last, then its last."""
+        prompt = self.round.prompt
+        if prompt is not None:
+            ids = prompt.prompt_ids
+            return np.array(ids[-1:] if self.prompt_head_done else ids[:-1])
         if self.committed:
             return np.array([self.committed[-1]])
         return np.array([self.round.session.last_token, *self.round.drafts])
 
-    def result(self, target: Target, seconds: float) -> VerifyResult:
+    def result(self, target: Target, seconds: float) -> VerifyResult | PrefillResult:
+        if self.round.prompt is not None:
+            return self._prefilled(target)
         session, tokens = self.round.session, self.committed
         session.position += len(tokens)
         session.last_token = tokens[-1]
@@ -890,6 +935,18 @@ class _Running:
             mx.eval(kept)
         share = self.own_rows / self.all_rows
         return VerifyResult(tokens, self.accepted, session.finished, kept, seconds, share)
+
+    def _prefilled(self, target: Target) -> PrefillResult:
+        session, ask = self.round.session, self.round.prompt
+        first = self.committed[0]
+        session.position = len(ask.prompt_ids) + 1
+        session.last_token = first
+        session.finished = first in target.eos_ids
+        rows = None
+        if self.rows:
+            rows = _mx(_joined(self.rows, 0)).astype(ask.rows_dtype)
+            mx.eval(rows)
+        return PrefillResult(session, first, rows, self.seconds, in_steps=True)
 
 
 def _step(
@@ -908,7 +965,7 @@ def _step(
     failed: list[_Running] = []
     try:
         outs = forward_many(segments, capture)
-        sampled = [s.round.session.rng is not None for s in running]
+        sampled = [s.samples() for s in running]
         choices = _step_choices(outs, sampled)
         seconds = time.perf_counter() - start  # every session's logits computed by now
         step_rows = sum(len(segment.token_ids) for segment in segments)
@@ -958,6 +1015,8 @@ def _take_step(
     captured = None
     if r.session.capture:
         captured = _joined([outputs[j] for j in r.session.capture], -1)
+    if r.prompt is not None:
+        return _prompt_step(state, logits, captured, choice, seconds)
     if state.looks_ahead:
         rows = None if captured is None else _mx(captured)
         nxt = mx.array(np.asarray(choice, dtype=np.int32).reshape(1))
@@ -993,6 +1052,26 @@ def _take_step(
     if captured is not None:
         state.rows.append(captured)
     return state.done(target)
+
+
+def _prompt_step(state: _Running, logits, captured, choice, seconds: float) -> bool:
+    """A prompt's part of a shared step: its rows but the last into the cache, then the last
+    and its first token (greedy, or drawn from a generator seeded as `prefill` seeds it).
+    True when it is done."""
+    state.seconds += seconds
+    if captured is not None:
+        state.rows.append(captured)
+    if not state.prompt_head_done:
+        state.prompt_head_done = True
+        return False
+    session, ask = state.round.session, state.round.prompt
+    if ask.sampling.greedy:
+        state.committed = [int(choice[-1])]
+    else:
+        session.rng = np.random.default_rng(ask.seed)
+        distribution = target_distribution(np.array(logits[-1], np.float32), ask.sampling)
+        state.committed = [sample(distribution, session.rng)]
+    return True
 
 
 def _segment(state: _Running) -> Segment:
@@ -1067,7 +1146,9 @@ def _undo(state: _Running) -> None:
     _rollback(session.cache, session.position - 1)
 
 
-def _alone(target: Target, r: Round) -> VerifyResult | Exception:
+def _alone(target: Target, r: Round) -> VerifyResult | PrefillResult | Exception:
+    if r.prompt is not None:
+        return _prefill_alone(target, r.prompt)
     try:
         if r.parents is not None:
             return verify_tree(target, r.session, r.drafts, r.parents)

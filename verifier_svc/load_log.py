@@ -32,6 +32,7 @@ class Interval:
     prefill_jobs: int = 0  # MLX jobs that prefilled prompts (a batch of them, or a slice)
     prefill_prompts: int = 0  # prompts whose prefill ended
     prefill_seconds: float = 0.0  # those jobs' wall time: no round ran meanwhile
+    prompts_in_steps: int = 0  # prompts prefilled as rows of the rounds' steps, in no job
 
     def line(self, open_sessions: int, kv_bytes: int) -> str:
         rate = self.tokens / self.seconds if self.seconds > 0 else 0.0
@@ -55,6 +56,8 @@ class Interval:
                 f"; prefills {self.prefill_prompts} in {self.prefill_jobs} jobs, "
                 f"{1000 * self.prefill_seconds:.0f} ms"
             )
+        if self.prompts_in_steps:
+            text += f"; {self.prompts_in_steps} prompts prefilled in the steps"
         return text + f"; {open_sessions} sessions open, KV {kv_bytes / 2**20:.1f} MiB"
 
 
@@ -86,6 +89,11 @@ class LoadStats:
             now.prefill_jobs += 1
             now.prefill_prompts += prompts
             now.prefill_seconds += seconds
+
+    def opened_in_steps(self) -> None:
+        """A prompt's prefill ended as rows of the rounds' steps."""
+        with self._lock:
+            self._interval.prompts_in_steps += 1
 
     def arrived(self, last_answer: float | None) -> float:
         """A verify call came for a session last answered at `last_answer` (None: never):

@@ -41,6 +41,8 @@ async def serve(config: VerifierConfig) -> None:
     )
     if servicer.target.pooled_path:
         log.info("sessions' batched forwards: %s", servicer.target.pooled_path)
+    if config.prefill_in_steps and servicer.target.kv_pool is None:
+        log.warning("--prefill-in-steps does nothing here: sessions are not pooled (--kv-pool)")
     loaded, warmup = servicer.target.loaded, servicer.warmup
     if loaded.dtype_timings:
         timed = ", ".join(f"{d} {ms:.2f} ms" for d, ms in loaded.dtype_timings.items())

@@ -30,6 +30,7 @@ from specd.service import (
 from specd.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from verifier_svc.config import GPU_MODES, VerifierConfig
 from verifier_svc.engine import (
+    PrefillResult,
     PromptToPrefill,
     Round,
     Session,
@@ -40,6 +41,7 @@ from verifier_svc.engine import (
     half_weights_pay,
     prefill_many,
     prefill_steps,
+    prompt_round,
     rounds_stream,
     verify,
     verify_tree,
@@ -89,6 +91,17 @@ def check_draft_probs(tensor, drafts: list[int], vocab_size: int) -> np.ndarray 
     return q / q.sum(axis=1, keepdims=True)
 
 
+# the batched rounds' key for every prompt opened in their steps: one caller, not one each
+PROMPTS_IN_STEPS = object()
+
+
+class PromptAsked(NamedTuple):
+    """An OpenSession's prompt, opened as rows of the batched rounds' steps."""
+
+    key: object
+    ask: PromptToPrefill
+
+
 class RoundAsked(NamedTuple):
     """A Verify call's round, as the batched rounds take it."""
 
@@ -129,12 +142,14 @@ def target_for(config: VerifierConfig) -> Target:
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, config: VerifierConfig, mlx_thread: MlxThread):
-        if config.prefill_between_steps and config.max_kv_bytes is not None:
-            raise ValueError(
-                "--prefill-between-steps with --max-kv-memory: a prompt prefilled between two "
-                "steps can grow the KV pool past the limit its running rounds were checked "
-                "against; pass one of them"
-            )
+        for flag, value in (("--prefill-between-steps", config.prefill_between_steps),
+                            ("--prefill-in-steps", config.prefill_in_steps)):  # fmt: skip
+            if value and config.max_kv_bytes is not None:
+                raise ValueError(
+                    f"{flag} with --max-kv-memory: a prompt prefilled beside running rounds "
+                    "can grow the KV pool past the limit those rounds were checked against; "
+                    "pass one of them"
+                )
         self.config = config
         self.mlx = mlx_thread
         self.target: Target | None = None
@@ -258,8 +273,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         # in between; otherwise the whole prefill is one job
         sliced = 0 < self.config.prefill_slice_tokens < len(prompt) and len(self.sessions) > 0
         rows_dtype = ROWS_DTYPES[request.rows_dtype]
-        if target.kv_pool is not None and not sliced:  # with the prompts opening beside it
-            ask = PromptToPrefill(prompt, layers, rows_dtype, sampling, seed)
+        ask = PromptToPrefill(prompt, layers, rows_dtype, sampling, seed)
+        if target.kv_pool is not None and len(prompt) <= self.config.prefill_in_steps:
+            result = await self.mlx.run_batched(self._rounds, PromptAsked(PROMPTS_IN_STEPS, ask))
+        elif target.kv_pool is not None and not sliced:  # with the prompts opening beside it
             result = await self.mlx.run_batched(self._prefills, ask)
         else:
             steps = prefill_steps(target, prompt, layers, rows_dtype, sampling, seed, sliced)
@@ -398,6 +415,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             ready = [item for item in later if id(item[0]) not in running]
             later[:] = [item for item in later if id(item[0]) in running]
             for item in ready + new:
+                if isinstance(item, PromptAsked):
+                    r = prompt_round(self._ready(), item.ask)
+                    items_of[id(r)] = item
+                    rounds.append(r)
+                    continue
                 session, position, drafts, asked, probs, parents = item
                 if id(session) in running:
                     later.append(item)
@@ -420,6 +442,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
         def answered(r: Round, result) -> None:
             running.discard(id(r.session))
+            if isinstance(result, PrefillResult):
+                if result.in_steps:
+                    self.load_stats.opened_in_steps()
+                else:  # run alone: nothing to share with
+                    self.load_stats.prefilled(1, result.compute_s)
             if isinstance(result, TreeUnsupported):
                 result = FailedPrecondition(f"{result}; draft chains instead")
             answer(items_of.pop(id(r)), result)
