@@ -316,17 +316,23 @@ def test_time_limit_reports_the_questions_done(tiny_model_dir, tmp_path):
     assert result["questions_asked"] == 3 and len(result["questions"]) == 1
 
 
-@pytest.mark.parametrize("temperature", ["0", "0.8"])
-def test_concurrency_levels_measure_services_beside_mlx_lm_batched(
-    tiny_model_dir, tmp_path, temperature
-):
+def _say_questions(tmp_path, count: int):
+    """A question file of `count` short questions the tiny model answers fast."""
     questions = tmp_path / "q.jsonl"
     questions.write_text(
         "".join(
             f'{{"question_id": {i}, "category": "a", "turns": ["say {i} {i} {i}"]}}\n'
-            for i in range(3)
+            for i in range(count)
         )
     )
+    return questions
+
+
+@pytest.mark.parametrize("temperature", ["0", "0.8"])
+def test_concurrency_levels_measure_services_beside_mlx_lm_batched(
+    tiny_model_dir, tmp_path, temperature
+):
+    questions = _say_questions(tmp_path, 3)
     out = tmp_path / "levels.json"
     run = subprocess.run(
         [sys.executable, "-m", "specd", "bench", "--questions", str(questions), "--target",
@@ -537,13 +543,7 @@ def test_prompts_opened_in_the_steps_leave_every_output_as_solo(
     """The services with pooled sessions and `--prefill-in-steps`: clients' prompts open as
     rows of the running rounds' steps, and every output under concurrency equals its solo run
     (sampled ones seeded by their prompts)."""
-    questions = tmp_path / "q.jsonl"
-    questions.write_text(
-        "".join(
-            f'{{"question_id": {i}, "category": "a", "turns": ["say {i} {i} {i}"]}}\n'
-            for i in range(4)
-        )
-    )
+    questions = _say_questions(tmp_path, 4)
     out = tmp_path / "levels.json"
     run = subprocess.run(
         [sys.executable, "-m", "specd", "bench", "--questions", str(questions), "--target",

@@ -225,20 +225,25 @@ def test_prompts_prefilled_together_open_the_sessions_each_prefill_opens(
     together = prefill_many(pooled, asks)
     assert len(calls) == 2 and len(calls[1]) == len(asks)  # the prompts' heads, then their lasts
     for ask, got in zip(asks, together, strict=True):
-        alone = prefill(plain, ask.prompt_ids, ask.capture, ask.rows_dtype, ask.sampling, ask.seed)
-        assert got.first_token == alone.first_token
-        assert got.session.position == alone.session.position
-        assert got.session.cache[0].offset == len(ask.prompt_ids)
-        assert (got.rows is None) == (alone.rows is None)
-        if alone.rows is not None:
-            # MLX's CUDA products of a batch of prompts and of one prompt sum in other orders
-            # (on an H200 up to 0.031 at rows near 22); the CPU's agree within 1e-3
-            close(got.rows, alone.rows, rtol=1e-3 if device_kind() == "cpu" else 5e-3)
-        if ask.sampling.greedy:
-            assert (
-                decode(pooled, got.session, 4).committed
-                == decode(plain, alone.session, 4).committed
-            )
+        _assert_opened_as_alone(pooled, plain, ask, got)
+
+
+def _assert_opened_as_alone(pooled, plain, ask, got) -> None:
+    """A prompt prefilled beside others opens what `prefill` opens alone: its first token,
+    position, cache and rows, and the tokens after (greedy) or its generator (sampled)."""
+    alone = prefill(plain, ask.prompt_ids, ask.capture, ask.rows_dtype, ask.sampling, ask.seed)
+    assert got.first_token == alone.first_token
+    assert got.session.position == alone.session.position
+    assert got.session.cache[0].offset == len(ask.prompt_ids)
+    assert (got.rows is None) == (alone.rows is None)
+    if alone.rows is not None:
+        # MLX's CUDA products of a batch of prompts and of one prompt sum in other orders
+        # (on an H200 up to 0.031 at rows near 22); the CPU's agree within 1e-3
+        close(got.rows, alone.rows, rtol=1e-3 if device_kind() == "cpu" else 5e-3)
+    if ask.sampling.greedy:
+        assert decode(pooled, got.session, 4).committed == decode(plain, alone.session, 4).committed
+    else:  # its generator goes on as the one `prefill` seeded
+        assert got.session.rng.random() == alone.session.rng.random()
 
 
 def test_prompts_prefilled_together_with_no_session_open_are_all_pooled(tiny_model_dir, plain):
@@ -655,21 +660,8 @@ def test_prompts_open_as_rows_of_the_running_rounds_steps(pooled, plain, monkeyp
     assert steps[:2] == [[1, 1, *heads], [1, 1, 1, 1]]  # a one-token prompt brings it alone
     assert [r.committed for r in results[:2]] == [decode(plain, s, 3).committed for s in reference]
     for ask, got in zip(asks, results[2:], strict=True):
-        assert isinstance(got, PrefillResult)
-        alone = prefill(plain, ask.prompt_ids, ask.capture, ask.rows_dtype, ask.sampling, ask.seed)
-        assert got.first_token == alone.first_token
-        assert got.session.position == alone.session.position
-        assert got.session.cache[0].offset == len(ask.prompt_ids)
-        assert (got.rows is None) == (alone.rows is None)
-        if alone.rows is not None:
-            close(got.rows, alone.rows, rtol=1e-3 if device_kind() == "cpu" else 5e-3)
-        if ask.sampling.greedy:
-            assert (
-                decode(pooled, got.session, 4).committed
-                == decode(plain, alone.session, 4).committed
-            )
-        else:  # its generator goes on as the one `prefill` seeded
-            assert got.session.rng.random() == alone.session.rng.random()
+        assert isinstance(got, PrefillResult) and got.in_steps
+        _assert_opened_as_alone(pooled, plain, ask, got)
 
 
 def test_a_prompt_whose_step_fails_is_answered_with_the_error_and_leaves_no_slot(
