@@ -695,26 +695,21 @@ def test_a_prompt_whose_step_fails_is_answered_with_the_error_and_leaves_no_slot
     assert len(rounds_many(pooled, [Round(session, [], 2)])[0].committed) == 2
 
 
-def test_the_verifier_opens_short_prompts_in_the_running_rounds_steps(
-    tiny_model_dir, plain, monkeypatch
-):
-    """`--prefill-in-steps N`: an OpenSession of at most N tokens queued beside Verify calls
-    joins their batched steps (no prefill job), answering what `prefill` answers."""
+def _verify_beside_opens(model_dir, prompts: list[list[int]]):
+    """A Verify of 4 plain steps and OpenSessions of `prompts` queued together on a verifier
+    with `--prefill-in-steps 64`: (the Verify's answer, each open's answer or error, the load
+    line)."""
     import asyncio
     import threading
 
     from specd.service import MlxThread
     from specd.v1 import verifier_pb2
-    from verifier_svc import engine
     from verifier_svc.config import VerifierConfig
     from verifier_svc.servicer import VerifierServicer
 
-    jobs: list[int] = []
-    monkeypatch.setattr(engine, "_prefill_group", lambda *args: jobs.append(1))
-
     async def main():
         mlx = MlxThread(inline_rounds=False)
-        config = VerifierConfig(model=str(tiny_model_dir), warmup="minimal", gemv_rows=0,
+        config = VerifierConfig(model=str(model_dir), warmup="minimal", gemv_rows=0,
                                 row_forwards="on", kv_pool="on", prefill_in_steps=64)  # fmt: skip
         verifier = VerifierServicer(config, mlx)
         await verifier.load()
@@ -723,27 +718,56 @@ def test_the_verifier_opens_short_prompts_in_the_running_rounds_steps(
         )
         gate = threading.Event()
         mlx.submit(gate.wait)  # the worker busy while the calls queue up
-        verify = verifier.Verify(
-            verifier_pb2.VerifyRequest(
-                session_id=first.session_id, position=first.position, plain_steps=4
-            ),
-            RpcContext(),
+        request = verifier_pb2.VerifyRequest(
+            session_id=first.session_id, position=first.position, plain_steps=4
         )
-        opens = [
+        calls = [verifier.Verify(request, RpcContext())] + [
             verifier.OpenSession(verifier_pb2.OpenSessionRequest(prompt_ids=p), RpcContext())
-            for p in PROMPTS[1:3]
+            for p in prompts
         ]
-        tasks = [asyncio.ensure_future(c) for c in (verify, *opens)]
+        tasks = [asyncio.ensure_future(c) for c in calls]
         await asyncio.sleep(0.3)
         gate.set()
-        done = await asyncio.gather(*tasks)
+        done = await asyncio.gather(*tasks, return_exceptions=True)
         line = verifier.load_stats.take().line(0, 0)
         mlx.shutdown()
-        return done, line
+        return done[0], done[1:], line
 
-    (verified, *opened), line = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_the_verifier_opens_short_prompts_in_the_running_rounds_steps(
+    tiny_model_dir, plain, monkeypatch
+):
+    """`--prefill-in-steps N`: an OpenSession of at most N tokens queued beside Verify calls
+    joins their batched steps (no prefill job), answering what `prefill` answers."""
+    from verifier_svc import engine
+
+    jobs: list[int] = []
+    monkeypatch.setattr(engine, "_prefill_group", lambda *args: jobs.append(1))
+    verified, opened, line = _verify_beside_opens(tiny_model_dir, PROMPTS[1:3])
     assert not jobs  # no prefill job ran
     assert "2 prompts prefilled in the steps" in line
     assert [o.first_token for o in opened] == [prefill(plain, p).first_token for p in PROMPTS[1:3]]
+    reference = prefill(plain, PROMPTS[0]).session
+    assert list(verified.committed_ids) == decode(plain, reference, 4).committed
+
+
+def test_a_prompt_that_cannot_open_in_the_steps_fails_alone(tiny_model_dir, plain, monkeypatch):
+    """A prompt whose session cannot be made (here: its pool slot) gets the error; the rounds
+    and the other prompt in the same steps go on."""
+    from verifier_svc import servicer
+
+    real = servicer.prompt_round
+
+    def refusing(target, ask):
+        if ask.prompt_ids == PROMPTS[1]:
+            raise MemoryError("no room for another pool slot")
+        return real(target, ask)
+
+    monkeypatch.setattr(servicer, "prompt_round", refusing)
+    verified, (refused, opened), _ = _verify_beside_opens(tiny_model_dir, PROMPTS[1:3])
+    assert "INTERNAL" in str(refused) and "no room for another pool slot" in str(refused)
+    assert opened.first_token == prefill(plain, PROMPTS[2]).first_token
     reference = prefill(plain, PROMPTS[0]).session
     assert list(verified.committed_ids) == decode(plain, reference, 4).committed

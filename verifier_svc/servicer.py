@@ -416,7 +416,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             later[:] = [item for item in later if id(item[0]) in running]
             for item in ready + new:
                 if isinstance(item, PromptAsked):
-                    r = prompt_round(self._ready(), item.ask)
+                    try:
+                        r = prompt_round(self._ready(), item.ask)
+                    except Exception as exc:  # noqa: BLE001 - this prompt's error, not the batch's
+                        answer(item, exc)
+                        continue
                     items_of[id(r)] = item
                     rounds.append(r)
                     continue
