@@ -641,13 +641,24 @@ def test_a_long_session_beside_a_verify_of_a_short_one_finds_the_pool_grown(
     assert_same_rounds(runs[1], runs[0])
 
 
-def test_prompts_open_as_rows_of_the_running_rounds_steps(pooled, plain, monkeypatch):
-    """A prompt joins the batched steps beside running rounds: all but its last token one
-    step, the last the next; its first token, rows and cache as `prefill` makes them, the
-    rounds beside it committing what they commit alone."""
+@pytest.mark.parametrize(
+    ("rows_a_step", "want_steps"),
+    [
+        (64, [[1, 1, 13, 1, 18], [1, 1, 1, 1], [1, 1]]),  # a one-token prompt brings it alone
+        (8, [[1, 1, 8, 1, 8], [1, 1, 5, 8], [1, 1, 1, 2], [1]]),  # chunks of 8, then the last
+    ],
+)
+def test_prompts_open_as_rows_of_the_running_rounds_steps(
+    pooled, plain, monkeypatch, rows_a_step, want_steps
+):
+    """A prompt joins the batched steps beside running rounds: all but its last token in
+    chunks of PROMPT_ROWS_A_STEP a step, then the last; its first token, rows and cache as
+    `prefill` makes them, the rounds beside it committing what they commit alone."""
+    from verifier_svc import engine
     from verifier_svc.engine import PrefillResult, PromptToPrefill, prompt_round
     from verifier_svc.sampling import SamplingConfig
 
+    monkeypatch.setattr(engine, "PROMPT_ROWS_A_STEP", rows_a_step)
     sessions = [prefill(pooled, PROMPTS[i], CAPTURES[i]).session for i in (0, 1)]
     reference = [prefill(plain, PROMPTS[i], CAPTURES[i]).session for i in (0, 1)]
     sampled = SamplingConfig(temperature=0.8)
@@ -656,8 +667,7 @@ def test_prompts_open_as_rows_of_the_running_rounds_steps(pooled, plain, monkeyp
     steps = recorded(monkeypatch, pooled, "forward_pooled")
     rounds = [Round(s, [], 3) for s in sessions] + [prompt_round(pooled, a) for a in asks]
     results = rounds_many(pooled, rounds)
-    heads = [len(PROMPTS[2]) - 1, 1, len(PROMPTS[3]) - 1]
-    assert steps[:2] == [[1, 1, *heads], [1, 1, 1, 1]]  # a one-token prompt brings it alone
+    assert steps == want_steps
     assert [r.committed for r in results[:2]] == [decode(plain, s, 3).committed for s in reference]
     for ask, got in zip(asks, results[2:], strict=True):
         assert isinstance(got, PrefillResult) and got.in_steps

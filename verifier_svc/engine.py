@@ -52,6 +52,10 @@ GREEDY = SamplingConfig()
 POOLED_MAX_ROWS = 1024  # rows of one batched forward over pooled sessions
 # its attention's grid, sessions x the longest one's rows (a ragged batch's padding included)
 POOLED_MAX_GRID = 4 * POOLED_MAX_ROWS
+# a prompt opened in the steps (`prompt_round`) brings at most this many rows to one: beside a
+# batch of decode rows its steps stay within the compiled pooled forward and a small attention
+# grid, so the sessions beside it barely slow
+PROMPT_ROWS_A_STEP = 64
 PREFILL_CHUNK = 2048  # mlx-lm's prefill step: same chunks, same numerics as plain decoding
 
 
@@ -748,9 +752,10 @@ class Round:
 
 def prompt_round(target: Target, ask: PromptToPrefill) -> Round:
     """A prompt's prefill as a round of `rounds_stream`: its session's cache fresh in the pool,
-    all but its last token the rows of one step and the last the row of the next (as
-    `prefill` and `prefill_many` run them), its first token chosen there; answered with a
-    PrefillResult. Run alone (no other round to share with), it is `prefill`."""
+    all but its last token in chunks of PROMPT_ROWS_A_STEP rows a step, then the last token
+    alone (as `prefill` runs a prompt: its chunks, then the last), its first token chosen
+    there; answered with a PrefillResult. Run alone (no other round to share with), it is
+    `prefill`."""
     session = Session(
         cache=target.new_cache(in_company=True),
         capture=ask.capture,
@@ -765,7 +770,7 @@ def prompt_round(target: Target, ask: PromptToPrefill) -> Round:
 def _rows_asked(r: Round) -> int:
     """The rows a round brings to its first shared step."""
     if r.prompt is not None:
-        return max(len(r.prompt.prompt_ids) - 1, 1)
+        return min(max(len(r.prompt.prompt_ids) - 1, 1), PROMPT_ROWS_A_STEP)
     return 1 + len(r.drafts)
 
 
@@ -889,13 +894,11 @@ class _Running:
     all_rows: int = 0  # rows of those forwards, every session's
     looks_ahead: bool = False  # no round: the next token of a session already answered
     draws: dict | None = None  # a sampled session's generator state before the round
-    prompt_head_done: bool = False  # a prompt's rows but its last are in the cache
+    prompt_cached: int = 0  # a prompt's tokens in the cache so far
 
     def __post_init__(self):
         if not self.looks_ahead:
             self.draws = _draws(self.round.session)
-        prompt = self.round.prompt
-        self.prompt_head_done = prompt is not None and len(prompt.prompt_ids) == 1
 
     def done(self, target: Target) -> bool:
         if self.round.prompt is not None:
@@ -916,8 +919,11 @@ class _Running:
         prompt's all but its last, then its last."""
         prompt = self.round.prompt
         if prompt is not None:
-            ids = prompt.prompt_ids
-            return np.array(ids[-1:] if self.prompt_head_done else ids[:-1])
+            ids, start = prompt.prompt_ids, self.prompt_cached
+            head = len(ids) - 1
+            if start < head:
+                return np.array(ids[start : min(start + PROMPT_ROWS_A_STEP, head)])
+            return np.array(ids[head:])
         if self.committed:
             return np.array([self.committed[-1]])
         return np.array([self.round.session.last_token, *self.round.drafts])
@@ -1016,7 +1022,7 @@ def _take_step(
     if r.session.capture:
         captured = _joined([outputs[j] for j in r.session.capture], -1)
     if r.prompt is not None:
-        return _prompt_step(state, logits, captured, choice, seconds)
+        return _prompt_step(state, own_rows, logits, captured, choice, seconds)
     if state.looks_ahead:
         rows = None if captured is None else _mx(captured)
         nxt = mx.array(np.asarray(choice, dtype=np.int32).reshape(1))
@@ -1054,17 +1060,17 @@ def _take_step(
     return state.done(target)
 
 
-def _prompt_step(state: _Running, logits, captured, choice, seconds: float) -> bool:
-    """A prompt's part of a shared step: its rows but the last into the cache, then the last
-    and its first token (greedy, or drawn from a generator seeded as `prefill` seeds it).
-    True when it is done."""
+def _prompt_step(state: _Running, rows: int, logits, captured, choice, seconds: float) -> bool:
+    """A prompt's part of a shared step: a chunk of its tokens into the cache, or its last
+    token and the first token after it (greedy, or drawn from a generator seeded as `prefill`
+    seeds it). True when it is done."""
     state.seconds += seconds
     if captured is not None:
         state.rows.append(captured)
-    if not state.prompt_head_done:
-        state.prompt_head_done = True
-        return False
+    state.prompt_cached += rows
     session, ask = state.round.session, state.round.prompt
+    if state.prompt_cached < len(ask.prompt_ids):
+        return False
     if ask.sampling.greedy:
         state.committed = [int(choice[-1])]
     else:
