@@ -52,9 +52,9 @@ GREEDY = SamplingConfig()
 POOLED_MAX_ROWS = 1024  # rows of one batched forward over pooled sessions
 # its attention's grid, sessions x the longest one's rows (a ragged batch's padding included)
 POOLED_MAX_GRID = 4 * POOLED_MAX_ROWS
-# a prompt opened in the steps (`prompt_round`) brings at most this many rows to one: beside a
-# batch of decode rows its steps stay within the compiled pooled forward and a small attention
-# grid, so the sessions beside it barely slow
+# a prompt opened in the steps (`prompt_round`) brings at most this many rows to one, so that
+# beside a batch of decode rows a step stays within the compiled pooled forward's rows and a
+# small attention grid
 PROMPT_ROWS_A_STEP = 64
 PREFILL_CHUNK = 2048  # mlx-lm's prefill step: same chunks, same numerics as plain decoding
 
