@@ -781,3 +781,21 @@ def test_a_prompt_that_cannot_open_in_the_steps_fails_alone(tiny_model_dir, plai
     assert opened.first_token == prefill(plain, PROMPTS[2]).first_token
     reference = prefill(plain, PROMPTS[0]).session
     assert list(verified.committed_ids) == decode(plain, reference, 4).committed
+
+
+def test_a_prompt_round_with_no_company_opens_its_session_as_prefill_does(tiny_model_dir, plain):
+    """Alone, a prompt round is `prefill` into the cache it opened: with pool_alone off a
+    cache of its own (no pool slot taken), one session open, none once it is dropped."""
+    from mlx_lm.models.cache import KVCache
+
+    from verifier_svc.engine import PromptToPrefill, prompt_round
+
+    target = Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0,
+                    row_forwards=True, kv_pool=True, pool_alone=False)  # fmt: skip
+    (opened,) = rounds_many(target, [prompt_round(target, PromptToPrefill(PROMPTS[1]))])
+    assert not opened.in_steps and type(opened.session.cache[0]) is KVCache
+    assert opened.first_token == prefill(plain, PROMPTS[1]).first_token
+    assert target.open_sessions == 1 and target.kv_pool.open_slots == 0
+    del opened
+    gc.collect()
+    assert target.open_sessions == 0

@@ -414,9 +414,12 @@ def prefill(
     rows_dtype: mx.Dtype = mx.float16,
     sampling: SamplingConfig = GREEDY,
     seed: int | None = None,
+    cache: list | None = None,
 ) -> PrefillResult:
-    """Process the prompt like mlx-lm does (all but the last token in chunks, then the last)."""
-    steps = prefill_steps(target, prompt_ids, capture, rows_dtype, sampling, seed, sliced=False)
+    """Process the prompt like mlx-lm does (all but the last token in chunks, then the last),
+    into `cache` (empty; default: a new one)."""
+    steps = prefill_steps(target, prompt_ids, capture, rows_dtype, sampling, seed, sliced=False,
+                          cache=cache)  # fmt: skip
     return advance(steps)
 
 
@@ -437,6 +440,7 @@ def prefill_steps(
     sampling: SamplingConfig = GREEDY,
     seed: int | None = None,
     sliced: bool = True,
+    cache: list | None = None,
 ):
     """`prefill` as a generator that returns its PrefillResult. sliced (where the target can,
     `Target.slices_prefill`): each `next()` runs one decoder layer of a chunk, so a server can
@@ -444,7 +448,7 @@ def prefill_steps(
     whole forward; the same kernels on the same shapes, so the same numbers."""
     start = time.perf_counter()
     sliced = sliced and target.slices_prefill
-    cache = target.new_cache()
+    cache = target.new_cache() if cache is None else cache
     prompt = mx.array(prompt_ids, dtype=mx.int32)
     row_chunks = []
     done = 0
@@ -461,11 +465,11 @@ def prefill_steps(
     logits, rows = target.forward(prompt[done:], cache, capture)
     if rows is not None:
         row_chunks.append(rows.astype(rows_dtype))
-    rng = None if sampling.greedy else np.random.default_rng(seed)
-    if rng is None:
+    rng = None
+    if sampling.greedy:
         first = _greedy_ids(logits[-1:])[0]
     else:
-        first = sample(target_distribution(np.array(logits[-1], np.float32), sampling), rng)
+        first, rng = _first_drawn(logits, sampling, seed)
     all_rows = mx.concatenate(row_chunks, axis=0) if row_chunks else None
     mx.eval([c.state for c in cache], *([all_rows] if all_rows is not None else []))
     session = Session(
@@ -479,6 +483,13 @@ def prefill_steps(
         rng=rng,
     )
     return PrefillResult(session, first, all_rows, time.perf_counter() - start)
+
+
+def _first_drawn(logits, sampling: SamplingConfig, seed: int | None):
+    """A sampled session's first token, drawn from its prompt's last row of logits, and the
+    generator it drew with (seeded as every prefill seeds it; the session's from then on)."""
+    rng = np.random.default_rng(seed)
+    return sample(target_distribution(np.array(logits[-1], np.float32), sampling), rng), rng
 
 
 @dataclass
@@ -518,9 +529,11 @@ def prefill_many(target: Target, prompts: list[PromptToPrefill]) -> list[Prefill
     return answers
 
 
-def _prefill_alone(target: Target, p: PromptToPrefill) -> PrefillResult | Exception:
+def _prefill_alone(
+    target: Target, p: PromptToPrefill, cache: list | None = None
+) -> PrefillResult | Exception:
     try:
-        return prefill(target, p.prompt_ids, p.capture, p.rows_dtype, p.sampling, p.seed)
+        return prefill(target, p.prompt_ids, p.capture, p.rows_dtype, p.sampling, p.seed, cache)
     except Exception as exc:  # noqa: BLE001 - this prompt's error, not the others'
         return exc
 
@@ -562,12 +575,11 @@ def _prefill_group(target: Target, prompts, group: list[int], answers: list) -> 
     seconds = time.perf_counter() - start
     for n, p, cache, (logits, _), first, rows in zip(group, chosen, caches, lasts, firsts, kept,
                                                      strict=True):  # fmt: skip
-        rng = None if p.sampling.greedy else np.random.default_rng(p.seed)
-        if rng is None:
+        rng = None
+        if p.sampling.greedy:
             token = int(first[-1])
         else:
-            distribution = target_distribution(np.array(logits[-1], np.float32), p.sampling)
-            token = sample(distribution, rng)
+            token, rng = _first_drawn(logits, p.sampling, p.seed)
         session = Session(
             cache=cache,
             capture=p.capture,
@@ -751,13 +763,13 @@ class Round:
 
 
 def prompt_round(target: Target, ask: PromptToPrefill) -> Round:
-    """A prompt's prefill as a round of `rounds_stream`: its session's cache fresh in the pool,
-    all but its last token in chunks of PROMPT_ROWS_A_STEP rows a step, then the last token
-    alone (as `prefill` runs a prompt: its chunks, then the last), its first token chosen
-    there; answered with a PrefillResult. Run alone (no other round to share with), it is
-    `prefill`."""
+    """A prompt's prefill as a round of `rounds_stream`: its session's cache fresh (in the pool
+    once other rounds run beside it), all but its last token in chunks of PROMPT_ROWS_A_STEP
+    rows a step, then the last token alone (as `prefill` runs a prompt: its chunks, then the
+    last), its first token chosen there; answered with a PrefillResult. Run alone (no other
+    round to share with), it is `prefill`."""
     session = Session(
-        cache=target.new_cache(in_company=True),
+        cache=target.new_cache(),  # pooled once it has company (`Target.pool_session`)
         capture=ask.capture,
         rows_dtype=ask.rows_dtype,
         position=1,  # an empty cache: a failed step rolls it back to nothing
@@ -1074,9 +1086,8 @@ def _prompt_step(state: _Running, rows: int, logits, captured, choice, seconds: 
     if ask.sampling.greedy:
         state.committed = [int(choice[-1])]
     else:
-        session.rng = np.random.default_rng(ask.seed)
-        distribution = target_distribution(np.array(logits[-1], np.float32), ask.sampling)
-        state.committed = [sample(distribution, session.rng)]
+        first, session.rng = _first_drawn(logits, ask.sampling, ask.seed)
+        state.committed = [first]
     return True
 
 
@@ -1153,8 +1164,8 @@ def _undo(state: _Running) -> None:
 
 
 def _alone(target: Target, r: Round) -> VerifyResult | PrefillResult | Exception:
-    if r.prompt is not None:
-        return _prefill_alone(target, r.prompt)
+    if r.prompt is not None:  # into the cache its round opened, as `prefill` would open it
+        return _prefill_alone(target, r.prompt, r.session.cache)
     try:
         if r.parents is not None:
             return verify_tree(target, r.session, r.drafts, r.parents)

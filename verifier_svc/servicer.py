@@ -91,15 +91,16 @@ def check_draft_probs(tensor, drafts: list[int], vocab_size: int) -> np.ndarray 
     return q / q.sum(axis=1, keepdims=True)
 
 
-# the batched rounds' key for every prompt opened in their steps: one caller, not one each
-PROMPTS_IN_STEPS = object()
-
-
 class PromptAsked(NamedTuple):
     """An OpenSession's prompt, opened as rows of the batched rounds' steps."""
 
-    key: object
     ask: PromptToPrefill
+
+
+def _caller(item) -> int | str:
+    """Who asked a batched round: its session, or for every prompt opened in the steps one
+    caller, not one each (`Batch.key`)."""
+    return "prompts" if isinstance(item, PromptAsked) else id(item[0])
 
 
 class RoundAsked(NamedTuple):
@@ -161,7 +162,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._prefills = Batch(self._prefill_many)
         self._rounds = Batch(  # by session
             self._rounds_many,
-            key=lambda item: id(item[0]),
+            key=_caller,
             run_stream=self._rounds_stream,
             held_job_steps=config.prefill_between_steps or None,
         )
@@ -275,7 +276,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         rows_dtype = ROWS_DTYPES[request.rows_dtype]
         ask = PromptToPrefill(prompt, layers, rows_dtype, sampling, seed)
         if target.kv_pool is not None and len(prompt) <= self.config.prefill_in_steps:
-            result = await self.mlx.run_batched(self._rounds, PromptAsked(PROMPTS_IN_STEPS, ask))
+            result = await self.mlx.run_batched(self._rounds, PromptAsked(ask))
         elif target.kv_pool is not None and not sliced:  # with the prompts opening beside it
             result = await self.mlx.run_batched(self._prefills, ask)
         else:
