@@ -782,8 +782,17 @@ def prompt_round(target: Target, ask: PromptToPrefill) -> Round:
 def _rows_asked(r: Round) -> int:
     """The rows a round brings to its first shared step."""
     if r.prompt is not None:
-        return min(max(len(r.prompt.prompt_ids) - 1, 1), PROMPT_ROWS_A_STEP)
+        return len(_prompt_chunk(r.prompt.prompt_ids, 0))
     return 1 + len(r.drafts)
+
+
+def _prompt_chunk(ids: list[int], cached: int) -> list[int]:
+    """A prompt's tokens for its next step, `cached` of them in its cache: all but its last
+    in chunks of PROMPT_ROWS_A_STEP, then its last alone."""
+    head = len(ids) - 1
+    if cached < head:
+        return ids[cached : min(cached + PROMPT_ROWS_A_STEP, head)]
+    return ids[head:]
 
 
 def rounds_many(
@@ -931,11 +940,7 @@ class _Running:
         prompt's all but its last, then its last."""
         prompt = self.round.prompt
         if prompt is not None:
-            ids, start = prompt.prompt_ids, self.prompt_cached
-            head = len(ids) - 1
-            if start < head:
-                return np.array(ids[start : min(start + PROMPT_ROWS_A_STEP, head)])
-            return np.array(ids[head:])
+            return np.array(_prompt_chunk(prompt.prompt_ids, self.prompt_cached))
         if self.committed:
             return np.array([self.committed[-1]])
         return np.array([self.round.session.last_token, *self.round.drafts])
