@@ -16,7 +16,8 @@ class Proposal:
     ids: list[int]
     probs: np.ndarray | None = None  # [len(ids), vocab] draft distributions, when sampled
     # tree drafts: parent index of each draft in `ids` (-1: the last committed token); listed
-    # parents-first. None: a chain (each draft follows the previous one).
+    # parents-first (the drafters: `line_first`). None: a chain (each draft follows the
+    # previous one).
     parents: list[int] | None = None
     # tree drafts: each draft's path log-probability under the drafter, where it scores them
     # (measurements read it; it is not sent)
@@ -36,6 +37,24 @@ class TreeShape:
         if self.total_tokens <= 0:
             return "chain"
         return f"total={self.total_tokens} depth={self.depth} top_k={self.top_k}"
+
+
+def line_first(parents: list[int]) -> tuple[list[int], list[int]]:
+    """A tree listed parents-first, each node's children likeliest first, put in depth-first
+    order: its likeliest line takes the first places, so when the target keeps that line its
+    KV rows are already where they stay (a kept path elsewhere is moved down). Returns the
+    nodes' old indices in the new order and their parents in it."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    order: list[int] = []
+    stack = list(reversed(children.get(-1, [])))
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(children.get(node, [])))
+    place = {node: i for i, node in enumerate(order)}
+    return order, [place[parents[node]] if parents[node] >= 0 else -1 for node in order]
 
 
 def log_floor(min_prob: float) -> float:

@@ -293,6 +293,10 @@ def test_best_first_tree_takes_the_best_root_paths():
         assert parent < node  # parents come first
         assert d == (0 if parent < 0 else picks[parent][0] + 1)
         paths.append((() if parent < 0 else paths[parent]) + (rank,))
+        if node and parent == node - 1:
+            assert rank == 0  # depth-first: a node's first child, its likeliest, follows it
+        elif node:
+            assert rank > 0  # a later sibling
     every = [p for n in range(1, depth + 1) for p in itertools.product(range(width), repeat=n)]
 
     def score(path):
@@ -335,7 +339,11 @@ def test_a_block_tree_holds_each_positions_best_tokens(block):
         assert tree.ids[node] in np.argsort(-logits[depth - 1])[:3]
     siblings = [(tree.parents[i], tree.ids[i]) for i in range(9)]
     assert len(set(siblings)) == 9 and max(node_depths) <= 4
-    check_parents(tree.parents, len(tree.ids))  # listed by depth, as the verifier takes them
+    check_parents(tree.parents, len(tree.ids))  # parents first, as the verifier takes them
+    line = [0]
+    while line[-1] + 1 < 9 and tree.parents[line[-1] + 1] == line[-1]:
+        line.append(line[-1] + 1)
+    assert tree.ids[: len(line)] == block.propose(state, len(line)).ids  # the likeliest line
 
 
 def test_a_shallow_tree_reads_the_whole_block(block):

@@ -279,6 +279,7 @@ def test_tree_is_ancestor_closed_parents_first_within_budget(make_drafter):
     for i, p in enumerate(tree.parents):
         siblings.setdefault(p, []).append(tree.ids[i])
     assert all(len(set(s)) == len(s) for s in siblings.values())  # no duplicate children
+    assert_likeliest_line_first(tree.parents, tree.scores)
 
 
 def test_a_probability_floor_keeps_the_trees_likelier_nodes_alone(make_drafter):
@@ -433,3 +434,14 @@ def test_a_round_on_the_host_head_runs_no_mlx_op(monkeypatch):
     monkeypatch.undo()
     assert isinstance(state.pending_rows, np.ndarray | None)
     assert drafts == by_mlx_rows.chain(expected, 4).ids and len(drafts) == 4
+
+
+def assert_likeliest_line_first(parents, scores):
+    """Depth-first: a node's first child follows it; siblings likeliest first."""
+    children = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    for node, kids in children.items():
+        if node >= 0:
+            assert kids[0] == node + 1
+        assert [scores[k] for k in kids] == sorted((scores[k] for k in kids), reverse=True)

@@ -173,7 +173,7 @@ def test_tree_verify_refuses_bad_parents(stack):
     with grpc.insecure_channel(stack.services["verifier"].address) as channel:
         stub = verifier_pb2_grpc.VerifierStub(channel)
         opened = stub.OpenSession(verifier_pb2.OpenSessionRequest(prompt_ids=[5, 6, 7]))
-        for parents in ([-1, 1], [-1, 0, -1], [-1]):
+        for parents in ([-1, 1], [-1, 2, 0], [-1]):
             with pytest.raises(grpc.RpcError) as err:
                 stub.Verify(
                     verifier_pb2.VerifyRequest(

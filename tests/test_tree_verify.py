@@ -6,10 +6,13 @@ from __future__ import annotations
 import random
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
+from drafter_svc.proposal import line_first
+from specd.models.capture import rotate_at
 from specd.models.load import load_target
 from verifier_svc.engine import Target, prefill, verify, verify_tree
 from verifier_svc.tree import accept_tree_sampled, ancestor_mask, check_parents, depths
@@ -89,8 +92,7 @@ def test_ancestor_mask_and_depths():
     assert m[5].nonzero()[0].tolist() == [0, 2, 5]
     with pytest.raises(ValueError, match="earlier draft"):
         check_parents([-1, 1], 2)
-    with pytest.raises(ValueError, match="breadth-first"):
-        check_parents([-1, 0, -1], 3)
+    assert check_parents([-1, 0, -1], 3) == [-1, 0, -1]  # depth-first listings are taken
     with pytest.raises(ValueError, match="entries"):
         check_parents([-1], 2)
 
@@ -117,7 +119,55 @@ def test_compacted_cache_continues_like_plain_decoding(target):
     assert out == reference
 
 
-def test_tree_rounds_equal_plain_greedy(target):
+@pytest.mark.parametrize("positions", [[7, 8, 8, 8, 9, 9], [7, 8, 9, 10, 9, 8], [7, 8, 9, 8, 9, 8]])
+def test_a_tree_rotates_each_token_as_decoding_does_at_its_position(positions):
+    """Tree positions in runs (breadth-first) or not (depth-first): each token turned at its
+    position as one decode step turns it there, bit for bit."""
+    rope = nn.RoPE(16, base=10000.0)
+    x = mx.random.normal((1, 2, len(positions), 16), key=mx.random.key(0))
+    out = np.array(rotate_at(rope, x, positions))
+    for t, p in enumerate(positions):
+        alone = np.array(rope(x[:, :, t : t + 1, :], offset=p))
+        assert np.array_equal(out[:, :, t : t + 1], alone), (t, p)
+
+
+def test_line_first_lists_a_tree_depth_first_with_each_first_child_first():
+    # root children 0 (children 2, 3) and 1 (child 4); 2 has child 5
+    order, parents = line_first([-1, -1, 0, 0, 1, 2])
+    assert order == [0, 2, 5, 3, 1, 4]
+    assert parents == [-1, 0, 1, 0, -1, 4]
+    assert line_first([-1, 0, 1]) == ([0, 1, 2], [-1, 0, 1])  # a chain stays as it is
+
+
+def test_a_depth_first_tree_keeping_its_first_line_moves_no_rows(target, monkeypatch):
+    """The drafters list a tree's likeliest line first (`line_first`): when the target keeps
+    that line its KV rows are in place, and the round commits what the breadth-first listing
+    of the same tree commits, with a cache that continues as plain decoding does."""
+    from verifier_svc import engine
+
+    reference = plain_greedy(target, PROMPT, 8)
+    vocab = target.identity.vocab_size
+    wrong = [(t + 1) % vocab for t in reference]
+    # root children: reference[1] -> (reference[2] -> reference[3], wrong), and wrong[1]
+    ids = [reference[1], wrong[1], reference[2], wrong[2], reference[3]]
+    parents = [-1, -1, 0, 0, 2]
+    order, line_parents = line_first(parents)
+    assert line_parents == [-1, 0, 1, 0, -1]
+    moves, real_compact = [], engine._compact
+    monkeypatch.setattr(engine, "_compact", lambda cache, base, keep: moves.append(keep)
+                        or real_compact(cache, base, keep))  # fmt: skip
+    wide = prefill(target, PROMPT).session
+    deep = prefill(target, PROMPT).session
+    by_depth = verify_tree(target, wide, ids, parents)
+    by_line = verify_tree(target, deep, [ids[i] for i in order], line_parents)
+    assert by_line.committed == by_depth.committed == reference[1:5]
+    assert moves == [[0, 1, 3, 5], [0, 1, 2, 3]]  # the breadth-first listing moves its rows
+    for _ in range(3):
+        assert verify(target, deep, []).committed == verify(target, wide, []).committed
+
+
+@pytest.mark.parametrize("listing", ["breadth-first", "depth-first"])
+def test_tree_rounds_equal_plain_greedy(target, listing):
     n = 40
     reference = plain_greedy(target, PROMPT, n)
     rng = random.Random(1)
@@ -133,6 +183,9 @@ def test_tree_rounds_equal_plain_greedy(target):
         for depth, node in enumerate(path[: rng.randint(0, len(path))]):
             if done + depth < len(reference):
                 ids[node] = reference[done + depth]
+        if listing == "depth-first":
+            order, parents = line_first(parents)
+            ids = [ids[i] for i in order]
         r = verify_tree(target, session, ids, parents)
         out.extend(r.committed)
         rounds += 1

@@ -26,13 +26,13 @@ from specd.models.capture import (
     CaptureSink,
     CapturingLayer,
     GroupedRoPE,
-    rotate_in_groups,
+    rotate_at,
 )
 from specd.models.compiled import MAX_POOLED_ROWS, CompiledForward, sees_after, traced_rows
 from specd.models.compiled import MAX_ROWS as COMPILED_MAX_ROWS
 from specd.models.rowwise import ChunkedAttention
 from verifier_svc.kv_pool import PooledStep, attend_rows, batched_attention, spare_position
-from verifier_svc.tree import ancestor_mask, depths, position_runs, rope_groups
+from verifier_svc.tree import ancestor_mask, depths
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class MlxForward:
         sink = self.sink
         if tree is not None:
             sink.mask = tree.attention_mask()
-            sink.rope_groups = rope_groups(tree.parents, tree.base)
+            sink.rope_positions = tree.positions().tolist()
         sink.wanted, sink.outputs = frozenset(capture), {}
         try:
             logits = self.model(token_ids[None], cache=cache)[0]
@@ -97,7 +97,7 @@ class MlxForward:
                 rows = mx.concatenate([sink.outputs[i][0] for i in capture], axis=-1)
         finally:
             sink.wanted, sink.outputs = frozenset(), {}
-            sink.mask, sink.rope_groups = None, None
+            sink.mask, sink.rope_positions = None, None
         return logits, rows
 
     def layer_by_layer(self, token_ids, cache, capture):
@@ -297,8 +297,8 @@ def _attention_many(
         if segment.positions is None:
             q, k = rope(q, offset=cache.offset), rope(k, offset=cache.offset)
         else:
-            groups = position_runs(segment.positions)
-            q, k = rotate_in_groups(rope, q, groups), rotate_in_groups(rope, k, groups)
+            q = rotate_at(rope, q, segment.positions)
+            k = rotate_at(rope, k, segment.positions)
         past = cache.offset
         k, v = cache.update_and_fetch(k, v)
         if segment.sees is not None:  # a tree, as `MlxForward.__call__` attends it

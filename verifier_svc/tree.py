@@ -14,18 +14,16 @@ from verifier_svc.sampling import sample
 
 
 def check_parents(parents: Sequence[int], num_drafts: int) -> list[int]:
-    """Parents must precede children and depth must not decrease (groups of equal position)."""
+    """Parents must precede children; any such order (drafters list the likeliest line
+    first, depth-first, so that the target keeping it leaves its KV rows in place)."""
     if len(parents) != num_drafts:
         raise ValueError(f"draft_parents has {len(parents)} entries for {num_drafts} drafts")
-    depth = depths(parents)
     for i, p in enumerate(parents):
         if not -1 <= p < i:
             raise ValueError(
                 f"draft_parents[{i}] = {p}: a parent is -1 (the last committed token) or an "
                 "earlier draft"
             )
-        if i and depth[i] < depth[i - 1]:
-            raise ValueError("drafts must be listed by depth (breadth-first), parents first")
     return list(parents)
 
 
@@ -45,21 +43,6 @@ def ancestor_mask(parents: Sequence[int]) -> np.ndarray:
         mask[i] = mask[p + 1] if p >= 0 else mask[0]
         mask[i, i] = True
     return mask
-
-
-def rope_groups(parents: Sequence[int], base: int) -> list[tuple[int, int, int]]:
-    """(start, stop, position) runs of forward indices sharing a position (= base + depth)."""
-    return position_runs([base, *[base + d for d in depths(parents)]])
-
-
-def position_runs(positions: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(start, stop, position) runs of consecutive indices sharing a position."""
-    groups, start = [], 0
-    for i in range(1, len(positions) + 1):
-        if i == len(positions) or positions[i] != positions[start]:
-            groups.append((start, i, int(positions[start])))
-            start = i
-    return groups
 
 
 def _children(parents: Sequence[int]) -> dict[int, list[int]]:

@@ -12,7 +12,7 @@ import numpy as np
 
 from drafter_svc.dflash.model import DFlashDrafter
 from drafter_svc.kv import EntryBuffers
-from drafter_svc.proposal import Proposal, TreeShape, log_floor
+from drafter_svc.proposal import Proposal, TreeShape, line_first, log_floor
 
 
 @dataclass
@@ -145,7 +145,7 @@ def best_first_tree(
     """The `budget` best root paths through per-depth candidate lists, each list's log-probs
     [depth, top_k] sorted best first and the same under every parent; after the first, none
     scoring below `floor` (a log-probability). Returns each node's parent
-    (-1: the root) and its (depth, rank), listed by depth as a verify takes them. Pops come in
+    (-1: the root) and its (depth, rank), likeliest line first (`line_first`). Pops come in
     falling score: a node's next sibling and first child enter the heap only when it is taken,
     and neither can outscore it."""
     depth_count, width = ranked_logp.shape
@@ -164,6 +164,5 @@ def best_first_tree(
             heapq.heappush(heap, (sibling, depth, rank + 1, parent))
         if depth + 1 < depth_count:
             heapq.heappush(heap, (neg - float(ranked_logp[depth + 1, 0]), depth + 1, 0, node))
-    order = sorted(range(len(picks)), key=lambda node: (picks[node][0], node))
-    place = {node: i for i, node in enumerate(order)}
-    return [place.get(parents[n], -1) for n in order], [picks[n] for n in order]
+    order, out_parents = line_first(parents)  # siblings popped likeliest first
+    return out_parents, [picks[n] for n in order]

@@ -15,7 +15,7 @@ import numpy as np
 
 from drafter_svc.eagle3.model import Eagle3Head
 from drafter_svc.kv import EntryBuffers
-from drafter_svc.proposal import Proposal, TreeShape, log_floor
+from drafter_svc.proposal import Proposal, TreeShape, line_first, log_floor
 
 if TYPE_CHECKING:  # its imports (mlx-lm) cost an n-gram drafter ~34 MiB
     from drafter_svc.eagle3.cpu_head import CpuHead
@@ -261,7 +261,8 @@ class Eagle3Drafter:
 
     def tree(self, state: Eagle3State, shape: TreeShape, min_prob: float = 0.0) -> Proposal:
         """Expand the top_k best nodes per depth (by cumulative log-prob), each with its top_k
-        children; send the best total_tokens nodes, closed under ancestors, parents first.
+        children; send the best total_tokens nodes, closed under ancestors, likeliest line first
+        (`line_first`).
         min_prob: no node whose path probability is below it, the likeliest first draft aside,
         is sent or expanded (each node costs the verify a row)."""
         if not self.ready(state) or shape.total_tokens <= 0 or shape.depth <= 0:
@@ -322,9 +323,11 @@ class Eagle3Drafter:
             new = list(range(first_new, len(tokens)))
             frontier = sorted(new, key=lambda i: -scores[i])[:top_k]
         chosen = _best_closed(parents, scores, shape.total_tokens)
-        chosen.sort(key=lambda i: (depths[i], -scores[i]))  # parents first
+        chosen.sort(key=lambda i: (depths[i], -scores[i]))  # parents first, likeliest first
         index = {node: j for j, node in enumerate(chosen)}
-        out_parents = [index[parents[i]] if parents[i] >= 0 else -1 for i in chosen]
+        order, out_parents = line_first([index[parents[i]] if parents[i] >= 0 else -1
+                                         for i in chosen])  # fmt: skip
+        chosen = [chosen[j] for j in order]
         return Proposal(self._to_target([tokens[i] for i in chosen]), parents=out_parents,
                         scores=[scores[i] for i in chosen])  # fmt: skip
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from specd.models.rowwise import ChunkedAttention, RowLinear, RowMLP
 
@@ -15,7 +16,7 @@ class CaptureSink:
         self.wanted: frozenset[int] = frozenset()
         self.outputs: dict[int, mx.array] = {}
         self.mask: mx.array | None = None  # replaces the model's causal mask
-        self.rope_groups: list[tuple[int, int, int]] | None = None  # (start, stop, position)
+        self.rope_positions: list[int] | None = None  # a tree forward's position per token
 
 
 class CapturingLayer(nn.Module):
@@ -69,25 +70,36 @@ class GroupedRoPE(nn.Module):
         self._sink = sink
 
     def __call__(self, x, offset=0):
-        groups = self._sink.rope_groups
-        if groups is None:
+        positions = self._sink.rope_positions
+        if positions is None:
             return self.inner(x, offset=offset)
-        return rotate_in_groups(self.inner, x, groups)
+        return rotate_at(self.inner, x, positions)
 
 
-def rotate_in_groups(rope: nn.Module, x: mx.array, groups: list[tuple[int, int, int]]) -> mx.array:
-    """x [..., T, D] rotated by `rope` with the tokens of each (start, stop, position) run of
-    `verifier_svc.tree.rope_groups` at that position."""
+def rotate_at(rope: nn.Module, x: mx.array, positions) -> mx.array:
+    """x [..., T, D], token t rotated by `rope` at positions[t]: the tokens sharing a position
+    in one call at that offset, as plain decoding rotates a token there. Positions in any
+    order (a tree listed depth-first); runs of one position cost no reordering."""
+    positions = np.asarray(positions)
+    order = np.argsort(positions, kind="stable")
+    in_runs = bool((order == np.arange(len(order))).all())
+    if not in_runs:
+        x = mx.take(x, mx.array(order.astype(np.int32)), axis=-2)
+    ranked = positions[order]
+    starts = [0, *(np.flatnonzero(ranked[1:] != ranked[:-1]) + 1).tolist(), len(ranked)]
     parts = []
-    for a, b, pos in groups:
+    for a, b in zip(starts[:-1], starts[1:], strict=True):
         # RoPE numbers tokens offset, offset+1, ...: put a run's tokens in the batch axis
-        # so each one is a length-1 sequence at `pos`
+        # so each one is a length-1 sequence at its position
         run = x[..., a:b, :]
         lead, n, dim = run.shape[:-2], b - a, run.shape[-1]
         flat = mx.moveaxis(run, -2, 0).reshape(n, -1, 1, dim)
-        turned = rope(flat, offset=pos).reshape(n, *lead, dim)
+        turned = rope(flat, offset=int(ranked[a])).reshape(n, *lead, dim)
         parts.append(mx.moveaxis(turned, 0, -2))
-    return mx.concatenate(parts, axis=-2)
+    out = mx.concatenate(parts, axis=-2) if len(parts) > 1 else parts[0]
+    if in_runs:
+        return out
+    return mx.take(out, mx.array(np.argsort(order).astype(np.int32)), axis=-2)
 
 
 def install_tree_positions(model: nn.Module, sink: CaptureSink) -> bool:
