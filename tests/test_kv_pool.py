@@ -642,23 +642,28 @@ def test_a_long_session_beside_a_verify_of_a_short_one_finds_the_pool_grown(
 
 
 @pytest.mark.parametrize(
-    ("rows_a_step", "want_steps"),
+    ("rows_a_step", "in_a_step", "want_steps"),
     [
-        (64, [[1, 1, 13, 1, 18], [1, 1, 1, 1], [1, 1]]),  # a one-token prompt brings it alone
-        (8, [[1, 1, 8, 1, 8], [1, 1, 5, 8], [1, 1, 1, 2], [1]]),  # chunks of 8, then the last
+        (64, 128, [[1, 1, 13, 1, 18], [1, 1, 1, 1], [1, 1]]),  # a one-token prompt: alone
+        (8, 128, [[1, 1, 8, 1, 8], [1, 1, 5, 8], [1, 1, 1, 2], [1]]),  # chunks, then the last
+        # prompts past a step's share wait, the rounds behind them go on; the last, left
+        # with no company, is prefilled alone
+        (8, 8, [[1, 1, 8], [1, 1, 5, 1], [1, 1, 1]]),
     ],
 )
 def test_prompts_open_as_rows_of_the_running_rounds_steps(
-    pooled, plain, monkeypatch, rows_a_step, want_steps
+    pooled, plain, monkeypatch, rows_a_step, in_a_step, want_steps
 ):
     """A prompt joins the batched steps beside running rounds: all but its last token in
-    chunks of PROMPT_ROWS_A_STEP a step, then the last; its first token, rows and cache as
-    `prefill` makes them, the rounds beside it committing what they commit alone."""
+    chunks of PROMPT_ROWS_A_STEP a step, then the last, the prompts of a step bringing
+    PROMPT_ROWS_IN_A_STEP rows at most; its first token, rows and cache as `prefill` makes
+    them, the rounds beside it committing what they commit alone."""
     from verifier_svc import engine
     from verifier_svc.engine import PrefillResult, PromptToPrefill, prompt_round
     from verifier_svc.sampling import SamplingConfig
 
     monkeypatch.setattr(engine, "PROMPT_ROWS_A_STEP", rows_a_step)
+    monkeypatch.setattr(engine, "PROMPT_ROWS_IN_A_STEP", in_a_step)
     sessions = [prefill(pooled, PROMPTS[i], CAPTURES[i]).session for i in (0, 1)]
     reference = [prefill(plain, PROMPTS[i], CAPTURES[i]).session for i in (0, 1)]
     sampled = SamplingConfig(temperature=0.8)
@@ -669,8 +674,9 @@ def test_prompts_open_as_rows_of_the_running_rounds_steps(
     results = rounds_many(pooled, rounds)
     assert steps == want_steps
     assert [r.committed for r in results[:2]] == [decode(plain, s, 3).committed for s in reference]
-    for ask, got in zip(asks, results[2:], strict=True):
-        assert isinstance(got, PrefillResult) and got.in_steps
+    in_steps = [True, True, in_a_step > rows_a_step]
+    for ask, got, stepped in zip(asks, results[2:], in_steps, strict=True):
+        assert isinstance(got, PrefillResult) and got.in_steps == stepped
         _assert_opened_as_alone(pooled, plain, ask, got)
 
 

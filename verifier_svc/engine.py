@@ -56,6 +56,9 @@ POOLED_MAX_GRID = 4 * POOLED_MAX_ROWS
 # beside a batch of decode rows a step stays within the compiled pooled forward's rows and a
 # small attention grid
 PROMPT_ROWS_A_STEP = 64
+# all prompts' rows in one step: more (60 prompts of 64 rows beside 4 decode rows) left the
+# compiled forward for the model's own, whose padded grid ran an 80 GB GPU out of memory
+PROMPT_ROWS_IN_A_STEP = 2 * PROMPT_ROWS_A_STEP
 PREFILL_CHUNK = 2048  # mlx-lm's prefill step: same chunks, same numerics as plain decoding
 
 
@@ -854,6 +857,8 @@ def rounds_stream(
             continue
         rows = sum(len(state.tokens()) for state in running)
         longest = max((len(state.tokens()) for state in running), default=0)
+        prompt_rows = sum(len(s.tokens()) for s in running if s.round.prompt is not None)
+        later: list[Round] = []  # prompts past this step's share, ahead of the rest in order
         while pending and target.joins(pending[0]):
             r = pending[0]
             asks = _rows_asked(r)
@@ -861,6 +866,11 @@ def rounds_stream(
                 rows + asks > max_rows or not target.grid_fits(len(running) + 1, max(longest, asks))
             ):
                 break
+            if r.prompt is not None:
+                if running and prompt_rows + asks > PROMPT_ROWS_IN_A_STEP:
+                    later.append(pending.popleft())  # the rounds behind it go on
+                    continue
+                prompt_rows += asks
             took = _took_ahead(r)
             pending.popleft()
             finished = [f for f in finished if f is not r.session]  # it computes its own
@@ -875,6 +885,7 @@ def rounds_stream(
             running.append(state)
             rows += len(state.tokens())
             longest = max(longest, len(state.tokens()))
+        pending.extendleft(reversed(later))
         if not running:
             finished = []
             continue
