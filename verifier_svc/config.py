@@ -73,7 +73,8 @@ class VerifierConfig:
         0,
         "where sessions are pooled (--kv-pool), a prompt of at most N tokens opens as rows of "
         "the running rounds' batched steps (all but its last token in chunks of 64 rows a "
-        "step, then the last) instead of a prefill job that holds them; 0: never",
+        "step, then the last; a step's prompts 128 rows at most) instead of a prefill job "
+        "that holds them; 0: never",
         type=int_between(0),
         metavar="N",
     )
