@@ -680,6 +680,21 @@ def test_prompts_open_as_rows_of_the_running_rounds_steps(
         _assert_opened_as_alone(pooled, plain, ask, got)
 
 
+def test_a_prompts_chunk_keeps_the_step_in_the_pool_kernel():
+    """A prompt's chunk is no wider than the pool kernel attends in place, so a step of decode
+    rows beside chunks keeps its per-row attention (row_info); chunks of 64 rows fell back to
+    a grid padded to 64 rows a session, which ran an 80 GB GPU out of memory at 64 clients."""
+    from specd.models import pool_attention
+    from verifier_svc.engine import PROMPT_ROWS_A_STEP, PROMPT_ROWS_IN_A_STEP
+
+    sessions = 64 + PROMPT_ROWS_IN_A_STEP // PROMPT_ROWS_A_STEP
+    lengths = np.array([1] * 64 + [PROMPT_ROWS_A_STEP] * (sessions - 64))
+    slots, offsets = np.arange(sessions), np.full(sessions, 700)
+    assert pool_attention.row_info(slots, offsets, lengths) is not None
+    lengths[-1] = 64
+    assert pool_attention.row_info(slots, offsets, lengths) is None
+
+
 def test_a_prompt_whose_step_fails_is_answered_with_the_error_and_leaves_no_slot(
     pooled, monkeypatch
 ):

@@ -72,7 +72,7 @@ class VerifierConfig:
     prefill_in_steps: int = option(
         0,
         "where sessions are pooled (--kv-pool), a prompt of at most N tokens opens as rows of "
-        "the running rounds' batched steps (all but its last token in chunks of 64 rows a "
+        "the running rounds' batched steps (all but its last token in chunks of 32 rows a "
         "step, then the last; a step's prompts 128 rows at most) instead of a prefill job "
         "that holds them; 0: never",
         type=int_between(0),

@@ -27,7 +27,7 @@ from specd.cpu.half import float32_copy_bytes, stored_half
 from specd.cpu.llama import DEFAULT_MAX_ROWS as CPU_MAX_ROWS
 from specd.cpu.llama import CpuLlama, Segment
 from specd.cpu.row_products import compiled as row_kernels_compiled
-from specd.models import compiled, rowwise
+from specd.models import compiled, pool_attention, rowwise
 from specd.models.capture import install_capture, install_tree_positions
 from specd.models.compiled import CompiledForward
 from specd.models.load import LoadedTarget, device_kind, resolve_dtype
@@ -52,13 +52,13 @@ GREEDY = SamplingConfig()
 POOLED_MAX_ROWS = 1024  # rows of one batched forward over pooled sessions
 # its attention's grid, sessions x the longest one's rows (a ragged batch's padding included)
 POOLED_MAX_GRID = 4 * POOLED_MAX_ROWS
-# a prompt opened in the steps (`prompt_round`) brings at most this many rows to one, so that
-# beside a batch of decode rows a step stays within the compiled pooled forward's rows and a
-# small attention grid
-PROMPT_ROWS_A_STEP = 64
-# all prompts' rows in one step: more (60 prompts of 64 rows beside 4 decode rows) left the
-# compiled forward for the model's own, whose padded grid ran an 80 GB GPU out of memory
-PROMPT_ROWS_IN_A_STEP = 2 * PROMPT_ROWS_A_STEP
+# a prompt opened in the steps (`prompt_round`) brings at most this many rows to one: as many
+# as the pool kernel attends in place for a session, so a step stays in it; with chunks of 64
+# a step fell back to attention over a grid padded to 64 rows a session, which ran an 80 GB
+# GPU out of memory at 64 clients (docs/gpu.md, run AZ)
+PROMPT_ROWS_A_STEP = pool_attention.MAX_NEW_ROWS
+# all prompts' rows in one step, so a step stays within the compiled pooled forward's rows
+PROMPT_ROWS_IN_A_STEP = 4 * PROMPT_ROWS_A_STEP
 PREFILL_CHUNK = 2048  # mlx-lm's prefill step: same chunks, same numerics as plain decoding
 
 
