@@ -10,8 +10,9 @@ one k. --burst N also times plain decode calls of N steps (a drafting-off or
 adaptive-k call), ms a token. --trees N times verifies of draft trees of N nodes (rejected
 drafts, the shape a DFlash tree of top-8 takes when each position's candidates halve in
 probability), beside chains of as many rows; with --accept the target's greedy reply lies
-along the path to the tree's last deepest node, so every call keeps a path whose KV rows
-must be moved into place, as a served tree's accepted side branch is.
+along the path to the tree's last deepest node off its first line, so every call keeps a path
+whose KV rows must be moved into place, as a served tree's accepted side branch is (a tree of
+2, a chain, keeps its line in place).
 --row-forwards, --compiled-forwards, --kv-pool and --pool-kernel as the verifier takes them
 (default auto, as the verifier: on on a GPU); --no-rows keeps no hidden rows (drafting off
 and n-gram keep none, the model drafters three layers').
@@ -180,11 +181,16 @@ def tree_parents(nodes: int) -> list[int]:
 
 
 def deepest_path(parents: list[int]) -> list[int]:
-    """The root-to-leaf path to the tree's last deepest node: listed breadth-first, its nodes
-    sit after earlier siblings, so keeping it moves KV rows (the first children's chain, at
-    the front of each level, would not)."""
+    """The root-to-leaf path to the tree's last deepest node off its first line: a tree is
+    listed likeliest line first (drafts 0, 1, 2, ... each the child of the one before), whose
+    rows stay in place when kept, so keeping any other path moves KV rows. A chain has only
+    its line: the path to its end, in place."""
     depth = depths(parents)
-    node = max(range(len(parents)), key=lambda i: (depth[i], i))
+    line = {0}
+    while len(line) < len(parents) and parents[len(line)] == len(line) - 1:
+        line.add(len(line))
+    off = [i for i in range(len(parents)) if i not in line] or list(line)
+    node = max(off, key=lambda i: (depth[i], i))
     path = [node]
     while parents[path[-1]] >= 0:
         path.append(parents[path[-1]])

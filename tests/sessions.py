@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from drafter_svc.proposal import line_first
 from verifier_svc.sampling import SamplingConfig
 
 PROMPTS = [[5 + (7 * i + j) % 90 for j in range(4 + 5 * i)] for i in range(5)]
@@ -198,8 +199,10 @@ def tree_rounds(target, sampled_seed: int | None):
     sampling = SamplingConfig(temperature=0.3, top_k=20)  # peaked: its likeliest mostly kept
     sessions = [prefill(target, p, (0, 1)).session for p in prompts[:3]]
     sessions.append(prefill(target, prompts[3], (1,), sampling=sampling, seed=sampled_seed).session)
-    tree = [wrong[0], right[0], wrong[1], right[1], wrong[2], wrong[2]]
-    parents = [-1, -1, 0, 1, 2, 3]
+    # listed depth-first as the drafters send trees (the right path second: it moves), its
+    # positions out of runs; session 3's tree stays breadth-first
+    order, parents = line_first([-1, -1, 0, 1, 2, 3])
+    tree = [[wrong[0], right[0], wrong[1], right[1], wrong[2], wrong[2]][i] for i in order]
     likely = greedy_after(target, [*prompts[3], sessions[3].last_token], 2)
     other = [(t + 7) % vocab for t in likely]
     rounds = [

@@ -680,10 +680,30 @@ def test_prompts_open_as_rows_of_the_running_rounds_steps(
         _assert_opened_as_alone(pooled, plain, ask, got)
 
 
+def test_prompts_past_a_steps_share_wait_in_order(pooled, monkeypatch):
+    """A prompt past a step's share of prompt rows waits, and so do the prompts behind it,
+    however short (one that took the room would keep it waiting); the rounds behind go on."""
+    from verifier_svc import engine
+    from verifier_svc.engine import PromptToPrefill, prompt_round
+
+    monkeypatch.setattr(engine, "PROMPT_ROWS_A_STEP", 8)
+    monkeypatch.setattr(engine, "PROMPT_ROWS_IN_A_STEP", 10)
+    sessions = [prefill(pooled, PROMPTS[i]).session for i in (0, 1)]
+    asks = [PromptToPrefill(PROMPTS[2]), PromptToPrefill(PROMPTS[3]), PromptToPrefill([42])]
+    steps = recorded(monkeypatch, pooled, "forward_pooled")
+    rounds = [Round(sessions[0], [], 4), *(prompt_round(pooled, a) for a in asks),
+              Round(sessions[1], [], 4)]  # fmt: skip
+    results = rounds_many(pooled, rounds)
+    # the one-token prompt would fit beside the first chunk, but waits behind the second prompt
+    assert steps[0] == [1, 8, 1]
+    assert all(r.in_steps for r in results[1:4])
+    assert [len(r.committed) for r in (results[0], results[4])] == [4, 4]
+
+
 def test_a_prompts_chunk_keeps_the_step_in_the_pool_kernel():
     """A prompt's chunk is no wider than the pool kernel attends in place, so a step of decode
-    rows beside chunks keeps its per-row attention (row_info); chunks of 64 rows fell back to
-    a grid padded to 64 rows a session, which ran an 80 GB GPU out of memory at 64 clients."""
+    rows beside the prompts' share of chunks keeps its per-row attention (row_info); a wider
+    chunk would send the step through a grid padded to its rows for every session."""
     from specd.models import pool_attention
     from verifier_svc.engine import PROMPT_ROWS_A_STEP, PROMPT_ROWS_IN_A_STEP
 

@@ -53,11 +53,11 @@ POOLED_MAX_ROWS = 1024  # rows of one batched forward over pooled sessions
 # its attention's grid, sessions x the longest one's rows (a ragged batch's padding included)
 POOLED_MAX_GRID = 4 * POOLED_MAX_ROWS
 # a prompt opened in the steps (`prompt_round`) brings at most this many rows to one: as many
-# as the pool kernel attends in place for a session, so a step stays in it; with chunks of 64
-# a step fell back to attention over a grid padded to 64 rows a session, which ran an 80 GB
-# GPU out of memory at 64 clients (docs/gpu.md, run AZ)
+# as the pool kernel attends in place for a session, so a step holding prompts stays in it
+# (a wider session sends every session's attention through a grid padded to its rows)
 PROMPT_ROWS_A_STEP = pool_attention.MAX_NEW_ROWS
-# all prompts' rows in one step, so a step stays within the compiled pooled forward's rows
+# the prompts' share of one step's rows, so that prompts arriving together do not crowd out
+# the running rounds' rows
 PROMPT_ROWS_IN_A_STEP = 4 * PROMPT_ROWS_A_STEP
 PREFILL_CHUNK = 2048  # mlx-lm's prefill step: same chunks, same numerics as plain decoding
 
@@ -858,7 +858,7 @@ def rounds_stream(
         rows = sum(len(state.tokens()) for state in running)
         longest = max((len(state.tokens()) for state in running), default=0)
         prompt_rows = sum(len(s.tokens()) for s in running if s.round.prompt is not None)
-        later: list[Round] = []  # prompts past this step's share, ahead of the rest in order
+        later: list[Round] = []  # prompts past this step's share, put back in order
         while pending and target.joins(pending[0]):
             r = pending[0]
             asks = _rows_asked(r)
@@ -867,8 +867,10 @@ def rounds_stream(
             ):
                 break
             if r.prompt is not None:
-                if running and prompt_rows + asks > PROMPT_ROWS_IN_A_STEP:
-                    later.append(pending.popleft())  # the rounds behind it go on
+                # past the prompts' share, this prompt and those behind it wait in order (a
+                # shorter one behind it would take the room it waits for); other rounds go on
+                if later or (running and prompt_rows + asks > PROMPT_ROWS_IN_A_STEP):
+                    later.append(pending.popleft())
                     continue
                 prompt_rows += asks
             took = _took_ahead(r)

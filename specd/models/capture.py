@@ -79,7 +79,8 @@ class GroupedRoPE(nn.Module):
 def rotate_at(rope: nn.Module, x: mx.array, positions) -> mx.array:
     """x [..., T, D], token t rotated by `rope` at positions[t]: the tokens sharing a position
     in one call at that offset, as plain decoding rotates a token there. Positions in any
-    order (a tree listed depth-first); runs of one position cost no reordering."""
+    order; where they do not already rise in runs (a tree listed depth-first), the tokens are
+    gathered into runs and put back, a gather each way."""
     positions = np.asarray(positions)
     order = np.argsort(positions, kind="stable")
     in_runs = bool((order == np.arange(len(order))).all())
