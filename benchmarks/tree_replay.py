@@ -98,11 +98,13 @@ def kept_path(tokens: list[int], parents: list[int], reply: np.ndarray) -> list[
 
 
 def replay(proposer, replies, shape: TreeShape, calibration: dict | None, flush=None):
-    """(tau, drafting ms a round, drafts a round) of greedy tree rounds over the replies. The
-    drafting time covers the tree and taking the round's tokens in (as a served draft call
+    """(tau, drafting ms a round, drafts a round, rounds that kept a draft, of them those
+    whose kept path must move in the verifier's cache) of greedy tree rounds over the replies.
+    The drafting time covers the tree and taking the round's tokens in (as a served draft call
     does both); `flush`, an array, is written over before each, as a served round's target
-    forward streams its weights through the caches between two draft calls."""
-    committed = rounds = drafts = 0
+    forward streams its weights through the caches between two draft calls. A kept path stays
+    in place when it is the tree's first drafts, 0, 1, ... (the likeliest line, listed first)."""
+    committed = rounds = drafts = kept_any = moved = 0
     seconds = 0.0
     for prompt_len, seq, rows in replies:
         n = prompt_len
@@ -118,6 +120,8 @@ def replay(proposer, replies, shape: TreeShape, calibration: dict | None, flush=
             seconds += time.perf_counter() - start
             drafts += len(proposal.ids)
             path = kept_path(proposal.ids, proposal.parents, seq[n:])
+            kept_any += bool(path)
+            moved += path != list(range(len(path)))
             if calibration is not None:
                 record_nodes(calibration, proposal, path)
             new = min(len(path) + 1, len(seq) - n)
@@ -129,7 +133,7 @@ def replay(proposer, replies, shape: TreeShape, calibration: dict | None, flush=
             n += new
             committed += new
             rounds += 1
-    return committed / rounds, 1000 * seconds / rounds, drafts / rounds
+    return committed / rounds, 1000 * seconds / rounds, drafts / rounds, kept_any, moved
 
 
 P_BINS = (0.0, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.01)
@@ -195,11 +199,12 @@ def main() -> None:
     for shape, min_prob in itertools.product(args.shapes, args.min_probs):
         calibration = {} if args.calibration else None
         proposer.tree_min_prob = min_prob
-        tau, ms, nodes = replay(proposer, replies, shape, calibration, flush)
+        tau, ms, nodes, kept_any, moved = replay(proposer, replies, shape, calibration, flush)
         label = f"{shape.total_tokens}:{shape.depth}:{shape.top_k}"
         floor = f" min-prob {min_prob:g}" if min_prob else ""
         print(f"tree {label}{floor}: tau {tau:.3f}, {nodes:.2f} drafts a round, drafting "
-              f"{ms:.1f} ms a round", flush=True)  # fmt: skip
+              f"{ms:.1f} ms a round; a kept path moved in {moved} of the {kept_any} rounds "
+              "that kept a draft", flush=True)  # fmt: skip
         if calibration:
             print_calibration(calibration)
 
