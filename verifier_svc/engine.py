@@ -855,9 +855,10 @@ def rounds_stream(
             answer(r, _alone(target, r))
         if alone:
             continue
-        rows = sum(len(state.tokens()) for state in running)
-        longest = max((len(state.tokens()) for state in running), default=0)
-        prompt_rows = sum(len(s.tokens()) for s in running if s.round.prompt is not None)
+        sizes = [len(state.tokens()) for state in running]  # each step's rows, taken once
+        rows, longest = sum(sizes), max(sizes, default=0)
+        prompts = [s.round.prompt is not None for s in running]
+        prompt_rows = sum(n for n, prompt in zip(sizes, prompts, strict=True) if prompt)
         later: list[Round] = []  # prompts past this step's share, put back in order
         while pending and target.joins(pending[0]):
             r = pending[0]
