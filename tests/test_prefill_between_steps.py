@@ -10,7 +10,7 @@ import pytest
 from specd.service import MlxThread
 from specd.v1 import verifier_pb2
 from tests.sessions import RpcContext
-from verifier_svc.config import VerifierConfig
+from verifier_svc.config import PREFILL_IN_STEPS_AUTO, VerifierConfig
 from verifier_svc.servicer import VerifierServicer
 
 FORWARDS = {
@@ -88,3 +88,18 @@ def test_it_is_refused_beside_a_kv_memory_limit(tiny_model_dir, option, flag):
     config = VerifierConfig(model=str(tiny_model_dir), max_kv_bytes=2**30, **{option: 4})
     with pytest.raises(ValueError, match=f"{flag} with --max-kv-memory"):
         VerifierServicer(config, MlxThread())
+
+
+def test_prompts_open_in_the_steps_by_default_only_where_the_pool_kernel_attends_them(
+    tiny_model_dir,
+):
+    default = VerifierConfig(model=str(tiny_model_dir))
+    assert default.prompts_in_steps(pool_attends_in_place=True) == PREFILL_IN_STEPS_AUTO
+    assert default.prompts_in_steps(pool_attends_in_place=False) == 0
+    limited = VerifierConfig(model=str(tiny_model_dir), max_kv_bytes=2**30)
+    assert limited.prompts_in_steps(pool_attends_in_place=True) == 0
+    VerifierServicer(limited, MlxThread())  # the default is no conflict with the limit
+    for asked in (0, 64):
+        config = VerifierConfig(model=str(tiny_model_dir), prefill_in_steps=asked)
+        assert config.prompts_in_steps(pool_attends_in_place=True) == asked
+        assert config.prompts_in_steps(pool_attends_in_place=False) == asked

@@ -8,6 +8,8 @@ from specd.cpu import FLOAT32_COPIES_BYTES
 from specd.options import GPU_MODES, option
 from specd.security import ServerSecurity
 
+# --prefill-in-steps where it pays: every MT-bench prompt of the embedded model fits
+PREFILL_IN_STEPS_AUTO = 512
 DTYPE_CHOICES = ("auto", "native", "float32", "float16", "bfloat16")  # specd.models.load.DTYPES
 WARMUP_CHOICES = ("auto", "full", "separate", "minimal")  # verifier_svc.warmup.resolve_mode
 GEMV_HELP = (
@@ -69,12 +71,14 @@ class VerifierConfig:
         type=int_between(0),
         metavar="N",
     )
-    prefill_in_steps: int = option(
-        0,
+    prefill_in_steps: int | None = option(
+        None,
         "where sessions are pooled (--kv-pool), a prompt of at most N tokens opens as rows of "
-        "the running rounds' batched steps (all but its last token in chunks of 32 rows a "
-        "step, then the last; a step's prompts 128 rows at most) instead of a prefill job "
-        "that holds them; 0: never",
+        "the running rounds' batched steps (all but its last token in chunks of as many rows "
+        "as the pool kernel attends in place for a session, then the last; a step's prompts "
+        "four such chunks at most) instead of a prefill job that holds them; 0: never; "
+        f"default: {PREFILL_IN_STEPS_AUTO} where the pool kernel attends the pooled rows "
+        "(--pool-kernel: a CUDA GPU) and --max-kv-memory is not set, else 0",
         type=int_between(0),
         metavar="N",
     )
@@ -167,3 +171,12 @@ class VerifierConfig:
     cache_dir: Path | None = None  # where the embedded model is materialized
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, mTLS, token
     metrics_port: int | None = None  # Prometheus /metrics on this port; 0: the OS picks
+
+    def prompts_in_steps(self, pool_attends_in_place: bool) -> int:
+        """The longest prompt opened as rows of the steps: --prefill-in-steps, or by default
+        PREFILL_IN_STEPS_AUTO where the pool kernel attends them (on this project's CPU,
+        without it, every session's attention pads to a prompt chunk's rows: 0.42× the
+        prefill jobs at 16 clients) and no --max-kv-memory limit forbids it."""
+        if self.prefill_in_steps is not None:
+            return self.prefill_in_steps
+        return PREFILL_IN_STEPS_AUTO if pool_attends_in_place and self.max_kv_bytes is None else 0

@@ -163,6 +163,17 @@ class Target:
         return f"compiled, attention through {attention}"
 
     @property
+    def pool_attends_in_place(self) -> bool:
+        """Whether pooled batches attend through the pool kernel (each row reading its
+        session's keys in place), not a mask over a grid padded to the widest session."""
+        compiled_forward = self._mlx.compiled_pooled
+        return (
+            self.kv_pool is not None
+            and compiled_forward is not None
+            and compiled_forward.pool_kernel
+        )
+
+    @property
     def cpu_layers(self) -> CpuLlama | None:
         """The target's layers on the CPU kernels, where a backend uses them."""
         return next((f.layers for f in self.forwards if isinstance(f, CpuKernelForward)), None)

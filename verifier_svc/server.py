@@ -43,6 +43,9 @@ async def serve(config: VerifierConfig) -> None:
         log.info("sessions' batched forwards: %s", servicer.target.pooled_path)
     if config.prefill_in_steps and servicer.target.kv_pool is None:
         log.warning("--prefill-in-steps does nothing here: sessions are not pooled (--kv-pool)")
+    elif servicer.prefill_in_steps:
+        log.info("prompts of at most %d tokens open as rows of the batched steps",
+                 servicer.prefill_in_steps)  # fmt: skip
     loaded, warmup = servicer.target.loaded, servicer.warmup
     if loaded.dtype_timings:
         timed = ", ".join(f"{d} {ms:.2f} ms" for d, ms in loaded.dtype_timings.items())

@@ -156,6 +156,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.target: Target | None = None
         self.warmup: WarmupReport | None = None
         self.look_ahead = False  # decided at load
+        self.prefill_in_steps = 0  # decided at load: the longest prompt opened in the steps
         self.sessions = SessionTable(config.max_sessions, config.session_idle_timeout_s)
         self.load_stats = LoadStats()
         # prompts opened at once are prefilled together where sessions are pooled
@@ -174,6 +175,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         target, self.warmup = warm_up_served(self.config, lambda: target_for(self.config))
         # a queued forward pays where the device runs it while Python goes on
         self.look_ahead = on_gpu(self.config.look_ahead, "look-ahead") and target.forwards_queue
+        self.prefill_in_steps = self.config.prompts_in_steps(target.pool_attends_in_place)
         return target
 
     def kv_bytes(self) -> int:
@@ -275,7 +277,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         sliced = 0 < self.config.prefill_slice_tokens < len(prompt) and len(self.sessions) > 0
         rows_dtype = ROWS_DTYPES[request.rows_dtype]
         ask = PromptToPrefill(prompt, layers, rows_dtype, sampling, seed)
-        if target.kv_pool is not None and len(prompt) <= self.config.prefill_in_steps:
+        if target.kv_pool is not None and len(prompt) <= self.prefill_in_steps:
             result = await self.mlx.run_batched(self._rounds, PromptAsked(ask))
         elif target.kv_pool is not None and not sliced:  # with the prompts opening beside it
             result = await self.mlx.run_batched(self._prefills, ask)
