@@ -166,6 +166,7 @@ def test_a_failed_pooled_forward_leaves_every_session_as_it_was(pooled, monkeypa
     with monkeypatch.context() as patch:
         patch.setattr(type(pooled._mlx), "forward_pooled", failing)
         results = rounds_many(pooled, [Round(s, [], 2) for s in sessions])
+    # tried again one a step, each fails alone
     assert all(isinstance(r, RuntimeError) for r in results)
     assert [(s.position, s.cache[0].offset) for s in sessions] == before
     assert [r.committed for r in rounds_many(pooled, [Round(s, [], 2) for s in sessions])] == want
@@ -728,7 +729,7 @@ def test_a_prompt_whose_step_fails_is_answered_with_the_error_and_leaves_no_slot
 
     def failing_second(self, segments, capture):
         calls.append(len(segments))
-        if len(calls) == 2:
+        if len(calls) >= 2:  # tried again one round a step, each fails alone
             raise RuntimeError("device lost")
         return real(self, segments, capture)
 
@@ -744,6 +745,43 @@ def test_a_prompt_whose_step_fails_is_answered_with_the_error_and_leaves_no_slot
     assert pooled.kv_pool.open_slots == slots  # the prompt's slot given back
     monkeypatch.setattr(MlxForward, "forward_pooled", real)
     assert len(rounds_many(pooled, [Round(session, [], 2)])[0].committed) == 2
+
+
+@pytest.mark.parametrize("fails", ["wide", "third step"])
+def test_a_step_that_fails_with_many_rounds_goes_on_with_fewer_and_the_same_results(
+    pooled, monkeypatch, fails
+):
+    """A shared forward failing while it holds more than two sessions (a device out of memory
+    passes with fewer rows), or once in the middle of the rounds: its rounds, a prompt's
+    among them, go on from where the step found them, at most half as many a step, and
+    commit what they commit with no failure."""
+    from verifier_svc.engine import PromptToPrefill, prompt_round
+    from verifier_svc.forwards import MlxForward
+
+    def rounds():
+        sessions = [prefill(pooled, p).session for p in PROMPTS[:3]]
+        asked = [Round(s, [], 4) for s in sessions]
+        return asked + [prompt_round(pooled, PromptToPrefill(PROMPTS[3] * 3))]
+
+    def outcome(results):
+        return [r.committed if hasattr(r, "committed") else r.first_token for r in results]
+
+    want = outcome(rounds_many(pooled, rounds()))
+    real = MlxForward.forward_pooled
+    widths = []
+
+    def failing(self, segments, capture):
+        widths.append(len(segments))
+        if len(segments) > 2 if fails == "wide" else len(widths) == 3:
+            raise RuntimeError("cudaMallocAsync: out of memory")
+        return real(self, segments, capture)
+
+    monkeypatch.setattr(MlxForward, "forward_pooled", failing)
+    results = rounds_many(pooled, rounds())
+    assert not any(isinstance(r, Exception) for r in results)
+    assert outcome(results) == want
+    failed = 0 if fails == "wide" else 2
+    assert widths[failed : failed + 2] == [4, 2]  # failed, then half as many a step
 
 
 def _verify_beside_opens(model_dir, prompts: list[list[int]]):

@@ -97,7 +97,7 @@ def test_rounds_past_a_forwards_rows_join_as_rows_free_up(target, monkeypatch):
     assert calls == [[1, 3], [1, 1, 1, 1], [1, 1, 1]]
 
 
-def test_a_failing_forward_fails_its_own_sessions_only(target, monkeypatch):
+def test_a_failing_forward_fails_only_the_session_that_fails_alone(target, monkeypatch):
     from specd.models import rowwise
 
     monkeypatch.setattr(rowwise, "DEFAULT_MAX_ROWS", 2)
@@ -111,11 +111,12 @@ def test_a_failing_forward_fails_its_own_sessions_only(target, monkeypatch):
         return real(self, segments, capture)
 
     monkeypatch.setattr(type(target._mlx), "forward_many", failing)
-    results = rounds_many(target, [Round(s, [], 1) for s in sessions])  # forwards of 2 and 2
-    assert [len(r.committed) for r in results[:2]] == [1, 1]
-    assert all(isinstance(r, RuntimeError) for r in results[2:])
-    assert [(s.position, s.cache[0].offset) for s in sessions[2:]] == before[2:]
-    assert [s.position for s in sessions[:2]] == [p + 1 for p, _ in before[:2]]
+    # forwards of 2 and 2; the failed one's two rounds tried again one a step
+    results = rounds_many(target, [Round(s, [], 1) for s in sessions])
+    assert isinstance(results[2], RuntimeError)
+    assert [len(results[i].committed) for i in (0, 1, 3)] == [1, 1, 1]
+    assert (sessions[2].position, sessions[2].cache[0].offset) == before[2]
+    assert [sessions[i].position for i in (0, 1, 3)] == [before[i][0] + 1 for i in (0, 1, 3)]
 
 
 def test_a_second_call_for_one_session_in_a_batch_runs_after_the_first(tiny_model_dir):

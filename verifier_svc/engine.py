@@ -837,7 +837,10 @@ def rounds_stream(
     tree the target cannot verify, more rows than a forward takes) and a round with no other
     to share with run alone, as `verify`, `verify_tree` or `decode`. A sampled round draws
     from its session's generator as it would alone. A shared forward that fails
-    leaves the sessions in it as they were and answers each with the error. `stepped(n)`:
+    leaves the sessions in it as they were before that step, and its rounds go on from there
+    at most half as many a step (a device out of memory, most often, passes with fewer rows;
+    the limit grows back by one round a step); a round that fails alone is answered with the
+    error, its session as it was before the round. `stepped(n)`:
     the sessions of each shared forward (1 for each forward of a round run alone). A plain
     round answered while others run on takes a row of the next forward if it asks
     (`Round.ahead_in_company`). Returns once every round is answered and `more()` has no more."""
@@ -846,8 +849,12 @@ def rounds_stream(
     pending = collections.deque(rounds)
     running: list[_Running] = []
     finished: list[Session] = []  # sessions answered by the last step that may look ahead
+    most_rounds: int | None = None  # rounds a step, since a shared forward failed
+    paused: collections.deque[_Running] = collections.deque()  # a failed step's, going on
     while True:
         pending.extend(more())
+        while paused and (most_rounds is None or len(running) < most_rounds):
+            running.append(paused.popleft())
         if not pending and not running:
             return
         if target.kv_pool is not None and len(pending) + len(running) > 1:
@@ -875,7 +882,9 @@ def rounds_stream(
             r = pending[0]
             asks = _rows_asked(r)
             if running and (
-                rows + asks > max_rows or not target.grid_fits(len(running) + 1, max(longest, asks))
+                rows + asks > max_rows
+                or not target.grid_fits(len(running) + 1, max(longest, asks))
+                or (most_rounds is not None and len(running) >= most_rounds)
             ):
                 break
             if r.prompt is not None:
@@ -904,13 +913,20 @@ def rounds_stream(
             finished = []
             continue
         for session in finished:  # the rows to spare, in the order their rounds finished
+            if most_rounds is not None and len(running) >= most_rounds:
+                break
             if rows + 1 <= max_rows and target.grid_fits(len(running) + 1, longest):
                 running.append(_Running(Round(session), looks_ahead=True))
                 rows += 1
         finished = []
         if stepped is not None:
             stepped(len(running))
-        running, finished = _step(target, running, forward_many, answer)
+        running, finished, again = _step(target, running, forward_many, answer)
+        if again:
+            paused.extendleft(reversed(again))
+            most_rounds = max(1, len(again) // 2)
+        elif most_rounds is not None:
+            most_rounds += 1
 
 
 def _took_ahead(r: Round) -> _Running | None:
@@ -999,13 +1015,15 @@ class _Running:
 
 def _step(
     target: Target, running: list[_Running], forward_many, answer
-) -> tuple[list[_Running], list[Session]]:
+) -> tuple[list[_Running], list[Session], list[_Running]]:
     """One shared forward: every running round's tokens, then each one's verdict; answers the
     rounds that finish, and a round whose verdict fails with its error (the session as it was
-    before the round; the others go on). Returns those still running, and the sessions of the
+    before the round; the others go on). Returns those still running, the sessions of the
     rounds answered that may look ahead in the next step (`Round.ahead_in_company`) if others
-    run on. A look-ahead row leaves its choice as its session's `Session.ahead`. forward_many's
-    logits and rows are numpy (the CPU kernels) or MLX arrays."""
+    run on, and, where the forward itself failed with several rounds in it, those rounds to
+    go on (their sessions as they were before this step; one alone is answered with the
+    error). A look-ahead row leaves its choice as its session's `Session.ahead`.
+    forward_many's logits and rows are numpy (the CPU kernels) or MLX arrays."""
     start = time.perf_counter()
     capture = frozenset().union(*(s.round.session.capture for s in running))
     segments = [_segment(s) for s in running]
@@ -1029,11 +1047,16 @@ def _step(
                 if not state.looks_ahead:
                     answer(state.round, exc)
     except Exception as exc:  # noqa: BLE001 - the error of the sessions in this forward
+        rounds = [state for state in running if not state.looks_ahead]
+        if len(rounds) > 1:  # no verdict was taken: each session loses this step's rows only
+            for state in running:
+                _undo_step(state)
+            return [], [], rounds
         for state in running:
             _undo(state)
             if not state.looks_ahead:
                 answer(state.round, exc)
-        return [], []
+        return [], [], []
     except BaseException:
         for state in running:
             _undo(state)
@@ -1049,7 +1072,7 @@ def _step(
             looking.append(r.session)
     ended = done + failed
     still = [s for s in running if all(s is not d for d in ended)]
-    return still, looking
+    return still, looking, []
 
 
 def _take_step(
@@ -1191,6 +1214,19 @@ def _undo(state: _Running) -> None:
         session.ahead = None
     _restore_draws(session, state.draws)
     _rollback(session.cache, session.position - 1)
+
+
+def _undo_step(state: _Running) -> None:
+    """A shared forward that failed before any verdict: its session's cache as it was before
+    the step (a look-ahead's dropped); the round's progress stands."""
+    session = state.round.session
+    if state.looks_ahead:
+        session.ahead = None
+    if state.round.prompt is not None:
+        cached = state.prompt_cached
+    else:
+        cached = session.position - 1 + len(state.committed)
+    _rollback(session.cache, cached)
 
 
 def _alone(target: Target, r: Round) -> VerifyResult | PrefillResult | Exception:
