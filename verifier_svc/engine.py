@@ -921,11 +921,11 @@ def rounds_stream(
         finished = []
         if stepped is not None:
             stepped(len(running))
-        running, finished, again = _step(target, running, forward_many, answer)
+        running, finished, again, forward_ran = _step(target, running, forward_many, answer)
         if again:
             paused.extendleft(reversed(again))
             most_rounds = max(1, len(again) // 2)
-        elif most_rounds is not None:
+        elif forward_ran and most_rounds is not None:
             most_rounds += 1
 
 
@@ -1015,26 +1015,29 @@ class _Running:
 
 def _step(
     target: Target, running: list[_Running], forward_many, answer
-) -> tuple[list[_Running], list[Session], list[_Running]]:
+) -> tuple[list[_Running], list[Session], list[_Running], bool]:
     """One shared forward: every running round's tokens, then each one's verdict; answers the
     rounds that finish, and a round whose verdict fails with its error (the session as it was
     before the round; the others go on). Returns those still running, the sessions of the
     rounds answered that may look ahead in the next step (`Round.ahead_in_company`) if others
-    run on, and, where the forward itself failed with several rounds in it, those rounds to
-    go on (their sessions as they were before this step; one alone is answered with the
-    error). A look-ahead row leaves its choice as its session's `Session.ahead`.
+    run on, where the forward itself failed with company (other rounds or look-ahead rows),
+    its rounds to go on (their sessions as they were before this step, the look-aheads
+    dropped; a round alone is answered with the error), and whether the forward ran. A
+    look-ahead row leaves its choice as its session's `Session.ahead`.
     forward_many's logits and rows are numpy (the CPU kernels) or MLX arrays."""
     start = time.perf_counter()
     capture = frozenset().union(*(s.round.session.capture for s in running))
     segments = [_segment(s) for s in running]
     done: list[_Running] = []
     failed: list[_Running] = []
+    judged = False  # verdicts taken: past this, the step is no longer undone as a whole
     try:
         outs = forward_many(segments, capture)
         sampled = [s.samples() for s in running]
         choices = _step_choices(outs, sampled)
         seconds = time.perf_counter() - start  # every session's logits computed by now
         step_rows = sum(len(segment.token_ids) for segment in segments)
+        judged = True
         for state, segment, (logits, outputs), choice in zip(running, segments, outs, choices,
                                                              strict=True):  # fmt: skip
             try:
@@ -1048,15 +1051,15 @@ def _step(
                     answer(state.round, exc)
     except Exception as exc:  # noqa: BLE001 - the error of the sessions in this forward
         rounds = [state for state in running if not state.looks_ahead]
-        if len(rounds) > 1:  # no verdict was taken: each session loses this step's rows only
+        if not judged and rounds and len(running) > 1:  # each loses this step's rows only
             for state in running:
                 _undo_step(state)
-            return [], [], rounds
+            return [], [], rounds, False
         for state in running:
             _undo(state)
             if not state.looks_ahead:
                 answer(state.round, exc)
-        return [], [], []
+        return [], [], [], False
     except BaseException:
         for state in running:
             _undo(state)
@@ -1072,7 +1075,7 @@ def _step(
             looking.append(r.session)
     ended = done + failed
     still = [s for s in running if all(s is not d for d in ended)]
-    return still, looking, []
+    return still, looking, [], True
 
 
 def _take_step(
