@@ -8,7 +8,7 @@ from specd.cpu import FLOAT32_COPIES_BYTES
 from specd.options import GPU_MODES, option
 from specd.security import ServerSecurity
 
-# --prefill-in-steps where it pays: every MT-bench prompt of the embedded model fits
+# --prefill-in-steps where the pool kernel runs; longer prompts keep their prefill jobs
 PREFILL_IN_STEPS_AUTO = 512
 DTYPE_CHOICES = ("auto", "native", "float32", "float16", "bfloat16")  # specd.models.load.DTYPES
 WARMUP_CHOICES = ("auto", "full", "separate", "minimal")  # verifier_svc.warmup.resolve_mode

@@ -837,10 +837,11 @@ def rounds_stream(
     tree the target cannot verify, more rows than a forward takes) and a round with no other
     to share with run alone, as `verify`, `verify_tree` or `decode`. A sampled round draws
     from its session's generator as it would alone. A shared forward that fails
-    leaves the sessions in it as they were before that step, and its rounds go on from there
-    at most half as many a step (a device out of memory, most often, passes with fewer rows;
-    the limit grows back by one round a step); a round that fails alone is answered with the
-    error, its session as it was before the round. `stepped(n)`:
+    before any verdict, with company, leaves the sessions in it as they were before that step,
+    and its rounds go on from there at most half as many a step (a step too wide for the
+    device is the failure this is for; the limit grows back by one round after each forward
+    that ran); a round that fails alone is answered with the error, its session as it was
+    before the round. `stepped(n)`:
     the sessions of each shared forward (1 for each forward of a round run alone). A plain
     round answered while others run on takes a row of the next forward if it asks
     (`Round.ahead_in_company`). Returns once every round is answered and `more()` has no more."""
@@ -851,9 +852,13 @@ def rounds_stream(
     finished: list[Session] = []  # sessions answered by the last step that may look ahead
     most_rounds: int | None = None  # rounds a step, since a shared forward failed
     paused: collections.deque[_Running] = collections.deque()  # a failed step's, going on
+
+    def room() -> bool:
+        return most_rounds is None or len(running) < most_rounds
+
     while True:
         pending.extend(more())
-        while paused and (most_rounds is None or len(running) < most_rounds):
+        while paused and room():
             running.append(paused.popleft())
         if not pending and not running:
             return
@@ -875,8 +880,7 @@ def rounds_stream(
             continue
         sizes = [len(state.tokens()) for state in running]  # each step's rows, taken once
         rows, longest = sum(sizes), max(sizes, default=0)
-        prompts = [s.round.prompt is not None for s in running]
-        prompt_rows = sum(n for n, prompt in zip(sizes, prompts, strict=True) if prompt)
+        prompt_rows = sum(n for n, s in zip(sizes, running, strict=True) if s.round.prompt)
         later: list[Round] = []  # prompts past this step's share, put back in order
         while pending and target.joins(pending[0]):
             r = pending[0]
@@ -884,7 +888,7 @@ def rounds_stream(
             if running and (
                 rows + asks > max_rows
                 or not target.grid_fits(len(running) + 1, max(longest, asks))
-                or (most_rounds is not None and len(running) >= most_rounds)
+                or not room()
             ):
                 break
             if r.prompt is not None:
@@ -913,7 +917,7 @@ def rounds_stream(
             finished = []
             continue
         for session in finished:  # the rows to spare, in the order their rounds finished
-            if most_rounds is not None and len(running) >= most_rounds:
+            if not room():
                 break
             if rows + 1 <= max_rows and target.grid_fits(len(running) + 1, longest):
                 running.append(_Running(Round(session), looks_ahead=True))
