@@ -24,10 +24,12 @@ import argparse
 import hashlib
 import itertools
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from coordinator.adaptive import priced_cut
 from coordinator.bench import plain_decode
 from drafter_svc.config import DrafterConfig, drafter_options
 from drafter_svc.data import Example, TargetFeatures
@@ -97,7 +99,25 @@ def kept_path(tokens: list[int], parents: list[int], reply: np.ndarray) -> list[
     return accept_tree_greedy(tokens, parents, after, eos_ids=())[1]
 
 
-def replay(proposer, replies, shape: TreeShape, calibration: dict | None, flush=None):
+@dataclass
+class Prices:
+    verify_ms: list[float]  # a verify of 1, 2, ... tokens
+    draft_ms: float  # a round's drafting
+    cut: bool  # trees cut at these prices (`priced_cut`)
+    least: int = 0  # drafts a cut tree keeps at least
+
+
+def cut_tree(proposal, prices: Prices) -> tuple[list[int], list[int]]:
+    """The proposal's nodes kept by `coordinator.adaptive.priced_cut` at the prices."""
+    price = prices.verify_ms.__getitem__
+    keep = priced_cut(proposal.scores, lambda t: price(t - 1), prices.draft_ms, prices.least)
+    where = {old: new for new, old in enumerate(keep)}
+    parents = [-1 if proposal.parents[i] < 0 else where[proposal.parents[i]] for i in keep]
+    return [proposal.ids[i] for i in keep], parents
+
+
+def replay(proposer, replies, shape: TreeShape, calibration: dict | None, flush=None,
+           prices=None):  # fmt: skip
     """(tau, drafting ms a round, drafts a round, rounds that kept a draft, of them those
     whose kept path must move in the verifier's cache) of greedy tree rounds over the replies.
     The drafting time covers the tree and taking the round's tokens in (as a served draft call
@@ -105,7 +125,7 @@ def replay(proposer, replies, shape: TreeShape, calibration: dict | None, flush=
     forward streams its weights through the caches between two draft calls. A kept path stays
     in place when it is the tree's first drafts, 0, 1, ... (the likeliest line, listed first)."""
     committed = rounds = drafts = kept_any = moved = 0
-    seconds = 0.0
+    seconds = priced = 0.0
     for prompt_len, seq, rows in replies:
         n = prompt_len
         state = proposer.open(seq[:n].tolist(), rows[: n - 1])
@@ -118,8 +138,13 @@ def replay(proposer, replies, shape: TreeShape, calibration: dict | None, flush=
             if proposal.parents is None:
                 proposal.parents = list(range(-1, len(proposal.ids) - 1))
             seconds += time.perf_counter() - start
-            drafts += len(proposal.ids)
-            path = kept_path(proposal.ids, proposal.parents, seq[n:])
+            ids, parents = proposal.ids, proposal.parents
+            if prices is not None and prices.cut and proposal.scores is not None:
+                ids, parents = cut_tree(proposal, prices)
+            drafts += len(ids)
+            if prices is not None:
+                priced += prices.draft_ms + prices.verify_ms[len(ids)]
+            path = kept_path(ids, parents, seq[n:])
             kept_any += bool(path)
             moved += path != list(range(len(path)))
             if calibration is not None:
@@ -133,7 +158,8 @@ def replay(proposer, replies, shape: TreeShape, calibration: dict | None, flush=
             n += new
             committed += new
             rounds += 1
-    return committed / rounds, 1000 * seconds / rounds, drafts / rounds, kept_any, moved
+    share = None if prices is None else committed * prices.verify_ms[0] / priced
+    return committed / rounds, 1000 * seconds / rounds, drafts / rounds, kept_any, moved, share
 
 
 P_BINS = (0.0, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.01)
@@ -182,6 +208,23 @@ def main() -> None:
         "--min-probs", type=float, nargs="+", default=[0.0],
         help="each shape at each --tree-min-prob: no node below that path probability",
     )  # fmt: skip
+    p.add_argument(
+        "--verify-ms", type=float, nargs="+", metavar="MS",
+        help="a verify's price for 1, 2, ... tokens (benchmarks/verify_cost.py); prints each "
+        "run's share (drafting off's time for its tokens against its rounds' at these prices)",
+    )  # fmt: skip
+    p.add_argument(
+        "--draft-ms", type=float, default=0.0,
+        help="with --verify-ms: a round's drafting price (the replay's own time varies)",
+    )  # fmt: skip
+    p.add_argument(
+        "--priced-cut", action="store_true",
+        help="with --verify-ms: also each tree cut at these prices by its node scores (the "
+        "n likeliest nodes, n maximizing expected tokens per ms)",
+    )  # fmt: skip
+    p.add_argument(
+        "--cut-least", type=int, default=0, help="with --priced-cut: drafts a tree keeps at least"
+    )
     p.add_argument("--cache", type=Path, help="where the target's replies and rows are kept")
     p.add_argument(
         "--flush-mb", type=positive_int, metavar="MB",
@@ -196,15 +239,27 @@ def main() -> None:
     replies = target_replies(questions, args.tokens, proposer.capture_layers, args.cache)
     print(f"{len(replies)} questions, {sum(len(s) - n for n, s, _ in replies)} reply tokens")
     flush = None if args.flush_mb is None else np.zeros(args.flush_mb * 2**20 // 4, np.float32)
-    for shape, min_prob in itertools.product(args.shapes, args.min_probs):
-        calibration = {} if args.calibration else None
+    if args.priced_cut and not args.verify_ms:
+        p.error("--priced-cut needs --verify-ms")
+    most = max(shape.total_tokens for shape in args.shapes) + 1
+    if args.verify_ms and len(args.verify_ms) < most:
+        p.error(f"--verify-ms needs a price for each verify of 1 to {most} tokens")
+    cuts = [False, True] if args.priced_cut else [False]
+    for shape, min_prob, cut in itertools.product(args.shapes, args.min_probs, cuts):
+        calibration = {} if args.calibration and not cut else None  # scores of the uncut
         proposer.tree_min_prob = min_prob
-        tau, ms, nodes, kept_any, moved = replay(proposer, replies, shape, calibration, flush)
+        prices = None
+        if args.verify_ms:
+            prices = Prices(args.verify_ms, args.draft_ms, cut, args.cut_least)
+        tau, ms, nodes, kept_any, moved, share = replay(proposer, replies, shape, calibration,
+                                                        flush, prices)  # fmt: skip
         label = f"{shape.total_tokens}:{shape.depth}:{shape.top_k}"
         floor = f" min-prob {min_prob:g}" if min_prob else ""
+        floor += " priced cut" if cut else ""
+        priced = "" if share is None else f", share {share:.3f} at the prices"
         print(f"tree {label}{floor}: tau {tau:.3f}, {nodes:.2f} drafts a round, drafting "
               f"{ms:.1f} ms a round; a kept path moved in {moved} of the {kept_any} rounds "
-              "that kept a draft", flush=True)  # fmt: skip
+              f"that kept a draft{priced}", flush=True)  # fmt: skip
         if calibration:
             print_calibration(calibration)
 

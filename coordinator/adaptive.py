@@ -29,6 +29,7 @@ Model (documented in docs/adaptive.md):
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -201,6 +202,27 @@ def best_trees(p: list[float], budget: int, max_depth: int) -> list[tuple[float,
             for child in range(len(p)):
                 heapq.heappush(frontier, (value * p[child], d + 1, child))
     return out
+
+
+def priced_cut(
+    scores: list[float], price: Callable[[int], float], paid: float = 0.0, least: int = 0
+) -> list[int]:
+    """The nodes of a drafted tree worth verifying at the verifier's prices: its n likeliest
+    by the drafter's path log-probabilities `scores` (a child never outscores its parent, so
+    they hold their ancestors; ties go to the earlier, parents being listed first), n >=
+    `least` maximizing the round's rate, (1 + their summed probabilities) / (paid + price(n +
+    1)), where price(t) is a verify of t tokens and `paid` what the round has cost already
+    (its draft): a node pays when its probability beats its price at the round's rate.
+    Returns the kept nodes' indices in their order."""
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    best, best_rate, expected = 0, -1.0, 1.0
+    for n in range(len(order) + 1):
+        if n:
+            expected += math.exp(scores[order[n - 1]])
+        rate = expected / (paid + price(n + 1))
+        if n >= least and rate > best_rate:
+            best, best_rate = n, rate
+    return sorted(order[:best])
 
 
 @dataclass

@@ -36,13 +36,15 @@ FIRST_REQUEST_AGAIN = 2
 
 # the suffixes in the one order they may come; the lazy variant leaves each to its own group
 _DRAFTER_NAME = re.compile(
-    r"(?P<variant>.+?)(?:-p(?P<p_min>[0-9]{2}))?(?:-burst(?P<burst>[1-9][0-9]*))?"
+    r"(?P<variant>.+?)(?:-p(?P<p_min>[0-9]{2}))?(?P<uncut>-uncut)?"
+    r"(?:-burst(?P<burst>[1-9][0-9]*))?"
     r"(?P<nolimit>-nolimit)?(?P<serial>-serial)?(?:-k(?P<k>[0-9]+))?"
 )
 _DFLASH_BLOCKS = re.compile(r"dflash-b[0-9]+")
 # -pNN is a chain's --draft-p-min (EAGLE-3 only) or a tree's --tree-min-prob
 _P_MIN_VARIANTS = ("eagle3", "eagle3-mlx", "eagle3-host", "eagle3-tree", "eagle3-tree-mlx",
                    "eagle3-tree-host", "dflash-tree")  # fmt: skip
+_TREE_VARIANTS = ("eagle3-tree", "eagle3-tree-mlx", "eagle3-tree-host", "dflash-tree")
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class BenchDrafter:
     variant: str  # the name without its suffixes: "eagle3-mlx", "dflash-b8"
     drafter: str | None  # the drafter service's kind; None: drafting off
     p_min: float | None = None  # -pNN: --draft-p-min NN % (chains), --tree-min-prob (trees)
+    uncut: bool = False  # -uncut: the coordinator's --no-priced-tree-cut (trees)
     burst: int | None = None  # -burstN: the stack's --decode-burst; None: the bench's own
     nolimit: bool = False  # -nolimit: --draft-max-requests 0, drafting under any load
     serial: bool = False  # -serial: --no-draft-beside-decode
@@ -60,8 +63,8 @@ class BenchDrafter:
 
 
 def parse_drafter_name(name: str) -> BenchDrafter:
-    """DRAFTER[-pNN][-burstN][-nolimit][-serial][-kN], in that order: "eagle3-mlx-p50-burst8-
-    serial-k2". ValueError for a name that is not one."""
+    """DRAFTER[-pNN][-uncut][-burstN][-nolimit][-serial][-kN], in that order:
+    "eagle3-mlx-p50-burst8-serial-k2". ValueError for a name that is not one."""
     match = _DRAFTER_NAME.fullmatch(name)
     variant = match["variant"] if match else ""
     dflash_blocks = _DFLASH_BLOCKS.fullmatch(variant) is not None
@@ -69,10 +72,12 @@ def parse_drafter_name(name: str) -> BenchDrafter:
     if (
         not (dflash_blocks or variant in BENCH_DRAFTERS)
         or (match["p_min"] and variant not in _P_MIN_VARIANTS)
+        or (match["uncut"] and variant not in _TREE_VARIANTS)
         or (k is not None and (k == 0 or variant == "none"))  # no drafts to pin k of
     ):
         raise ValueError(
-            f"unknown drafter {name!r}: want DRAFTER[-pNN][-burstN][-nolimit][-serial][-kN], "
+            f"unknown drafter {name!r}: want DRAFTER[-pNN][-uncut][-burstN][-nolimit][-serial]"
+            "[-kN], "
             f"DRAFTER one of {', '.join(BENCH_DRAFTERS)} or dflash-bN"
         )
     return BenchDrafter(
@@ -80,6 +85,7 @@ def parse_drafter_name(name: str) -> BenchDrafter:
         variant=variant,
         drafter="dflash" if dflash_blocks else BENCH_DRAFTERS[variant],
         p_min=int(match["p_min"]) / 100 if match["p_min"] else None,
+        uncut=bool(match["uncut"]),
         burst=int(match["burst"]) if match["burst"] else None,
         nolimit=bool(match["nolimit"]),
         serial=bool(match["serial"]),
@@ -102,7 +108,8 @@ def add_bench_args(p) -> None:
         "a -pNN suffix to an EAGLE-3 chain name (eagle3-host-p50) to end chains before a "
         "draft the head gives under NN %% (--draft-p-min), or to a tree name (eagle3-tree-p10, "
         "dflash-tree-p10) to send no tree node of a path probability under NN %% "
-        "(--tree-min-prob), "
+        "(--tree-min-prob), an -uncut suffix after those to a tree name (eagle3-tree-p20-uncut) "
+        "to verify trees whole, not cut at the verifier's prices (--no-priced-tree-cut), "
         "none (the services without drafting: what the split costs); a -serial suffix "
         "(ngram-serial) makes every draft call before its verify (--no-draft-beside-decode); "
         "a -nolimit suffix before it (ngram-nolimit) drafts under any load "
@@ -481,6 +488,7 @@ def in_process_runner(args, name: str):
             adaptive,
             decode_burst=parsed.burst or args.decode_burst,
             draft_beside_decode=not parsed.serial,
+            priced_tree_cut=not parsed.uncut,
         )
         stats = RoundStats()
         start = time.perf_counter()
@@ -763,7 +771,8 @@ def bench_stack(args, drafter: str, log_dir: Path):
         + (["--overlap-drafting"] if args.overlap else [])
         + ["--decode-burst", str(parsed.burst or args.decode_burst)]
         + (["--no-draft-beside-decode"] if parsed.serial else [])
-        + (["--draft-max-requests", "0"] if parsed.nolimit else []),
+        + (["--draft-max-requests", "0"] if parsed.nolimit else [])
+        + (["--no-priced-tree-cut"] if parsed.uncut else []),
         log_dir=log_dir,
     )
 

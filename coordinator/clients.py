@@ -269,7 +269,8 @@ class DrafterClient:
         r = await self.rounds.call(session_id, request, self.timeout_s)
         probs = None if wire.is_empty(r.draft_probs) else r.draft_probs
         parents = list(r.draft_parents) if r.draft_parents else None
-        return Drafted(list(r.draft_ids), probs, r.compute_s, parents)
+        scores = list(r.draft_scores) if r.draft_scores else None
+        return Drafted(list(r.draft_ids), probs, r.compute_s, parents, scores)
 
     async def close(self, session_id: str) -> None:
         await self.rounds.end(session_id)

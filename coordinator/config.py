@@ -63,6 +63,13 @@ class CoordinatorConfig:
         "limit",
         type=int_between(0),
     )
+    priced_tree_cut: bool = option(
+        True,
+        "with adaptive k, verify a drafted tree whole instead of cutting it to the nodes "
+        "worth their rows: those whose path probability under the drafter beats their price "
+        "at the verifier's measured verify times",
+        flag="--no-priced-tree-cut",
+    )
     verify_timeout_s: float = option(
         60.0, "deadline of one verify call, seconds", type=positive_float
     )

@@ -67,7 +67,7 @@ class LocalDrafter:
         state = self.sessions[session_id]
         self.proposer.extend(state, list(new_ids), rows)
         p = self.proposer.propose(state, k, sampling, list(speculative_ids), tree)
-        return Drafted(p.ids, p.probs, 0.0, p.parents)
+        return Drafted(p.ids, p.probs, 0.0, p.parents, p.scores)
 
     async def close(self, session_id) -> None:
         self.sessions.pop(session_id, None)

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from coordinator.adaptive import AdaptiveK
+from coordinator.adaptive import AdaptiveK, priced_cut
 
 log = logging.getLogger("specd.rounds")
 
@@ -40,6 +40,7 @@ class Drafted:
     probs: Any = None  # [len(ids), vocab] or None for one-hot drafters
     compute_s: float = 0.0
     parents: list[int] | None = None  # a draft tree (see VerifyRequest.draft_parents)
+    scores: list[float] | None = None  # a tree's path log-probabilities (DraftResponse)
 
 
 class VerifierPort(Protocol):
@@ -88,6 +89,8 @@ class Plan:
     draft_beside_decode: bool = False
     # adaptive k drafts nothing while this says the coordinator is under load (None: never)
     under_load: Callable[[], bool] | None = None
+    # with adaptive k, a drafted tree is cut to the nodes worth their verify (`_priced`)
+    priced_tree_cut: bool = False
 
 
 class RoundTime(NamedTuple):
@@ -400,6 +403,9 @@ async def _play_round(request: _Request, remaining: int) -> Round:
         if not played.drafted.ids:
             played.steps = _steps_after_empty_answer(request, remaining)
             played.kind = "plain" if played.steps > 1 else "verify"
+        elif plan.adaptive is not None and plan.priced_tree_cut:
+            paid = time.perf_counter() - played.start
+            played.drafted = _priced(played.drafted, plan.adaptive, paid)
     played.draft_done = time.perf_counter()
     drafts = played.drafted
     if played.kind == "verify" and plan.overlap and drafts.ids and not drafts.parents:
@@ -407,6 +413,21 @@ async def _play_round(request: _Request, remaining: int) -> Round:
     await _ROUNDS[played.kind](request, played, remaining)
     played.verify_done = time.perf_counter()
     return played
+
+
+def _priced(drafted: Drafted, adaptive: AdaptiveK, paid: float) -> Drafted:
+    """A drafted tree cut to the nodes worth their verify at the session's measured prices
+    (`priced_cut`), `paid` seconds of the round spent already. Chains, trees whose drafter
+    does not score its nodes, and sampled drafts (their q rows) stay whole."""
+    if not drafted.parents or drafted.scores is None or drafted.probs is not None:
+        return drafted
+    keep = priced_cut(drafted.scores, adaptive.costs.verify.predict, paid)
+    if len(keep) == len(drafted.ids):
+        return drafted
+    where = {old: new for new, old in enumerate(keep)}
+    parents = [-1 if drafted.parents[i] < 0 else where[drafted.parents[i]] for i in keep]
+    return Drafted([drafted.ids[i] for i in keep], None, drafted.compute_s, parents,
+                   [drafted.scores[i] for i in keep])  # fmt: skip
 
 
 def _round_kind(request: _Request, played: Round, remaining: int) -> str:

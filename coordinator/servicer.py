@@ -201,6 +201,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             tree=tree,
             decode_burst=self._decode_burst(),
             draft_beside_decode=self.config.draft_beside_decode,
+            priced_tree_cut=self.config.priced_tree_cut,
             under_load=self._under_load if adaptive is not None else None,
         )
 

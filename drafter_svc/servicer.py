@@ -149,6 +149,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             draft_probs=wire.encode(proposal.probs) if proposal.probs is not None else None,
             compute_s=time.perf_counter() - start,
             draft_parents=proposal.parents or (),
+            draft_scores=proposal.scores or (),
         )
 
     DraftStream = stream_of(Draft)

@@ -331,3 +331,59 @@ def test_sizes_not_seen_lately_are_priced_by_the_line_again():
     for _ in range(3):
         cost.observe(1, 0.016)
     assert cost.predict(1) == pytest.approx(0.016)  # stale means restart from fresh ones
+
+
+def test_a_priced_cut_keeps_the_nodes_worth_their_rows():
+    import math
+
+    from coordinator.adaptive import priced_cut
+
+    # a verify of 1-2 tokens costs 10-11, of 3-4 tokens 19, of 5 or more 30 (the CPU kernels'
+    # row groups); nodes listed parents first: 0 <- 1 <- 2, and 3, 4 children of the root
+    scores = [math.log(p) for p in [0.9, 0.9 * 0.6, 0.9 * 0.6 * 0.5, 0.05, 0.02]]
+    steps = {1: 10.0, 2: 11.0, 3: 19.0, 4: 19.0}
+
+    def price(tokens):
+        return steps.get(tokens, 30.0)
+
+    # 1 + 0.9 over 11 beats 1 + 0.9 + 0.54 (+ 0.27) over 19, and the whole tree over 30
+    assert priced_cut(scores, price) == [0]
+    # a round that cost 20 already: the rows are cheap beside it, the likely line pays
+    assert priced_cut(scores, price, paid=20.0) == [0, 1, 2]
+    flat = priced_cut(scores, lambda tokens: 10.0)  # rows free: every node
+    assert flat == [0, 1, 2, 3, 4]
+    assert priced_cut(scores, lambda tokens: 10.0 * tokens) == []  # a row costs a token
+    assert priced_cut(scores, lambda tokens: 10.0 * tokens, least=1) == [0]
+    # a child tied with its parent comes after it, so the kept nodes hold their ancestors
+    assert priced_cut([0.0, 0.0, 0.0], lambda tokens: 10.0 + tokens) == [0, 1, 2]
+    assert priced_cut([0.0, 0.0, 0.0], lambda tokens: 10.0 + (tokens > 2) * 100.0) == [0]
+
+
+def test_a_drafted_tree_is_cut_at_the_sessions_prices_and_its_parents_renumbered():
+    import math
+
+    from coordinator.rounds import Drafted, _priced
+
+    costs = SpeculationCosts()
+    for _ in range(4):  # every size priced by its own mean: 1-3 tokens cheap, more dear
+        for tokens in range(1, 8):
+            costs.verify.observe(tokens, 0.010 if tokens <= 3 else 0.030)
+    adaptive = AdaptiveK.for_session(costs, 6, tree=TreeLimits.of(_Shape(6, 3, 2)))
+    # root -> 0 (0.9) -> 2 (0.8); root -> 1 (0.3) -> 3; 0 -> 4; 2 -> 5
+    parents = [-1, -1, 0, 1, 0, 2]
+    probs = [0.9, 0.3, 0.9 * 0.8, 0.3 * 0.5, 0.9 * 0.1, 0.72 * 0.2]
+    tree = Drafted([10, 11, 12, 13, 14, 15], None, 0.5, parents, [math.log(p) for p in probs])
+    cut = _priced(tree, adaptive, paid=0.001)
+    assert cut.ids == [10, 12] and cut.parents == [-1, 0]
+    assert cut.scores == [tree.scores[0], tree.scores[2]] and cut.compute_s == 0.5
+    chain = Drafted([10, 12, 14])  # no parents: a chain is never cut
+    assert _priced(chain, adaptive, 0.001) is chain
+    unscored = Drafted(tree.ids, None, 0.0, parents)  # a drafter that sends no scores
+    assert _priced(unscored, adaptive, 0.001) is unscored
+    sampled = Drafted(tree.ids, object(), 0.0, parents, tree.scores)  # q rows: kept whole
+    assert _priced(sampled, adaptive, 0.001) is sampled
+
+
+class _Shape:
+    def __init__(self, total_tokens, depth, top_k):
+        self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k

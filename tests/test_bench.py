@@ -180,6 +180,9 @@ def test_drafter_names_parse_into_their_suffixes():
         "eagle3-k3", "eagle3", "eagle3", pinned_k=3
     )
     assert parse_drafter_name("eagle3-tree") == BenchDrafter("eagle3-tree", "eagle3-tree", "eagle3")
+    assert parse_drafter_name("eagle3-tree-p20-uncut") == BenchDrafter(
+        "eagle3-tree-p20-uncut", "eagle3-tree", "eagle3", p_min=0.2, uncut=True
+    )
     assert parse_drafter_name("dflash-b8-k3") == BenchDrafter(
         "dflash-b8-k3", "dflash-b8", "dflash", pinned_k=3
     )
@@ -188,6 +191,9 @@ def test_drafter_names_parse_into_their_suffixes():
         "ngram-k2-serial",
         "eagle3-burst8-p50",
         "ngram-serial-serial",  # twice
+        "eagle3-tree-uncut-p20",
+        "eagle3-uncut",  # -uncut: trees only
+        "ngram-uncut",
         "none-k2",  # no drafts to pin k of
         "none-serial-k2",
         "none-burst16-k2",
@@ -225,6 +231,14 @@ def test_suffixes_reach_their_stacks_coordinator_and_requests(tmp_path):
     default = bench.bench_stack(args, "none", tmp_path).coordinator_args
     assert default[default.index("--decode-burst") + 1] == str(args.decode_burst)
     assert bench.bench_request([1, 2], args, "ngram-serial-k8").num_draft_tokens == 8
+    assert (
+        "--no-priced-tree-cut"
+        in bench.bench_stack(args, "dflash-tree-uncut", tmp_path).coordinator_args
+    )
+    assert (
+        "--no-priced-tree-cut"
+        not in bench.bench_stack(args, "dflash-tree", tmp_path).coordinator_args
+    )
 
 
 @pytest.mark.parametrize("where", ["mlx", "host"])

@@ -340,6 +340,11 @@ def test_a_block_tree_holds_each_positions_best_tokens(block):
     siblings = [(tree.parents[i], tree.ids[i]) for i in range(9)]
     assert len(set(siblings)) == 9 and max(node_depths) <= 4
     check_parents(tree.parents, len(tree.ids))  # parents first, as the verifier takes them
+    for node, parent in enumerate(tree.parents):  # each node's path log-probability
+        row = logits[node_depths[node] - 1].astype(np.float64)
+        own = row[tree.ids[node]] - np.logaddexp.reduce(row)
+        base = 0.0 if parent < 0 else tree.scores[parent]
+        assert tree.scores[node] == pytest.approx(base + own, abs=1e-4)
     line = [0]
     while line[-1] + 1 < 9 and tree.parents[line[-1] + 1] == line[-1]:
         line.append(line[-1] + 1)

@@ -151,6 +151,9 @@ def test_bad_inputs_get_clear_errors(stack):
             )
         )  # fmt: skip
         assert len(ok.draft_ids) == 5 and len(ok.draft_parents) == 5
+        scores = list(ok.draft_scores)  # path log-probabilities: a child's below its parent's
+        assert len(scores) == 5 and all(s <= 0 for s in scores)
+        assert all(p < 0 or scores[i] <= scores[p] for i, p in enumerate(ok.draft_parents))
         with pytest.raises(grpc.RpcError) as err:
             stub.Draft(
                 drafter_pb2.DraftRequest(

@@ -131,7 +131,10 @@ class BlockDrafter:
         floor = log_floor(min_prob)
         parents, tokens = best_first_tree(ranked_logp[: shape.depth], shape.total_tokens, floor)
         ids = self._target_ids(np.array([ranked[d, r] for d, r in tokens], dtype=np.int64))
-        return Proposal(ids, parents=parents)
+        scores: list[float] = []  # path log-probabilities, parents listed first
+        for parent, (d, r) in zip(parents, tokens, strict=True):
+            scores.append((0.0 if parent < 0 else scores[parent]) + float(ranked_logp[d, r]))
+        return Proposal(ids, parents=parents, scores=scores)
 
     def _target_ids(self, index: np.ndarray) -> list[int]:
         if self.readout_ids is None:

@@ -83,13 +83,15 @@ class DraftRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., new_ids: _Optional[_Iterable[int]] = ..., hidden_rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculative_ids: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[_common_pb2.TreeShape, _Mapping]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("draft_ids", "draft_probs", "compute_s", "draft_parents")
+    __slots__ = ("draft_ids", "draft_probs", "compute_s", "draft_parents", "draft_scores")
     DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SCORES_FIELD_NUMBER: _ClassVar[int]
     draft_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _common_pb2.Tensor
     compute_s: float
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, draft_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., compute_s: _Optional[float] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, draft_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., compute_s: _Optional[float] = ..., draft_parents: _Optional[_Iterable[int]] = ..., draft_scores: _Optional[_Iterable[float]] = ...) -> None: ...
