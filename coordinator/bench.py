@@ -481,6 +481,8 @@ def in_process_runner(args, name: str):
             tree = TreeLimits.of(getattr(drafter.proposer, "default_tree", None))
             text_driven = drafter.proposer.text_driven
             adaptive = AdaptiveK.for_session(costs, k, text_driven=text_driven, tree=tree)
+        shape = getattr(drafter.proposer, "default_tree", None) if drafter else None
+        cut = k and not parsed.uncut and TreeLimits.of(shape) is not None  # as the services
         plan = Plan(
             args.max_tokens,
             k,
@@ -488,7 +490,7 @@ def in_process_runner(args, name: str):
             adaptive,
             decode_burst=parsed.burst or args.decode_burst,
             draft_beside_decode=not parsed.serial,
-            priced_tree_cut=not parsed.uncut,
+            tree_prices=costs.verify if cut else None,
         )
         stats = RoundStats()
         start = time.perf_counter()

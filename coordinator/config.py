@@ -65,9 +65,9 @@ class CoordinatorConfig:
     )
     priced_tree_cut: bool = option(
         True,
-        "with adaptive k, verify a drafted tree whole instead of cutting it to the nodes "
-        "worth their rows: those whose path probability under the drafter beats their price "
-        "at the verifier's measured verify times",
+        "verify a drafted tree whole instead of cutting it to the nodes worth their rows: "
+        "those whose path probability under the drafter beats their price at the verify "
+        "times the rounds measure (adaptive k's, or with k pinned the coordinator's own)",
         flag="--no-priced-tree-cut",
     )
     verify_timeout_s: float = option(

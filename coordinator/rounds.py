@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from coordinator.adaptive import AdaptiveK, priced_cut
+from coordinator.adaptive import AdaptiveK, LinearCost, priced_cut
 
 log = logging.getLogger("specd.rounds")
 
@@ -89,8 +89,9 @@ class Plan:
     draft_beside_decode: bool = False
     # adaptive k drafts nothing while this says the coordinator is under load (None: never)
     under_load: Callable[[], bool] | None = None
-    # with adaptive k, a drafted tree is cut to the nodes worth their verify (`_priced`)
-    priced_tree_cut: bool = False
+    # a drafted tree is cut to the nodes worth their verify at these prices (`_priced`):
+    # adaptive k's, or, k pinned, the coordinator's own, learned from the rounds; None: whole
+    tree_prices: LinearCost | None = None
 
 
 class RoundTime(NamedTuple):
@@ -326,6 +327,8 @@ async def run_rounds(
             _record(stats, played, new)
             if plan.adaptive is not None:
                 _learn_round(plan.adaptive, played)
+            elif plan.tree_prices is not None:
+                _learn_price(plan.tree_prices, played)
             request.in_company = played.verified.share < COMPANY_SHARE
             finished = played.verified.finished or stats.generated_tokens >= plan.max_tokens
             stats.total_s = time.perf_counter() - start
@@ -403,9 +406,9 @@ async def _play_round(request: _Request, remaining: int) -> Round:
         if not played.drafted.ids:
             played.steps = _steps_after_empty_answer(request, remaining)
             played.kind = "plain" if played.steps > 1 else "verify"
-        elif plan.adaptive is not None and plan.priced_tree_cut:
+        elif plan.tree_prices is not None:
             paid = time.perf_counter() - played.start
-            played.drafted = _priced(played.drafted, plan.adaptive, paid)
+            played.drafted = _priced(played.drafted, plan.tree_prices, paid)
     played.draft_done = time.perf_counter()
     drafts = played.drafted
     if played.kind == "verify" and plan.overlap and drafts.ids and not drafts.parents:
@@ -415,13 +418,13 @@ async def _play_round(request: _Request, remaining: int) -> Round:
     return played
 
 
-def _priced(drafted: Drafted, adaptive: AdaptiveK, paid: float) -> Drafted:
-    """A drafted tree cut to the nodes worth their verify at the session's measured prices
+def _priced(drafted: Drafted, prices: LinearCost, paid: float) -> Drafted:
+    """A drafted tree cut to the nodes worth their verify at the measured prices
     (`priced_cut`), `paid` seconds of the round spent already. Chains, trees whose drafter
     does not score its nodes, and sampled drafts (their q rows) stay whole."""
     if not drafted.parents or drafted.scores is None or drafted.probs is not None:
         return drafted
-    keep = priced_cut(drafted.scores, adaptive.costs.verify.predict, paid)
+    keep = priced_cut(drafted.scores, prices.predict, paid)
     if len(keep) == len(drafted.ids):
         return drafted
     where = {old: new for new, old in enumerate(keep)}
@@ -540,6 +543,15 @@ def _record(stats: RoundStats, played: Round, new: list[int]) -> None:
     stats.draft_compute_s += played.drafted.compute_s
     stats.verify_compute_s += played.verified.compute_s
     stats.forward_sessions_sum += 1.0 / played.verified.share
+
+
+def _learn_price(prices: LinearCost, played: Round) -> None:
+    """A pinned round's verify time, at its share of shared forwards, for the tree cut."""
+    verify_s = (played.verify_done - played.draft_done) * played.verified.share
+    if played.kind == "plain":
+        prices.observe(1, verify_s / played.forwards)
+    elif played.kind == "verify":
+        prices.observe(len(played.drafted.ids) + 1, verify_s)
 
 
 def _learn_round(adaptive: AdaptiveK, played: Round) -> None:

@@ -192,6 +192,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             adaptive = AdaptiveK.for_session(self.costs, k, text_driven=info.text_driven,
                                              tree=limits)  # fmt: skip
         overlap = self.config.overlap_drafting and info.accepts_speculative_ids
+        tree_prices = None  # pinned trees are cut at the prices every round measures
+        if self.config.priced_tree_cut and TreeLimits.of(shape) is not None:
+            tree_prices = self.costs.verify if adaptive is None else adaptive.costs.verify
         return Plan(
             max_tokens=max_tokens,
             num_draft_tokens=k,
@@ -201,7 +204,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             tree=tree,
             decode_burst=self._decode_burst(),
             draft_beside_decode=self.config.draft_beside_decode,
-            priced_tree_cut=self.config.priced_tree_cut,
+            tree_prices=tree_prices,
             under_load=self._under_load if adaptive is not None else None,
         )
 

@@ -359,31 +359,25 @@ def test_a_priced_cut_keeps_the_nodes_worth_their_rows():
     assert priced_cut([0.0, 0.0, 0.0], lambda tokens: 10.0 + (tokens > 2) * 100.0) == [0]
 
 
-def test_a_drafted_tree_is_cut_at_the_sessions_prices_and_its_parents_renumbered():
+def test_a_drafted_tree_is_cut_at_the_measured_prices_and_its_parents_renumbered():
     import math
 
     from coordinator.rounds import Drafted, _priced
 
-    costs = SpeculationCosts()
+    prices = LinearCost(base=0.06, per_token=0.006)
     for _ in range(4):  # every size priced by its own mean: 1-3 tokens cheap, more dear
         for tokens in range(1, 8):
-            costs.verify.observe(tokens, 0.010 if tokens <= 3 else 0.030)
-    adaptive = AdaptiveK.for_session(costs, 6, tree=TreeLimits.of(_Shape(6, 3, 2)))
+            prices.observe(tokens, 0.010 if tokens <= 3 else 0.030)
     # root -> 0 (0.9) -> 2 (0.8); root -> 1 (0.3) -> 3; 0 -> 4; 2 -> 5
     parents = [-1, -1, 0, 1, 0, 2]
     probs = [0.9, 0.3, 0.9 * 0.8, 0.3 * 0.5, 0.9 * 0.1, 0.72 * 0.2]
     tree = Drafted([10, 11, 12, 13, 14, 15], None, 0.5, parents, [math.log(p) for p in probs])
-    cut = _priced(tree, adaptive, paid=0.001)
+    cut = _priced(tree, prices, paid=0.001)
     assert cut.ids == [10, 12] and cut.parents == [-1, 0]
     assert cut.scores == [tree.scores[0], tree.scores[2]] and cut.compute_s == 0.5
     chain = Drafted([10, 12, 14])  # no parents: a chain is never cut
-    assert _priced(chain, adaptive, 0.001) is chain
+    assert _priced(chain, prices, 0.001) is chain
     unscored = Drafted(tree.ids, None, 0.0, parents)  # a drafter that sends no scores
-    assert _priced(unscored, adaptive, 0.001) is unscored
+    assert _priced(unscored, prices, 0.001) is unscored
     sampled = Drafted(tree.ids, object(), 0.0, parents, tree.scores)  # q rows: kept whole
-    assert _priced(sampled, adaptive, 0.001) is sampled
-
-
-class _Shape:
-    def __init__(self, total_tokens, depth, top_k):
-        self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
+    assert _priced(sampled, prices, 0.001) is sampled

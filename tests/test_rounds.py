@@ -1,11 +1,12 @@
 """The round loop in one process: identity with plain decoding, stats, limits, faults."""
 
 import asyncio
+import math
 import random
 
 import pytest
 
-from coordinator.adaptive import AdaptiveK, SpeculationCosts
+from coordinator.adaptive import AdaptiveK, LinearCost, SpeculationCosts
 from coordinator.local import LocalDrafter, LocalVerifier
 from coordinator.rounds import Drafted, Plan, RoundStats, RoundTime, run_rounds
 from drafter_svc.ngram import NgramConfig, NgramProposer
@@ -547,3 +548,54 @@ def test_a_shared_forward_prices_a_verify_at_the_rounds_share():
 
     assert priced(1.0) == pytest.approx(0.08, rel=0.05)
     assert priced(0.25) == pytest.approx(0.02, rel=0.05)
+
+
+class ScoredTreeProposer:
+    """Trees of the target's own next tokens (a line of `depth`, each node sure of itself),
+    each with a sibling it gives almost nothing, scored as a tree drafter scores them."""
+
+    kind, capture_layers, sends_draft_probs, accepts_speculative_ids = "scored", (), False, False
+    default_draft_tokens = 3
+
+    def __init__(self, reply: list[int], prompt_len: int, depth: int = 3):
+        self.reply, self.prompt_len, self.depth = reply, prompt_len, depth
+        self.position = prompt_len
+
+    def open(self, context, rows):
+        self.position = len(context)
+
+    def extend(self, state, new_ids, rows):
+        self.position += len(new_ids)
+
+    def propose(self, state, k, sampling=None, speculative=(), tree=None):
+        at = self.position - self.prompt_len  # the reply's tokens committed so far
+        line = self.reply[at : at + self.depth]
+        ids, parents, scores = [], [], []
+        for d, token in enumerate(line):
+            parent = -1 if d == 0 else 2 * (d - 1)
+            ids += [token, (token + 1) % 50]
+            parents += [parent, parent]
+            scores += [math.log(0.9) * (d + 1), math.log(0.9) * d + math.log(1e-9)]
+        return Proposal(ids, parents=parents, scores=scores)
+
+
+def test_pinned_trees_cut_at_the_measured_prices_equal_plain_rounds(target):
+    prompt = PROMPTS[2]
+    verifier = CountingVerifier(target)
+    plain, _ = collect(verifier, None, prompt, Plan(max_tokens=30, num_draft_tokens=0))
+    # the drafter opens on the prompt and the prefill's first token; the reply goes on after
+    proposer = ScoredTreeProposer(plain[1:], len(prompt) + 1)
+    verifier.calls.clear()
+    prices = LinearCost(base=0.06, per_token=0.006)
+    cut, stats = collect(verifier, LocalDrafter(proposer), prompt,
+                         Plan(max_tokens=30, num_draft_tokens=3, tree_prices=prices))  # fmt: skip
+    assert cut == plain
+    sent = [n for n, _ in verifier.calls]
+    assert max(sent) <= 6 and min(sent) < 6  # no more than drafted, and some cut
+    assert stats.accepted > 0
+    whole_verifier = CountingVerifier(target)
+    proposer.position = len(prompt) + 1
+    whole, _ = collect(whole_verifier, LocalDrafter(proposer), prompt,
+                       Plan(max_tokens=30, num_draft_tokens=3))  # fmt: skip
+    assert whole == plain
+    assert max(n for n, _ in whole_verifier.calls) == 6  # without prices: every node sent
