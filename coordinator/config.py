@@ -80,8 +80,9 @@ class CoordinatorConfig:
         type=positive_float,
     )
     verifier_recovery_s: float = option(
-        60.0,
-        "seconds a request waits for a lost verifier to come back",
+        180.0,
+        "seconds a request waits for a lost verifier to come back (a GPU verifier's restart "
+        "takes about a minute with its warm-up)",
         flag="--verifier-recovery-timeout",
         type=positive_float,
     )
