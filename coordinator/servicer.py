@@ -192,8 +192,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             adaptive = AdaptiveK.for_session(self.costs, k, text_driven=info.text_driven,
                                              tree=limits)  # fmt: skip
         overlap = self.config.overlap_drafting and info.accepts_speculative_ids
-        tree_prices = None  # pinned trees are cut at the prices every round measures
-        if self.config.priced_tree_cut and TreeLimits.of(shape) is not None:
+        # pinned trees are cut at the prices the rounds measure; a seeded sample's are not, as
+        # its draws must not follow timings
+        tree_prices = None
+        if self.config.priced_tree_cut and not seeded and TreeLimits.of(shape) is not None:
             tree_prices = self.costs.verify if adaptive is None else adaptive.costs.verify
         return Plan(
             max_tokens=max_tokens,

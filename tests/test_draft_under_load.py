@@ -8,7 +8,7 @@ import pytest
 from coordinator.config import CoordinatorConfig
 from coordinator.servicer import CoordinatorServicer
 from specd.service import ServiceError
-from specd.v1 import coordinator_pb2, drafter_pb2
+from specd.v1 import common_pb2, coordinator_pb2, drafter_pb2
 
 NGRAM = drafter_pb2.DrafterInfo(
     kind="ngram", default_draft_tokens=4, max_draft_tokens=16, text_driven=True
@@ -83,3 +83,26 @@ def test_the_limit_is_an_option_refusing_negatives(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "coordinator", "--draft-max-requests", "-1"])
     assert "--draft-max-requests" in capsys.readouterr().err
+
+
+EAGLE3_TREES = drafter_pb2.DrafterInfo(
+    kind="eagle3", default_draft_tokens=6, max_draft_tokens=16, drafts_trees=True,
+    max_tree_tokens=64, default_tree=common_pb2.TreeShape(total_tokens=15, depth=5, top_k=4),
+)  # fmt: skip
+
+
+def test_trees_are_cut_at_prices_unless_a_seeded_sample_or_the_flag_says_no():
+    """The cut follows measured timings: a seeded sample's trees stay whole, its draws the
+    same whatever the timings."""
+    s = servicer(0)
+    s.running = 1
+    adapted = s._plan(coordinator_pb2.GenerateRequest(prompt="hi", max_tokens=10), EAGLE3_TREES)
+    assert adapted.tree_prices is adapted.adaptive.costs.verify
+    request = coordinator_pb2.GenerateRequest(prompt="hi", max_tokens=10, num_draft_tokens=6)
+    pinned = s._plan(request, EAGLE3_TREES)
+    assert pinned.adaptive is None and pinned.tree_prices is s.costs.verify
+    request.sampling.temperature, request.sampling.seed = 0.7, 3
+    assert s._plan(request, EAGLE3_TREES).tree_prices is None
+    assert s._plan(coordinator_pb2.GenerateRequest(prompt="hi"), NGRAM).tree_prices is None
+    s.config.priced_tree_cut = False
+    assert s._plan(coordinator_pb2.GenerateRequest(prompt="hi"), EAGLE3_TREES).tree_prices is None
