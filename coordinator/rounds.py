@@ -461,8 +461,11 @@ def _round_kind(request: _Request, played: Round, remaining: int) -> str:
         # the last call found nothing (or, in company, a probe: _probe_beside); this one
         # will likely find nothing too, so decode meanwhile instead of waiting for it with one
         # token to verify
+        if link.skip_call():  # no call this round: nothing to wait for, drafting off's burst
+            played.steps = _burst(plan, remaining)
+            return "plain"
         played.steps = _steps_after_empty_answer(request, remaining)
-        return "plain" if link.skip_call() else "beside"
+        return "beside"
     return "draft"
 
 

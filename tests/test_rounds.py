@@ -288,6 +288,23 @@ def test_draft_calls_after_empty_ones_run_beside_growing_decode_bursts(target):
     assert out == plain and len(serial.calls) == len(out) - 1  # off: one token a call
 
 
+def test_rounds_that_skip_the_drafter_decode_drafting_offs_bursts(target):
+    """Past the empty-answer backoff a round that calls no drafter has nothing to wait for: it
+    decodes a whole burst, so a drafter that keeps finding nothing costs few extra calls."""
+    plain, _ = collect(LocalVerifier(target), None, PROMPTS[2], Plan(80, 0, decode_burst=16))
+    verifier = CountingVerifier(target)
+    silent = LocalDrafter(SilentProposer(silent=10**9))
+    plan = Plan(80, 4, decode_burst=16, draft_beside_decode=True)
+    out, stats = collect(verifier, silent, PROMPTS[2], plan)
+    assert out == plain
+    # the first round decodes drafting off's first burst (4); the calls beside bursts then grow
+    # one token per empty answer (a 1-token verify, 2, 3, then 4 and 5), and past four empty
+    # answers the rounds between calls (1, 2, then at most 4 skipped: DrafterLink.skip_call)
+    # decode drafting off's bursts: as many tokens as are out (11), then 16
+    assert [n for _, n in verifier.calls] == [4, 0, 2, 3, 11, 4, 16, 16, 5, 16, 0]
+    assert silent.proposer.calls == 6 and stats.draft_calls == 6
+
+
 class CompanyVerifier(CountingVerifier):
     """Answers as a verifier whose forwards also ran other sessions' rows (half of them)."""
 
