@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.adaptive import priced_cut
 from coordinator.bench import plain_decode
+from coordinator.rounds import Drafted, cut_at_prices
 from drafter_svc.config import DrafterConfig, drafter_options
 from drafter_svc.data import Example, TargetFeatures
 from drafter_svc.proposal import TreeShape
@@ -104,16 +104,23 @@ class Prices:
     verify_ms: list[float]  # a verify of 1, 2, ... tokens
     draft_ms: float  # a round's drafting
     cut: bool  # trees cut at these prices (`priced_cut`)
-    least: int = 0  # drafts a cut tree keeps at least
+
+
+class _Table:
+    """Verify prices by token count, where the coordinator has its measured ones."""
+
+    def __init__(self, verify_ms: list[float]):
+        self.verify_ms = verify_ms
+
+    def predict(self, tokens: int) -> float:
+        return self.verify_ms[tokens - 1]
 
 
 def cut_tree(proposal, prices: Prices) -> tuple[list[int], list[int]]:
-    """The proposal's nodes kept by `coordinator.adaptive.priced_cut` at the prices."""
-    price = prices.verify_ms.__getitem__
-    keep = priced_cut(proposal.scores, lambda t: price(t - 1), prices.draft_ms, prices.least)
-    where = {old: new for new, old in enumerate(keep)}
-    parents = [-1 if proposal.parents[i] < 0 else where[proposal.parents[i]] for i in keep]
-    return [proposal.ids[i] for i in keep], parents
+    """The proposal cut as the coordinator cuts a served tree (`cut_at_prices`)."""
+    tree = Drafted(proposal.ids, None, 0.0, proposal.parents, proposal.scores)
+    cut = cut_at_prices(tree, _Table(prices.verify_ms), prices.draft_ms)
+    return cut.ids, cut.parents
 
 
 def replay(proposer, replies, shape: TreeShape, calibration: dict | None, flush=None,
@@ -222,9 +229,6 @@ def main() -> None:
         help="with --verify-ms: also each tree cut at these prices by its node scores (the "
         "n likeliest nodes, n maximizing expected tokens per ms)",
     )  # fmt: skip
-    p.add_argument(
-        "--cut-least", type=int, default=0, help="with --priced-cut: drafts a tree keeps at least"
-    )
     p.add_argument("--cache", type=Path, help="where the target's replies and rows are kept")
     p.add_argument(
         "--flush-mb", type=positive_int, metavar="MB",
@@ -250,7 +254,7 @@ def main() -> None:
         proposer.tree_min_prob = min_prob
         prices = None
         if args.verify_ms:
-            prices = Prices(args.verify_ms, args.draft_ms, cut, args.cut_least)
+            prices = Prices(args.verify_ms, args.draft_ms, cut)
         tau, ms, nodes, kept_any, moved, share = replay(proposer, replies, shape, calibration,
                                                         flush, prices)  # fmt: skip
         label = f"{shape.total_tokens}:{shape.depth}:{shape.top_k}"

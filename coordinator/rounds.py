@@ -89,7 +89,7 @@ class Plan:
     draft_beside_decode: bool = False
     # adaptive k drafts nothing while this says the coordinator is under load (None: never)
     under_load: Callable[[], bool] | None = None
-    # a drafted tree is cut to the nodes worth their verify at these prices (`_priced`):
+    # a drafted tree is cut to the nodes worth their verify at these prices (`cut_at_prices`):
     # adaptive k's, or, k pinned, the coordinator's own, learned from the rounds; None: whole
     tree_prices: LinearCost | None = None
 
@@ -408,7 +408,7 @@ async def _play_round(request: _Request, remaining: int) -> Round:
             played.kind = "plain" if played.steps > 1 else "verify"
         elif plan.tree_prices is not None:
             paid = time.perf_counter() - played.start
-            played.drafted = _priced(played.drafted, plan.tree_prices, paid)
+            played.drafted = cut_at_prices(played.drafted, plan.tree_prices, paid)
     played.draft_done = time.perf_counter()
     drafts = played.drafted
     if played.kind == "verify" and plan.overlap and drafts.ids and not drafts.parents:
@@ -418,7 +418,7 @@ async def _play_round(request: _Request, remaining: int) -> Round:
     return played
 
 
-def _priced(drafted: Drafted, prices: LinearCost, paid: float) -> Drafted:
+def cut_at_prices(drafted: Drafted, prices: LinearCost, paid: float) -> Drafted:
     """A drafted tree cut to the nodes worth their verify at the measured prices
     (`priced_cut`), `paid` seconds of the round spent already. Chains, trees whose drafter
     does not score its nodes, and sampled drafts (their q rows) stay whole."""

@@ -27,7 +27,7 @@ def test_linear_cost_with_one_n_keeps_the_prior_ratio():
     assert cost.predict(2) > cost.predict(1)
 
 
-def test_sizes_seen_are_priced_by_their_own_mean_not_the_line():
+def test_sizes_seen_arecut_at_prices_by_their_own_mean_not_the_line():
     cost = LinearCost(base=0.06, per_token=0.006)
     for _ in range(10):  # a concave cost, as a CPU verify is: 1, 5 and 17 tokens
         for n, seconds in ((1, 0.060), (5, 0.095), (17, 0.130)):
@@ -320,7 +320,7 @@ def test_a_slow_spell_does_not_keep_a_session_drafting_at_a_loss():
     assert chosen[first_plain : first_plain + k.probe_every] == [0] * k.probe_every
 
 
-def test_sizes_not_seen_lately_are_priced_by_the_line_again():
+def test_sizes_not_seen_lately_arecut_at_prices_by_the_line_again():
     cost = LinearCost(base=0.06, per_token=0.006, stale_after=5)
     for _ in range(3):
         cost.observe(1, 0.100)
@@ -333,7 +333,7 @@ def test_sizes_not_seen_lately_are_priced_by_the_line_again():
     assert cost.predict(1) == pytest.approx(0.016)  # stale means restart from fresh ones
 
 
-def test_a_priced_cut_keeps_the_nodes_worth_their_rows():
+def test_acut_at_prices_cut_keeps_the_nodes_worth_their_rows():
     import math
 
     from coordinator.adaptive import priced_cut
@@ -353,7 +353,6 @@ def test_a_priced_cut_keeps_the_nodes_worth_their_rows():
     flat = priced_cut(scores, lambda tokens: 10.0)  # rows free: every node
     assert flat == [0, 1, 2, 3, 4]
     assert priced_cut(scores, lambda tokens: 10.0 * tokens) == []  # a row costs a token
-    assert priced_cut(scores, lambda tokens: 10.0 * tokens, least=1) == [0]
     # a child tied with its parent comes after it, so the kept nodes hold their ancestors
     assert priced_cut([0.0, 0.0, 0.0], lambda tokens: 10.0 + tokens) == [0, 1, 2]
     assert priced_cut([0.0, 0.0, 0.0], lambda tokens: 10.0 + (tokens > 2) * 100.0) == [0]
@@ -362,7 +361,7 @@ def test_a_priced_cut_keeps_the_nodes_worth_their_rows():
 def test_a_drafted_tree_is_cut_at_the_measured_prices_and_its_parents_renumbered():
     import math
 
-    from coordinator.rounds import Drafted, _priced
+    from coordinator.rounds import Drafted, cut_at_prices
 
     prices = LinearCost(base=0.06, per_token=0.006)
     for _ in range(4):  # every size priced by its own mean: 1-3 tokens cheap, more dear
@@ -372,12 +371,12 @@ def test_a_drafted_tree_is_cut_at_the_measured_prices_and_its_parents_renumbered
     parents = [-1, -1, 0, 1, 0, 2]
     probs = [0.9, 0.3, 0.9 * 0.8, 0.3 * 0.5, 0.9 * 0.1, 0.72 * 0.2]
     tree = Drafted([10, 11, 12, 13, 14, 15], None, 0.5, parents, [math.log(p) for p in probs])
-    cut = _priced(tree, prices, paid=0.001)
+    cut = cut_at_prices(tree, prices, paid=0.001)
     assert cut.ids == [10, 12] and cut.parents == [-1, 0]
     assert cut.scores == [tree.scores[0], tree.scores[2]] and cut.compute_s == 0.5
     chain = Drafted([10, 12, 14])  # no parents: a chain is never cut
-    assert _priced(chain, prices, 0.001) is chain
+    assert cut_at_prices(chain, prices, 0.001) is chain
     unscored = Drafted(tree.ids, None, 0.0, parents)  # a drafter that sends no scores
-    assert _priced(unscored, prices, 0.001) is unscored
+    assert cut_at_prices(unscored, prices, 0.001) is unscored
     sampled = Drafted(tree.ids, object(), 0.0, parents, tree.scores)  # q rows: kept whole
-    assert _priced(sampled, prices, 0.001) is sampled
+    assert cut_at_prices(sampled, prices, 0.001) is sampled
