@@ -204,11 +204,13 @@ def best_trees(p: list[float], budget: int, max_depth: int) -> list[tuple[float,
     return out
 
 
-def priced_cut(scores: list[float], price: Callable[[int], float], paid: float = 0.0) -> list[int]:
+def priced_cut(
+    scores: list[float], price: Callable[[int], float], paid: float = 0.0, least: int = 0
+) -> list[int]:
     """The nodes of a drafted tree worth verifying at the verifier's prices: its n likeliest
     by the drafter's path log-probabilities `scores` (a child never outscores its parent, so
-    they hold their ancestors; ties go to the earlier, parents being listed first), n
-    maximizing the round's rate, (1 + their summed probabilities) / (paid + price(n + 1)),
+    they hold their ancestors; ties go to the earlier, parents being listed first), n >=
+    `least` maximizing the round's rate, (1 + their summed probabilities) / (paid + price(n + 1)),
     where price(t) is a verify of t tokens and `paid` what the round has cost already (its
     draft): a node pays when its probability beats its price at the round's rate.
     Returns the kept nodes' indices in their order."""
@@ -218,7 +220,7 @@ def priced_cut(scores: list[float], price: Callable[[int], float], paid: float =
         if n:
             expected += math.exp(scores[order[n - 1]])
         rate = expected / (paid + price(n + 1))
-        if rate > best_rate:
+        if n >= least and rate > best_rate:
             best, best_rate = n, rate
     return sorted(order[:best])
 

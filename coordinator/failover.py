@@ -73,7 +73,7 @@ class VerifierPool:
         self,
         clients: list[VerifierClient],
         fingerprint: str = "",
-        recovery_timeout_s: float = 60.0,
+        recovery_timeout_s: float = 180.0,
         retry_interval_s: float = 0.5,
     ):
         self.clients = clients

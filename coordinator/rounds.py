@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import statistics
 import time
 from collections.abc import AsyncIterator, Callable
@@ -367,6 +368,7 @@ class Round:
     start: float
     kind: str = "verify"
     drafted: Drafted = field(default_factory=lambda: Drafted([]))
+    whole: Drafted | None = None  # a tree as drafted, before its cut at prices
     called_drafter: bool = False  # the drafts came from a call made for this round
     tree: Any = None
     steps: int = 1  # tokens the verifier may decode in the call (plain and beside)
@@ -406,9 +408,11 @@ async def _play_round(request: _Request, remaining: int) -> Round:
         if not played.drafted.ids:
             played.steps = _steps_after_empty_answer(request, remaining)
             played.kind = "plain" if played.steps > 1 else "verify"
-        elif plan.tree_prices is not None:
-            paid = time.perf_counter() - played.start
-            played.drafted = cut_at_prices(played.drafted, plan.tree_prices, paid)
+        elif plan.tree_prices is not None and not (plan.adaptive and plan.adaptive.probing):
+            # adaptive k keeps a node: a round cut to nothing would teach it nothing
+            paid, least = time.perf_counter() - played.start, int(plan.adaptive is not None)
+            played.whole = played.drafted
+            played.drafted = cut_at_prices(played.drafted, plan.tree_prices, paid, least)
     played.draft_done = time.perf_counter()
     drafts = played.drafted
     if played.kind == "verify" and plan.overlap and drafts.ids and not drafts.parents:
@@ -418,19 +422,30 @@ async def _play_round(request: _Request, remaining: int) -> Round:
     return played
 
 
-def cut_at_prices(drafted: Drafted, prices: LinearCost, paid: float) -> Drafted:
+def cut_at_prices(drafted: Drafted, prices: LinearCost, paid: float, least: int = 0) -> Drafted:
     """A drafted tree cut to the nodes worth their verify at the measured prices
-    (`priced_cut`), `paid` seconds of the round spent already. Chains, trees whose drafter
-    does not score its nodes, and sampled drafts (their q rows) stay whole."""
-    if not drafted.parents or drafted.scores is None or drafted.probs is not None:
+    (`priced_cut`; at least `least` of them), `paid` seconds of the round spent already.
+    Chains, sampled drafts (their q rows) and trees without a usable score for each node stay
+    whole; a child scored above its parent counts at its parent's score, so the kept nodes
+    hold their ancestors whatever a drafter sends (the verifier checks the tree itself)."""
+    parents, scores = drafted.parents, drafted.scores
+    if not parents or scores is None or drafted.probs is not None:
         return drafted
-    keep = priced_cut(drafted.scores, prices.predict, paid)
+    if len(scores) != len(parents) or not all(math.isfinite(s) for s in scores):
+        return drafted
+    if any(not -1 <= p < i for i, p in enumerate(parents)):
+        return drafted  # not parents first: the verifier refuses it with its own error
+    capped = list(scores)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            capped[i] = min(capped[i], capped[p])
+    keep = priced_cut(capped, prices.predict, paid, least)
     if len(keep) == len(drafted.ids):
         return drafted
     where = {old: new for new, old in enumerate(keep)}
-    parents = [-1 if drafted.parents[i] < 0 else where[drafted.parents[i]] for i in keep]
-    return Drafted([drafted.ids[i] for i in keep], None, drafted.compute_s, parents,
-                   [drafted.scores[i] for i in keep])  # fmt: skip
+    kept_parents = [-1 if parents[i] < 0 else where[parents[i]] for i in keep]
+    return Drafted([drafted.ids[i] for i in keep], None, drafted.compute_s, kept_parents,
+                   [scores[i] for i in keep])  # fmt: skip
 
 
 def _round_kind(request: _Request, played: Round, remaining: int) -> str:
@@ -573,7 +588,7 @@ def _learn_round(adaptive: AdaptiveK, played: Round) -> None:
     else:
         _learn(
             adaptive, played.k, played.drafted, played.verified, played.draft_done - played.start,
-            verify_s, played.called_drafter,
+            verify_s, played.called_drafter, played.whole,
         )  # fmt: skip
 
 
@@ -680,9 +695,13 @@ def _learn(
     draft_s: float,
     verify_s: float,
     called_drafter: bool,
+    whole: Drafted | None = None,
 ) -> None:
     adaptive.observe(k, _path_length(drafted), verified.num_accepted)
-    adaptive.observe_tree(drafted.ids, drafted.parents, verified.committed)
+    # a cut tree's ranks are learned over the tree as drafted: the target's committed tokens
+    # still say which of the nodes cut away it would have taken
+    tree = whole or drafted
+    adaptive.observe_tree(tree.ids, tree.parents, verified.committed)
     adaptive.costs.verify.observe(len(drafted.ids) + 1, verify_s)
     if called_drafter:
         adaptive.costs.draft.observe(k, draft_s)

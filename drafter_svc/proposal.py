@@ -20,7 +20,7 @@ class Proposal:
     # previous one).
     parents: list[int] | None = None
     # tree drafts: each draft's path log-probability under the drafter, where it scores them
-    # (measurements read it; it is not sent)
+    # (sent as DraftResponse.draft_scores: the coordinator cuts a tree at the verify's prices)
     scores: list[float] | None = None
 
 

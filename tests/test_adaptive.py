@@ -27,7 +27,7 @@ def test_linear_cost_with_one_n_keeps_the_prior_ratio():
     assert cost.predict(2) > cost.predict(1)
 
 
-def test_sizes_seen_arecut_at_prices_by_their_own_mean_not_the_line():
+def test_sizes_seen_are_priced_by_their_own_mean_not_the_line():
     cost = LinearCost(base=0.06, per_token=0.006)
     for _ in range(10):  # a concave cost, as a CPU verify is: 1, 5 and 17 tokens
         for n, seconds in ((1, 0.060), (5, 0.095), (17, 0.130)):
@@ -320,7 +320,7 @@ def test_a_slow_spell_does_not_keep_a_session_drafting_at_a_loss():
     assert chosen[first_plain : first_plain + k.probe_every] == [0] * k.probe_every
 
 
-def test_sizes_not_seen_lately_arecut_at_prices_by_the_line_again():
+def test_sizes_not_seen_lately_are_priced_by_the_line_again():
     cost = LinearCost(base=0.06, per_token=0.006, stale_after=5)
     for _ in range(3):
         cost.observe(1, 0.100)
@@ -333,7 +333,7 @@ def test_sizes_not_seen_lately_arecut_at_prices_by_the_line_again():
     assert cost.predict(1) == pytest.approx(0.016)  # stale means restart from fresh ones
 
 
-def test_acut_at_prices_cut_keeps_the_nodes_worth_their_rows():
+def test_a_priced_cut_keeps_the_nodes_worth_their_rows():
     import math
 
     from coordinator.adaptive import priced_cut
@@ -380,3 +380,21 @@ def test_a_drafted_tree_is_cut_at_the_measured_prices_and_its_parents_renumbered
     assert cut_at_prices(unscored, prices, 0.001) is unscored
     sampled = Drafted(tree.ids, object(), 0.0, parents, tree.scores)  # q rows: kept whole
     assert cut_at_prices(sampled, prices, 0.001) is sampled
+    # scores a drafter got wrong: too few, not finite, or a tree not listed parents first
+    for scores in (tree.scores[:-1], [*tree.scores[:-1], math.nan]):
+        bad = Drafted(tree.ids, None, 0.0, parents, scores)
+        assert cut_at_prices(bad, prices, 0.001) is bad
+    unordered = Drafted(tree.ids, None, 0.0, [-1, 2, 0, 1, 0, 2], tree.scores)
+    assert cut_at_prices(unordered, prices, 0.001) is unordered
+    # a child scored above its parent counts at its parent's score, so the kept nodes hold
+    # their ancestors: node 2 (0.9) under node 0 (0.2) would otherwise be kept without it
+    inverted = Drafted([10, 11, 12], None, 0.0, [-1, -1, 0], [math.log(0.2), -0.5, -0.1])
+    cut = cut_at_prices(inverted, prices, 0.001)
+    assert cut.ids == [10, 11] and cut.parents == [-1, -1]
+    # adaptive k keeps a node, where the prices would keep none
+    dear = LinearCost(base=0.06, per_token=0.006)
+    for _ in range(4):
+        for tokens in range(1, 8):
+            dear.observe(tokens, 0.010 * tokens)
+    assert cut_at_prices(tree, dear, 0.001).ids == []
+    assert cut_at_prices(tree, dear, 0.001, least=1).ids == [10]

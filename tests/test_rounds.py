@@ -596,6 +596,16 @@ class ScoredTreeProposer:
         return Proposal(ids, parents=parents, scores=scores)
 
 
+class FixedPrices:
+    """A verify of t tokens costs 1 + t / 2 (seconds, say), whatever the rounds measure."""
+
+    def predict(self, tokens):
+        return 1.0 + tokens / 2
+
+    def observe(self, tokens, seconds):
+        pass
+
+
 def test_pinned_trees_cut_at_the_measured_prices_equal_plain_rounds(target):
     prompt = PROMPTS[2]
     verifier = CountingVerifier(target)
@@ -603,13 +613,19 @@ def test_pinned_trees_cut_at_the_measured_prices_equal_plain_rounds(target):
     # the drafter opens on the prompt and the prefill's first token; the reply goes on after
     proposer = ScoredTreeProposer(plain[1:], len(prompt) + 1)
     verifier.calls.clear()
-    prices = LinearCost(base=0.06, per_token=0.006)
-    cut, stats = collect(verifier, LocalDrafter(proposer), prompt,
-                         Plan(max_tokens=30, num_draft_tokens=3, tree_prices=prices))  # fmt: skip
+    plan = Plan(max_tokens=30, num_draft_tokens=3, tree_prices=FixedPrices())
+    cut, stats = collect(verifier, LocalDrafter(proposer), prompt, plan)
     assert cut == plain
-    sent = [n for n, _ in verifier.calls]
-    assert max(sent) <= 6 and min(sent) < 6  # no more than drafted, and some cut
-    assert stats.accepted > 0
+    # at these prices the line of three (0.9, 0.81, 0.73) pays and no 1e-9 sibling does: every
+    # round verifies the three drafts the target takes, the last one what is left
+    assert [n for n, _ in verifier.calls][:-1] == [3] * (len(verifier.calls) - 1)
+    assert stats.accepted == 3 * (len(verifier.calls) - 1)
+    proposer.position = len(prompt) + 1
+    learned = CountingVerifier(target)  # prices the rounds measure: the output is the same
+    out, _ = collect(learned, LocalDrafter(proposer), prompt,
+                     Plan(max_tokens=30, num_draft_tokens=3,
+                          tree_prices=LinearCost(base=0.06, per_token=0.006)))  # fmt: skip
+    assert out == plain and max(n for n, _ in learned.calls) <= 6
     whole_verifier = CountingVerifier(target)
     proposer.position = len(prompt) + 1
     whole, _ = collect(whole_verifier, LocalDrafter(proposer), prompt,
