@@ -382,6 +382,12 @@ class Round:
     verify_done: float = 0.0
     crowded: bool = False  # the coordinator was under load (Plan.under_load): no drafts
 
+    @property
+    def verify_price_s(self) -> float:
+        """The verify call's time at its share of the forwards it shared with other sessions:
+        in a batch, drafts' rows slow every session in it."""
+        return (self.verify_done - self.draft_done) * self.verified.share
+
     def times(self, now: float) -> RoundTime:
         return RoundTime(
             self.draft_done - self.start,
@@ -564,8 +570,8 @@ def _record(stats: RoundStats, played: Round, new: list[int]) -> None:
 
 
 def _learn_price(prices: LinearCost, played: Round) -> None:
-    """A pinned round's verify time, at its share of shared forwards, for the tree cut."""
-    verify_s = (played.verify_done - played.draft_done) * played.verified.share
+    """A pinned round's verify time (`Round.verify_price_s`), for the tree cut."""
+    verify_s = played.verify_price_s
     if played.kind == "plain":
         prices.observe(1, verify_s / played.forwards)
     elif played.kind == "verify":
@@ -573,10 +579,9 @@ def _learn_price(prices: LinearCost, played: Round) -> None:
 
 
 def _learn_round(adaptive: AdaptiveK, played: Round) -> None:
-    """What the round tells adaptive k: acceptance, and the cost of drafts and verifies. A
-    verify that shared its forwards with other sessions costs its share of their time: in a
-    batch, drafts' rows slow every session in it."""
-    verify_s = (played.verify_done - played.draft_done) * played.verified.share
+    """What the round tells adaptive k: acceptance, and the cost of drafts and verifies (a
+    verify at its share of shared forwards, `Round.verify_price_s`)."""
+    verify_s = played.verify_price_s
     if played.kind == "beside":
         _learn_beside(
             adaptive, played.k, played.guess, played.verified, played.matched, played.decode_s,
