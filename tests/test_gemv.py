@@ -13,7 +13,7 @@ from tiny import make_tiny_model_dir
 from specd.cpu import gemv
 from specd.cpu.gemv import GemvEmbedding, GemvLinear, check_max_rows, use_gemv
 from specd.cpu.llama import DEFAULT_MAX_ROWS as CPU_MAX_ROWS
-from specd.cpu.row_products import compiled, row_products
+from specd.cpu.row_products import compiled, pair_rows, pairs_supported, row_products
 from specd.models.load import load_target
 from specd.platform import limit_numpy_blas_threads
 from verifier_svc.engine import Target, prefill
@@ -86,7 +86,9 @@ def test_numpy_really_does_the_few_row_products(pair, monkeypatch):
     _, fast = pair
     calls = []
     real = gemv.row_products
-    monkeypatch.setattr(gemv, "row_products", lambda w, x: calls.append(len(x)) or real(w, x))
+    monkeypatch.setattr(
+        gemv, "row_products", lambda w, x, paired=None: calls.append(len(x)) or real(w, x, paired)
+    )
     session = prefill(fast, PROMPT).session
     switched = len(_products(fast.model))
     for tokens in ([7], [7, 8]):
@@ -135,6 +137,53 @@ def test_half_weight_row_products_equal_blas(rows, width):
     got = row_products(weight, x)
     assert got.shape == (rows, 300)
     assert np.allclose(got, x @ weight.astype(np.float32).T, rtol=1e-4, atol=1e-3)
+
+
+needs_pairs = pytest.mark.skipif(
+    not pairs_supported(), reason="this CPU has no AVX-512VL: weights stay unpaired"
+)
+
+
+@needs_pairs
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 17])
+@pytest.mark.parametrize("width", [16, 64, 1536])
+def test_paired_products_sum_each_row_as_a_one_row_product(rows, width):
+    """Paired weights give the unpaired products bit for bit for one, two and four rows,
+    and at every row count each row is its one-row product's number (the unpaired eight-row
+    loop sums in another order)."""
+    rng = np.random.default_rng(rows * width)
+    weight = rng.standard_normal((300, width)).astype(np.float16)
+    x = rng.standard_normal((rows, width), dtype=np.float32)
+    paired = pair_rows(weight)
+    assert paired is not None and paired.shape == (150, 2 * width)
+    got = row_products(weight, x, paired)
+    alone = np.concatenate([row_products(weight, x[i : i + 1]) for i in range(rows)])
+    assert np.array_equal(got, alone)
+    if rows <= 4:
+        assert np.array_equal(got, row_products(weight, x))
+
+
+def test_weights_that_cannot_be_paired_stay_unpaired():
+    rng = np.random.default_rng(0)
+    assert pair_rows(rng.standard_normal((301, 64)).astype(np.float16)) is None  # odd rows
+    assert pair_rows(rng.standard_normal((300, 70)).astype(np.float16)) is None  # 70 % 16
+    assert pair_rows(rng.standard_normal((300, 64), dtype=np.float32)) is None  # not half
+
+
+@needs_pairs
+def test_paired_products_refuse_what_they_cannot_multiply():
+    from specd.cpu.row_products import _row_kernels as kernels
+
+    paired = pair_rows(np.ones((4, 32), np.float16))
+    out = np.empty((3, 4), np.float32)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        kernels.paired_products(paired, np.ones((3, 32), np.float32), out)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        kernels.paired_products(paired, np.ones((4, 16), np.float32), np.empty((4, 4), np.float32))
+    with pytest.raises(ValueError, match="float16"):
+        kernels.paired_products(
+            np.ones((2, 64), np.float32), np.ones((1, 32), np.float32), np.empty((1, 4), np.float32)
+        )
 
 
 def test_the_kernels_are_built_where_a_compiler_is(monkeypatch):

@@ -126,8 +126,10 @@ def test_the_verifier_service_says_what_it_holds_and_decodes_the_same(
         got = client.generate(make_request(prompt_ids=prompt, max_tokens=48)).token_ids
         client.close()
     full = _weight_bytes(plain.model)
-    # kept half, plus the float32 copies a model this small keeps for MLX's products
-    assert info.weight_bytes == (full if float32_weights else full + _half_saving(plain.model))
+    # kept half, plus the float32 copies a model this small keeps for MLX's products and the
+    # paired copies the few-row forwards read (where the CPU runs them)
+    kept = full + _half_saving(plain.model) + _paired_bytes(plain.model)
+    assert info.weight_bytes == (full if float32_weights else kept)
     assert got == want
     log = (tmp_path / "verifier.log").read_text()
     assert ("stored float16" in log) != float32_weights
@@ -139,6 +141,23 @@ def _half_saving(model) -> int:
         m.weight.nbytes // 2
         for _, m in model.named_modules()
         if isinstance(m, (nn.Linear, nn.Embedding))
+    )
+
+
+def _paired_bytes(model) -> int:
+    """Bytes of the float16 paired copies of a float32 Llama model's products and output
+    head: those of an even number of rows, each a multiple of 16 long."""
+    from specd.cpu.row_products import pairs_supported
+
+    if not pairs_supported():
+        return 0
+    head = "embed_tokens" if model.args.tie_word_embeddings else "lm_head"
+    return sum(
+        m.weight.nbytes // 2
+        for name, m in model.named_modules()
+        if (isinstance(m, nn.Linear) or name.endswith(head))
+        and m.weight.shape[0] % 2 == 0
+        and m.weight.shape[1] % 16 == 0
     )
 
 
@@ -177,3 +196,27 @@ def test_a_served_target_keeps_float32_copies_for_a_long_prompt(quantized_dir):
     assert prefill(served, prompt).first_token == prefill(plain, prompt).first_token
     modules = [m for _, m in served.model.named_modules() if stored_half_module(m)]
     assert modules and all("_float32_copy" in m.__dict__ for m in modules)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 8, 9])
+def test_paired_weights_give_the_same_logits(quantized_dir, tokens):
+    """The few-row forwards read paired copies of the half weights where the CPU allows
+    (specd.cpu.row_products.pair_rows): up to four rows the same logits bit for bit as
+    unpaired; past four the unpaired loop sums in another order (test_gemv checks that each
+    paired row is its one-row product)."""
+    from specd.cpu.llama import CpuLlama
+    from specd.cpu.row_products import pairs_supported
+    from verifier_svc.engine import prefill
+
+    fast = Target(load_target(str(quantized_dir), "float32", half_weights=True))
+    unpaired = CpuLlama.attach(fast.model, paired_bytes=0)
+    assert unpaired.paired_bytes() == 0
+    assert (fast.cpu_layers.paired_bytes() > 0) == pairs_supported()
+    logits = []
+    for layers in (fast.cpu_layers, unpaired):
+        cache = prefill(fast, PROMPT).session.cache
+        logits.append(layers.forward(np.arange(7, 7 + tokens), cache, frozenset())[0])
+    if tokens <= 4:
+        assert np.array_equal(logits[0], logits[1])
+    else:
+        assert np.allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)

@@ -123,6 +123,7 @@ class Target:
         self.half_weights = stored_half(self.model)
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         self.weight_bytes += float32_copy_bytes(self.model)  # MLX's products read these
+        self.weight_bytes += cpu_layers.paired_bytes() if cpu_layers else 0
         stored = f", {self.half_weights} weights stored float16" if self.half_weights else ""
         self.numpy_part = (
             f"{'whole layers' if cpu_layers else 'weight products'}, {products}{stored}"

@@ -13,3 +13,7 @@ package when a C compiler is there; numpy otherwise).
 # embedded model's: 513 MiB); a larger model converts at each product instead, so its weights
 # keep to half the memory. Here, not in half.py, so the verifier's help can name it without MLX.
 FLOAT32_COPIES_BYTES = 1 << 30
+
+# paired copies of the half weights the verifier's few-row forwards read (specd.cpu.row_products),
+# up to this many bytes in all (the embedded model's: 257 MiB); past it they stay unpaired.
+PAIRED_COPIES_BYTES = 1 << 30

@@ -282,6 +282,49 @@ static void eight_rows_span_f16c(const uint16_t *weight, const float *rows, floa
 }
 
 static int have_f16c;  /* set when the module loads */
+
+/* Paired weights: two weight rows interleaved in blocks of sixteen halves, so the rows a loop
+ * multiplies together are one stream in memory (two rows read side by side as two streams
+ * ran at half the speed). Each loop takes a pair at a time, every input vector it loads
+ * serving both rows, and needs AVX-512VL's 32 vector registers for four input rows' sums,
+ * though its arithmetic stays 256-bit: each (input row, weight row) pair is summed exactly as
+ * the one-row loop above sums it (two accumulators, alternate blocks of eight). */
+#define PAIRED_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl")))
+static int have_paired;  /* set when the module loads */
+/* an input vector GCC would otherwise load again as each multiply-add's memory operand */
+#define IN_REGISTER(p, q) __asm__("" : "+v"(p), "+v"(q))
+
+#define PAIRED_SPAN(ROWS)                                                                      \
+    PAIRED_TARGET static void paired_span_##ROWS(const uint16_t *paired, const float *rows,    \
+                                                 float *out, Py_ssize_t outputs,               \
+                                                 Py_ssize_t width, Py_ssize_t first,           \
+                                                 Py_ssize_t last) {                            \
+        for (Py_ssize_t p = first; p < last; p++) {                                           \
+            const uint16_t *w = paired + p * 2 * width;                                       \
+            __m256 a[ROWS], b[ROWS], c[ROWS], d[ROWS];                                        \
+            for (int r = 0; r < ROWS; r++) a[r] = b[r] = c[r] = d[r] = _mm256_setzero_ps();   \
+            for (Py_ssize_t k = 0; k < width; k += 16, w += 32) {                             \
+                __m256 w0 = LOAD8(w, 0), w1 = LOAD8(w, 8), v0 = LOAD8(w, 16),                 \
+                       v1 = LOAD8(w, 24);                                                     \
+                for (int r = 0; r < ROWS; r++) {                                              \
+                    __m256 y0 = _mm256_loadu_ps(rows + r * width + k),                        \
+                           y1 = _mm256_loadu_ps(rows + r * width + k + 8);                    \
+                    IN_REGISTER(y0, y1);                                                      \
+                    a[r] = _mm256_fmadd_ps(w0, y0, a[r]);                                     \
+                    b[r] = _mm256_fmadd_ps(w1, y1, b[r]);                                     \
+                    c[r] = _mm256_fmadd_ps(v0, y0, c[r]);                                     \
+                    d[r] = _mm256_fmadd_ps(v1, y1, d[r]);                                     \
+                }                                                                             \
+            }                                                                                 \
+            for (int r = 0; r < ROWS; r++) {                                                  \
+                out[r * outputs + 2 * p] = sum8(_mm256_add_ps(a[r], b[r]));                   \
+                out[r * outputs + 2 * p + 1] = sum8(_mm256_add_ps(c[r], d[r]));               \
+            }                                                                                 \
+        }                                                                                     \
+    }
+PAIRED_SPAN(1)
+PAIRED_SPAN(2)
+PAIRED_SPAN(4)
 #endif
 
 /* Weight rows are split into spans: for one or two input rows PIECES spans, for groups of four
@@ -330,6 +373,20 @@ static void run_span(const Job *job, Py_ssize_t first, Py_ssize_t last) {
     else if (n == 2) two_rows_span_half(w, rows, out, outputs, width, first, last);
     else four_rows_span_half(w, rows, out, outputs, width, n, first, last);
 }
+
+#ifdef HALF_AVX2
+/* a span of pairs: one, two, or groups of four input rows, each group over the span (in L2) */
+static void run_paired_span(const Job *job, Py_ssize_t first, Py_ssize_t last) {
+    const uint16_t *w = job->weight;
+    Py_ssize_t outputs = job->outputs * 2, width = job->width, n = job->n;
+    if (n == 1) paired_span_1(w, job->rows, job->out, outputs, width, first, last);
+    else if (n == 2) paired_span_2(w, job->rows, job->out, outputs, width, first, last);
+    else
+        for (Py_ssize_t i = 0; i < n; i += GROUP)
+            paired_span_4(w, job->rows + i * width, job->out + i * outputs, outputs, width,
+                          first, last);
+}
+#endif
 
 static void run_spans(const Job *job, atomic_long *next) {
     for (;;) {
@@ -551,6 +608,50 @@ static PyObject *products(PyObject *self, PyObject *args) {
         Py_END_ALLOW_THREADS
     }
     return finish(v, 3, 1, NULL);
+}
+
+/* paired_products(paired [O/2, 2K] float16, rows [n, K], out [n, O]): products() of the
+ * weight that pair_rows laid out as `paired`, the same sums bit for bit */
+static PyObject *paired_products(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *objs[3];
+    if (!PyArg_ParseTuple(args, "OOO", &objs[0], &objs[1], &objs[2])) return NULL;
+    static const ArraySpec specs[] = {
+        {"paired", 2, 0, FLOAT32_OR_16}, {"rows", 2, 0, FLOAT32}, {"out", 2, 1, FLOAT32}};
+    Py_buffer v[3];
+    if (take_arrays(objs, specs, 3, v) < 0) return NULL;
+#ifdef HALF_AVX2
+    if (!have_paired) return finish(v, 3, 0, "paired_products: this CPU lacks AVX-512VL");
+    Py_ssize_t pairs = v[0].shape[0], width = v[0].shape[1] / 2, n = v[1].shape[0];
+    if (v[0].itemsize != 2) return finish(v, 3, 0, "paired_products: paired must be float16");
+    if (v[0].shape[1] % 32 != 0 || v[1].shape[1] != width || v[2].shape[0] != n ||
+        v[2].shape[1] != 2 * pairs)
+        return finish(v, 3, 0, "paired_products: shapes do not match");
+    if (n > 2 && n % GROUP != 0)
+        return finish(v, 3, 0, "paired_products: rows must be 1, 2 or a multiple of 4");
+    Py_ssize_t pair_bytes = 4 * width;
+    Py_ssize_t span = piece(pairs);
+    if (n > 2 && span > TILE_BYTES / pair_bytes) span = TILE_BYTES / pair_bytes;
+    if (span < 1) span = 1;
+    Py_ssize_t spans = (pairs + span - 1) / span;
+    Job job = {v[0].buf, v[1].buf, v[2].buf, pairs, width, n, span, spans,
+               n <= 2 ? 1 : piece(spans), 1, run_paired_span, NULL};
+    Py_BEGIN_ALLOW_THREADS
+    if (pairs > 0) run_job(&job);
+    Py_END_ALLOW_THREADS
+    return finish(v, 3, 1, NULL);
+#else
+    return finish(v, 3, 0, "paired_products: not built with AVX2 support");
+#endif
+}
+
+static PyObject *paired_supported(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+#ifdef HALF_AVX2
+    return PyBool_FromLong(have_paired && have_f16c);
+#else
+    Py_RETURN_FALSE;
+#endif
 }
 
 /* ---- Attention of a few new tokens over the KV cache (specd.cpu.llama) ----
@@ -1039,6 +1140,11 @@ static PyMethodDef methods[] = {
     {"rope", rope, METH_VARARGS,
      "rope(x, cos, sin, traditional, out): rotary positions, [T, heads*D] -> [heads, T, D]"},
     {"swiglu", swiglu, METH_VARARGS, "swiglu(gate, up): gate = silu(gate) * up, in place"},
+    {"paired_products", paired_products, METH_VARARGS,
+     "paired_products(paired, rows, out): products() of a float16 weight laid out in pairs "
+     "of rows (specd.cpu.row_products.pair_rows); 1, 2 or 4k rows"},
+    {"paired_supported", paired_supported, METH_NOARGS,
+     "paired_supported() -> whether this CPU runs paired_products"},
     {"vector_half", vector_half, METH_O,
      "vector_half(enabled) -> was: half weights through the F16C loops or the portable ones"},
     {NULL, NULL, 0, NULL},
@@ -1051,6 +1157,8 @@ PyMODINIT_FUNC PyInit__row_kernels(void) {
     __builtin_cpu_init();
     have_f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                 __builtin_cpu_supports("f16c");
+    have_paired = have_f16c && __builtin_cpu_supports("avx512f") &&
+                  __builtin_cpu_supports("avx512vl");
 #endif
     pthread_atfork(NULL, NULL, forget_workers);
     return PyModule_Create(&module);

@@ -22,7 +22,7 @@ import mlx.nn as nn
 import numpy as np
 
 from specd.cpu.half import HalfEmbedding, HalfLinear, rebuilt, replace_modules
-from specd.cpu.row_products import compiled, row_products
+from specd.cpu.row_products import compiled, pair_rows, row_products
 
 DEFAULT_MAX_ROWS = 3  # products alone, MLX around them: 1-3 rows faster than MLX's sgemm here
 
@@ -47,6 +47,7 @@ class GemvWeights:
     weight: np.ndarray
     bias: np.ndarray | None
     max_rows: int
+    paired: np.ndarray | None = None  # specd.cpu.row_products.pair_rows(weight), read instead
 
     def wanted(self, x: mx.array) -> bool:
         return x.dtype == mx.float32 and x.size <= self.max_rows * x.shape[-1]
@@ -58,7 +59,7 @@ class GemvWeights:
 
     def of_rows(self, rows: np.ndarray) -> np.ndarray:
         """rows [n, in] float32 -> [n, out] float32 (the weight float32 or float16)."""
-        out = row_products(self.weight, rows)
+        out = row_products(self.weight, rows, self.paired)
         if self.bias is not None:
             out += self.bias
         return out
@@ -126,6 +127,12 @@ def _with_products(module: nn.Module, max_rows: int) -> nn.Module | None:
     new = rebuilt(kind, module, module.weight)
     new._gemv = GemvWeights(weight, bias_view, max_rows)
     return new
+
+
+def paired(gemv: GemvWeights) -> GemvWeights:
+    """`gemv` reading a paired copy of its weight where the CPU and the shape allow one."""
+    pairs = pair_rows(gemv.weight)
+    return gemv if pairs is None else replace(gemv, paired=pairs)
 
 
 def set_max_rows(model: nn.Module, max_rows: int) -> int:

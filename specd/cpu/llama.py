@@ -23,7 +23,8 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import Llama3RoPE
 
-from specd.cpu.gemv import GemvWeights, float32_view, weight_view
+from specd.cpu import PAIRED_COPIES_BYTES
+from specd.cpu.gemv import GemvWeights, float32_view, paired, weight_view
 from specd.cpu.half import move_weight
 from specd.cpu.row_products import layer_kernels
 
@@ -87,6 +88,27 @@ def _joined(modules: list[nn.Module]) -> GemvWeights | None:
         module._gemv = replace(gemv, weight=view[start:stop])
         start = stop
     return GemvWeights(view, bias, gemvs[0].max_rows)
+
+
+def _paired_within(
+    layers: list[_Layer], head: GemvWeights, limit: int
+) -> tuple[list[_Layer], GemvWeights]:
+    """The layers' products and the head reading paired copies of their half weights, if the
+    copies together take at most `limit` bytes (else all unchanged)."""
+    products = [g for layer in layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    if sum(g.weight.nbytes for g in [*products, head] if g.weight.dtype == np.float16) > limit:
+        return layers, head
+    layers = [
+        replace(
+            layer,
+            qkv=paired(layer.qkv),
+            o=paired(layer.o),
+            gate_up=paired(layer.gate_up),
+            down=paired(layer.down),
+        )
+        for layer in layers
+    ]
+    return layers, paired(head)
 
 
 # RoPEs that turn each pair of features by an angle of its position alone
@@ -188,8 +210,10 @@ class CpuLlama:
         )
 
     @classmethod
-    def attach(cls, model: nn.Module) -> CpuLlama | None:
-        """None unless `supports(model)` and its products were switched to gemv."""
+    def attach(cls, model: nn.Module, paired_bytes: int = PAIRED_COPIES_BYTES) -> CpuLlama | None:
+        """None unless `supports(model)` and its products were switched to gemv. Half weights
+        get paired copies (specd.cpu.row_products.pair_rows) where the CPU allows and all of
+        them together take at most `paired_bytes`."""
         if not cls.supports(model):
             return None
         args, blocks = model.args, _blocks(model)
@@ -226,6 +250,7 @@ class CpuLlama:
         final_norm = float32_view(inner.norm.weight)
         if embed is None or head is None or final_norm is None:
             return None
+        layers, head = _paired_within(layers, head, paired_bytes)
         heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
         head_dim = args.head_dim or args.hidden_size // heads
         norm_eps = blocks[0].input_layernorm.eps
@@ -233,6 +258,13 @@ class CpuLlama:
         return cls(
             layers, embed.weight, final_norm, head, norm_eps, heads, kv_heads, head_dim, rope
         )
+
+    def paired_bytes(self) -> int:
+        """Bytes of the paired weight copies this holds beside the model's own."""
+        products = [
+            g for layer in self.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ]
+        return sum(g.paired.nbytes for g in [*products, self.head] if g.paired is not None)
 
     def can_run(self, tokens: int, cache: list) -> bool:
         return 0 < tokens <= self.max_rows and all(type(c) is KVCache for c in cache)

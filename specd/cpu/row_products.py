@@ -8,6 +8,13 @@ walk the weight rows once and multiply each, while it is in cache, with one, two
 converting as they go and summing in float32, for half the bytes (specd.cpu.gemv says
 when). Where they were not built (no C compiler), numpy's gemv and sgemm do the products.
 
+On a CPU with AVX-512VL a float16 weight can also be held paired (`pair_rows`): two rows
+interleaved in blocks of sixteen, so each input vector loaded serves two weight rows and
+the rows multiplied together are one stream in memory. The same sums bit for bit, and every
+row count then sums each row as a one-row product does; a step of 1, 2, 4 and 8 rows over
+the embedded model's weights took 6.2, 6.9, 11.1 and 16.9 ms paired against 7.6, 10.0, 16.6
+and 25.0 unpaired (docs/results.md).
+
 Their threads are the extension's own, one pool per process whichever thread calls: a second
 BLAS thread pool busy or spinning beside them halves their speed on two cores, so the verifier
 keeps numpy's BLAS on one thread while it uses them.
@@ -35,9 +42,28 @@ def layer_kernels():
     return _row_kernels
 
 
-def row_products(weight: np.ndarray, rows: np.ndarray) -> np.ndarray:
+def pairs_supported() -> bool:
+    """Whether this CPU runs the paired products (AVX-512VL and F16C)."""
+    return _row_kernels is not None and _row_kernels.paired_supported()
+
+
+def pair_rows(weight: np.ndarray) -> np.ndarray | None:
+    """float16 `weight` [out, in] laid out for the paired products, [out/2, 2*in]: rows 2i and
+    2i+1 interleaved in blocks of 16 values; None where the CPU or the shape does not allow it
+    (an odd number of rows, rows not a multiple of 16 long)."""
+    rows, width = weight.shape
+    if not pairs_supported() or weight.dtype != np.float16 or rows % 2 or width % 16:
+        return None
+    blocks = weight.reshape(rows // 2, 2, width // 16, 16).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(blocks).reshape(rows // 2, 2 * width)
+
+
+def row_products(
+    weight: np.ndarray, rows: np.ndarray, paired: np.ndarray | None = None
+) -> np.ndarray:
     """rows [n, in] @ weight[out, in].T -> [n, out] float32; weight C-contiguous, float32 (or
-    float16 with the compiled kernels)."""
+    float16 with the compiled kernels); `paired`, where given, is `pair_rows(weight)` and is
+    read instead."""
     n, width = rows.shape
     if _row_kernels is None:
         return np.matmul(weight, rows[0])[None] if n == 1 else rows @ weight.T
@@ -48,5 +74,8 @@ def row_products(weight: np.ndarray, rows: np.ndarray) -> np.ndarray:
         grouped = np.zeros((padded, width), dtype=np.float32)
         grouped[:n] = rows
     out = np.empty((padded, weight.shape[0]), dtype=np.float32)
-    _row_kernels.products(weight, grouped, out)
+    if paired is None:
+        _row_kernels.products(weight, grouped, out)
+    else:
+        _row_kernels.paired_products(paired, grouped, out)
     return out[:n]
