@@ -8,6 +8,10 @@ shared objects (build one with `python setup.py build_ext --inplace` and copy
 specd/cpu/_row_kernels*.so away); each build runs in its own process, alternating, --trials
 times.
 
+Without --kernels it times the installed build twice in one process, passes alternating:
+the weights as stored and paired (specd.cpu.row_products.pair_rows, where the CPU has
+AVX-512VL), and prints both.
+
     python benchmarks/row_kernels.py [--rows 1 2 4 8 16] [--kernels A.so B.so] [--trials 3]
 """
 
@@ -46,23 +50,30 @@ def use_build(path: str) -> None:
     row_products._row_kernels = module
 
 
-def time_rows(rows: list[int], passes: int) -> dict[int, float]:
-    from specd.cpu.row_products import compiled, row_products
+def time_rows(rows: list[int], passes: int, layouts=("stored",)) -> dict[str, dict[int, float]]:
+    """Best ms per pass over the stack for each row count, per layout ("stored", "paired"),
+    the layouts' passes alternating."""
+    from specd.cpu.row_products import compiled, pair_rows, row_products
 
     if not compiled():
         raise SystemExit("the row kernels are not built here: pip install -e . with a C compiler")
     rng = np.random.default_rng(0)
     stack = weights(rng)
-    best = {}
+    pairs = {"stored": [None] * len(stack)}
+    if "paired" in layouts:
+        pairs["paired"] = [pair_rows(w) for w in stack]
+    best: dict[str, dict[int, float]] = {layout: {} for layout in pairs}
     for n in rows:
         inputs = {w: rng.standard_normal((n, w), dtype=np.float32) for w in (HIDDEN, MLP)}
-        times = []
+        times: dict[str, list[float]] = {layout: [] for layout in pairs}
         for _ in range(passes):
-            start = time.perf_counter()
-            for weight in stack:
-                row_products(weight, inputs[weight.shape[1]])
-            times.append(time.perf_counter() - start)
-        best[n] = 1000 * min(times)
+            for layout, paired in pairs.items():
+                start = time.perf_counter()
+                for weight, pair in zip(stack, paired, strict=True):
+                    row_products(weight, inputs[weight.shape[1]], pair)
+                times[layout].append(time.perf_counter() - start)
+        for layout in pairs:
+            best[layout][n] = 1000 * min(times[layout])
     return best
 
 
@@ -74,10 +85,18 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3, help="alternations of the builds")
     parser.add_argument("--one", metavar="SO", help=argparse.SUPPRESS)  # a child's build
     args = parser.parse_args()
-    if args.one or not args.kernels:
-        if args.one:
-            use_build(args.one)
-        print(json.dumps(time_rows(args.rows, args.passes)))
+    if args.one:
+        use_build(args.one)
+        print(json.dumps(time_rows(args.rows, args.passes)["stored"]))
+        return
+    if not args.kernels:
+        from specd.cpu.row_products import pairs_supported
+
+        layouts = ("stored", "paired") if pairs_supported() else ("stored",)
+        best = time_rows(args.rows, args.passes, layouts)
+        print("ms per pass over the weights (best of the passes): " + ", ".join(layouts))
+        for n in args.rows:
+            print(f"{n:4d}  " + "  ".join(f"{best[layout][n]:8.1f}" for layout in layouts))
         return
     runs: dict[str, list[dict]] = {path: [] for path in args.kernels}
     for _ in range(args.trials):
