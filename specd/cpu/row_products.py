@@ -11,9 +11,9 @@ when). Where they were not built (no C compiler), numpy's gemv and sgemm do the 
 On a CPU with AVX-512VL a float16 weight can also be held paired (`pair_rows`): two rows
 interleaved in blocks of sixteen, so each input vector loaded serves two weight rows and
 the rows multiplied together are one stream in memory. The same sums bit for bit, and every
-row count then sums each row as a one-row product does; a step of 1, 2, 4 and 8 rows over
-the embedded model's weights took 6.2, 6.9, 11.1 and 16.9 ms paired against 7.6, 10.0, 16.6
-and 25.0 unpaired (docs/results.md).
+row count then sums each row as a one-row product does; a pass of 1, 2, 4 and 8 rows over
+the embedded model's weight shapes took 8.7, 9.0, 12.3 and 16.4 ms paired against 9.7, 11.4,
+16.8 and 23.6 as stored (benchmarks/row_kernels.py, docs/results.md).
 
 Their threads are the extension's own, one pool per process whichever thread calls: a second
 BLAS thread pool busy or spinning beside them halves their speed on two cores, so the verifier
