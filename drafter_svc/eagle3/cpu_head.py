@@ -15,7 +15,7 @@ import mlx.nn as nn
 import numpy as np
 
 from drafter_svc.eagle3.model import Eagle3Head
-from specd.cpu.gemv import GemvWeights, float32_view
+from specd.cpu.gemv import GemvWeights, float32_view, paired
 from specd.cpu.half import exactly_half
 from specd.cpu.llama import RopeTables, attend_numpy, rms_norm, turns_pairs
 from specd.cpu.row_products import layer_kernels
@@ -28,7 +28,7 @@ def _products(linear: nn.Linear) -> GemvWeights:
     weight = np.asarray(half) if half is not None else np.asarray(linear.weight)
     bias = linear.get("bias")
     bias = None if bias is None else np.asarray(bias.astype(mx.float32))
-    return GemvWeights(np.ascontiguousarray(weight), bias, MAX_ROWS)
+    return paired(GemvWeights(np.ascontiguousarray(weight), bias, MAX_ROWS))
 
 
 def _norm(norm: nn.RMSNorm) -> np.ndarray:
