@@ -13,7 +13,7 @@ from tiny import make_tiny_model_dir
 
 from specd.cpu.half import HalfEmbedding, HalfLinear, stored_half, stored_half_module
 from specd.models.load import load_target
-from verifier_svc.engine import Target, half_weights_pay
+from verifier_svc.engine import Target, half_weights_pay, prefill
 
 PROMPT = [3, 40, 41, 42, 43, 40, 41, 42, 50, 60, 70]
 
@@ -188,7 +188,6 @@ def test_a_small_model_keeps_float32_copies_of_its_half_weights():
 def test_a_served_target_keeps_float32_copies_for_a_long_prompt(quantized_dir):
     """Through the verifier's module swaps (the compiled products) the copies stay: a prompt
     past the numpy forwards' rows, run by MLX on them, gives the same first token."""
-    from verifier_svc.engine import prefill
 
     served = Target(load_target(str(quantized_dir), "float32", half_weights=True))
     plain = Target(load_target(str(quantized_dir), "float32"))
@@ -201,12 +200,11 @@ def test_a_served_target_keeps_float32_copies_for_a_long_prompt(quantized_dir):
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4, 8, 9])
 def test_paired_weights_give_the_same_logits(quantized_dir, tokens):
     """The few-row forwards read paired copies of the half weights where the CPU allows
-    (specd.cpu.row_products.pair_rows): up to four rows the same logits bit for bit as
-    unpaired; past four the unpaired loop sums in another order (test_gemv checks that each
-    paired row is its one-row product)."""
+    (specd.cpu.row_products.pair_rows): the same logits bit for bit as unpaired (past four
+    rows only where the CPU pairs weights: elsewhere the unpaired eight-row loop sums in
+    another order)."""
     from specd.cpu.llama import CpuLlama
     from specd.cpu.row_products import pairs_supported
-    from verifier_svc.engine import prefill
 
     fast = Target(load_target(str(quantized_dir), "float32", half_weights=True))
     unpaired = CpuLlama.attach(fast.model, paired_bytes=0)
@@ -216,7 +214,58 @@ def test_paired_weights_give_the_same_logits(quantized_dir, tokens):
     for layers in (fast.cpu_layers, unpaired):
         cache = prefill(fast, PROMPT).session.cache
         logits.append(layers.forward(np.arange(7, 7 + tokens), cache, frozenset())[0])
-    if tokens <= 4:
+    if tokens <= 4 or pairs_supported():
         assert np.array_equal(logits[0], logits[1])
     else:
         assert np.allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+def _forward_rows(target, layers, ids, positions=None, sees=None):
+    cache = prefill(target, PROMPT).session.cache
+    return layers.forward(np.asarray(ids), cache, frozenset(), positions, sees)[0]
+
+
+@pytest.mark.parametrize("tokens", [2, 3, 5, 8, 9, 16])
+def test_a_verifys_rows_are_its_decode_steps_bit_for_bit(quantized_dir, tokens):
+    """The compiled kernels (paired weights where the CPU allows) give each row of a forward
+    of several tokens the logits of the decode step at its place: so with drafts the greedy
+    output is the verifier's own plain greedy decode, whatever the drafts."""
+    from specd.cpu.llama import layer_kernels
+    from specd.cpu.row_products import pairs_supported
+
+    if layer_kernels() is None:
+        pytest.fail("the compiled kernels were not built")
+    if tokens > 4 and not pairs_supported():
+        pytest.skip("past four rows the unpaired loop sums in another order")
+    fast = Target(load_target(str(quantized_dir), "float32", half_weights=True))
+    ids = np.arange(7, 7 + tokens)
+    together = _forward_rows(fast, fast.cpu_layers, ids)
+    cache = prefill(fast, PROMPT).session.cache
+    steps = [fast.cpu_layers.forward(ids[i : i + 1], cache, frozenset())[0] for i in ids - 7]
+    assert np.array_equal(together, np.concatenate(steps))
+
+
+def test_a_trees_rows_are_the_decode_steps_along_their_paths(quantized_dir):
+    """A draft tree's node sees its ancestors alone: its row is the decode step after the
+    path to it, bit for bit, a sibling branch taking no part in any sum."""
+    from specd.cpu.row_products import pairs_supported
+
+    if not pairs_supported():
+        pytest.skip("a tree of seven rows: past four the unpaired loop sums in another order")
+    fast = Target(load_target(str(quantized_dir), "float32", half_weights=True))
+    parents = [-1, 0, 0, 1, 2, 2, 3]
+    ids = np.array([11, 12, 13, 14, 15, 16, 17])
+    paths = []
+    for node, parent in enumerate(parents):
+        paths.append((paths[parent] if parent >= 0 else []) + [node])
+    sees = np.zeros((len(ids), len(ids)), dtype=bool)
+    for node, path in enumerate(paths):
+        sees[node, path] = True
+    offset = len(PROMPT)
+    positions = np.array([offset + len(p) - 1 for p in paths])
+    rows = _forward_rows(fast, fast.cpu_layers, ids, positions, sees)
+    for node, path in enumerate(paths):
+        cache = prefill(fast, PROMPT).session.cache
+        for i in path:
+            step = fast.cpu_layers.forward(ids[i : i + 1], cache, frozenset())[0]
+        assert np.array_equal(rows[node], step[0]), node

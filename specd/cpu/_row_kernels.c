@@ -358,7 +358,9 @@ static void run_span(const Job *job, Py_ssize_t first, Py_ssize_t last) {
         if (n == 1) one_row_span_f16c(w, rows, out, width, first, last);
         else if (n == 2) two_rows_span_f16c(w, rows, out, outputs, width, first, last);
         else {
-            Py_ssize_t eights = n & ~(Py_ssize_t)7;
+            /* where weights are paired every row count sums as one row: so do the few a
+             * shape leaves unpaired (an odd number of rows), in groups of four */
+            Py_ssize_t eights = have_paired ? 0 : n & ~(Py_ssize_t)7;
             for (Py_ssize_t i = 0; i < eights; i += 8)
                 eight_rows_span_f16c(w, rows + i * width, out + i * outputs, outputs, width,
                                      first, last);
@@ -723,51 +725,48 @@ static void scores_of(const float *query, const float *keys, Py_ssize_t count, P
     }
 }
 
-/* out [dim] += sum over j of weights[j] * rows[j]: 64 columns at a time held in eight
- * vectors while the rows stream past (columns outermost would stride through memory). */
-VECTOR_CLONES
-static void add_weighted_rows(const float *weights, const float *rows, Py_ssize_t count,
-                              Py_ssize_t dim, float *out) {
-    for (Py_ssize_t d0 = 0; d0 < dim; d0 += 64) {
-        Py_ssize_t width = dim - d0 < 64 ? dim - d0 : 64;
-        f8 acc[8];
-        for (int c = 0; c < 8; c++) acc[c] = (f8){0};
-        for (Py_ssize_t j = 0; j < count; j++) {
-            const float *row = rows + j * dim + d0;
-            float w = weights[j];
-            for (int c = 0; c < width / 8; c++) acc[c] += w * load8(row + 8 * c);
-        }
-        for (int c = 0; c < width / 8; c++) {
-            f8 sum = load8(out + d0 + 8 * c) + acc[c];
-            memcpy(out + d0 + 8 * c, &sum, sizeof sum);
-        }
-    }
-}
-
 /* One query row: scores over the `past` cached keys and the `fresh` new ones it sees, their
- * softmax, and the weighted sum of values into out [dim]. scores has past + fresh floats. */
+ * softmax, and the weighted sum of values into out [dim]. scores has past + fresh floats.
+ * The keys it sees are taken as one sequence, past then the new ones it sees in order, and
+ * every sum runs over that sequence alone: so a verify's row is the number the decode step
+ * at its place computes, where the same keys are all past (a new key it does not see, a
+ * later draft or a tree's other branch, takes no place in any sum). */
 VECTOR_CLONES
 static void attend_one(const float *query, const float *keys, const float *values,
                        Py_ssize_t past, const float *new_keys, const float *new_values,
                        Py_ssize_t fresh, const unsigned char *sees, Py_ssize_t dim,
                        float *scores, float *out) {
     scores_of(query, keys, past, dim, scores);
-    scores_of(query, new_keys, fresh, dim, scores + past);
+    Py_ssize_t total = past;
     for (Py_ssize_t j = 0; j < fresh; j++)
-        if (!sees[j]) scores[past + j] = -INFINITY;
-    Py_ssize_t total = past + fresh;
+        if (sees[j]) scores_of(query, new_keys + j * dim, 1, dim, scores + total++);
     float m = -INFINITY;
     for (Py_ssize_t j = 0; j < total; j++) m = scores[j] > m ? scores[j] : m;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (Py_ssize_t j = 0; j < total; j++) {
-        float e = exp_of(scores[j] - m);
-        scores[j] = e;
-        sum += e;
+    f8 lanes = {0};  /* eight partial sums, key j in lane j % 8, whatever the count */
+    Py_ssize_t j = 0;
+    for (; j + 8 <= total; j += 8) {
+        f8 e;
+        for (int l = 0; l < 8; l++) e[l] = scores[j + l] = exp_of(scores[j + l] - m);
+        lanes += e;
     }
-    memset(out, 0, sizeof(float) * (size_t)dim);
-    add_weighted_rows(scores, values, past, dim, out);
-    add_weighted_rows(scores + past, new_values, fresh, dim, out);
+    for (int l = 0; j < total; j++, l++) lanes[l] += scores[j] = exp_of(scores[j] - m);
+    float sum = sum8_of(lanes);
+    for (Py_ssize_t d0 = 0; d0 < dim; d0 += 64) {
+        Py_ssize_t width = dim - d0 < 64 ? dim - d0 : 64;
+        f8 acc[8];
+        for (int c = 0; c < 8; c++) acc[c] = (f8){0};
+        for (Py_ssize_t i = 0; i < past; i++) {
+            const float *row = values + i * dim + d0;
+            for (int c = 0; c < width / 8; c++) acc[c] += scores[i] * load8(row + 8 * c);
+        }
+        for (Py_ssize_t i = 0, k = past; i < fresh; i++) {
+            if (!sees[i]) continue;
+            const float *row = new_values + i * dim + d0;
+            float w = scores[k++];
+            for (int c = 0; c < width / 8; c++) acc[c] += w * load8(row + 8 * c);
+        }
+        for (int c = 0; c < width / 8; c++) memcpy(out + d0 + 8 * c, &acc[c], sizeof acc[c]);
+    }
     float inverse = 1.0f / sum;
     for (Py_ssize_t d = 0; d < dim; d++) out[d] *= inverse;
 }
