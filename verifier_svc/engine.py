@@ -175,6 +175,14 @@ class Target:
         )
 
     @property
+    def prefill_chunk(self) -> int:
+        """Tokens a prefill's forward takes at most: the CPU kernels' rows where they run
+        the target (in chunks that size a prompt costs about half MLX's products there,
+        docs/results.md), else mlx-lm's prefill step."""
+        layers = self.cpu_layers
+        return layers.max_rows if layers is not None else PREFILL_CHUNK
+
+    @property
     def cpu_layers(self) -> CpuLlama | None:
         """The target's layers on the CPU kernels, where a backend uses them."""
         return next((f.layers for f in self.forwards if isinstance(f, CpuKernelForward)), None)
@@ -468,10 +476,12 @@ def prefill_steps(
     row_chunks = []
     done = 0
     while len(prompt_ids) - done > 1:
-        n = min(PREFILL_CHUNK, len(prompt_ids) - done - 1)
+        n = min(target.prefill_chunk, len(prompt_ids) - done - 1)
         if sliced and target.on_mlx(n, cache):  # the CPU kernels' numbers differ: not sliced
             rows = yield from target.layer_by_layer(prompt[done : done + n], cache, capture)
         else:
+            if sliced and done:  # the CPU kernels' chunks: other rounds run between them
+                yield
             _, rows = target.forward(prompt[done : done + n], cache, capture)
         if rows is not None:
             row_chunks.append(rows.astype(rows_dtype))
