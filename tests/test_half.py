@@ -76,25 +76,35 @@ def test_a_half_weight_target_decodes_as_float32_mlx_does(quantized_dir):
 
 def test_joined_products_hold_no_second_copy_of_the_weights(quantized_dir):
     """The CPU layers' q/k/v and gate/up products read one buffer each: every module's half
-    weight is a slice of it, and a float32 copy kept beside a weight stays paired with the
-    weight it now has (a stale pair would hold the old buffer and be remade)."""
+    weight is a slice of it; the float32 copies made at load are let go once the CPU layers
+    take every forward of up to their rows, prompts' chunks too."""
     target = Target(load_target(str(quantized_dir), "float32", half_weights=True))
     layers = target.cpu_layers.layers
     block = target.model.model.layers[0]
     block = getattr(block, "inner", block)
     attn, mlp = block.self_attn, block.mlp
-    kept_copies = 0
     for module, joined in ((attn.q_proj, layers[0].qkv), (attn.v_proj, layers[0].qkv),
                            (mlp.up_proj, layers[0].gate_up)):  # fmt: skip
         assert module.weight.dtype == mx.float16
         assert np.shares_memory(np.asarray(module.weight), joined.weight)
         assert np.shares_memory(module._gemv.weight, joined.weight)
-        kept = module.__dict__.get("_float32_copy")
-        if kept is not None:
-            kept_copies += 1
-            assert kept[0] is module.weight
-            assert mx.array_equal(kept[1], module.weight.astype(mx.float32)).item()
-    assert kept_copies  # the tiny model's copies fit the limit: the pairing is checked
+        assert "_float32_copy" not in module.__dict__
+
+
+def test_a_moved_weight_keeps_its_float32_copy_paired():
+    """A float32 copy kept beside a weight moved into another buffer stays paired with the
+    weight it now has (a stale pair would hold the old buffer and be remade)."""
+    from specd.cpu.half import half_copy, keep_float32_copies, move_weight
+
+    full = nn.Linear(16, 8)
+    full.weight = full.weight.astype(mx.float16).astype(mx.float32)
+    half = half_copy(full)
+    assert keep_float32_copies(nn.Sequential(half))
+    copy = half.__dict__["_float32_copy"][1]
+    moved = mx.concatenate([half.weight, half.weight])[:8]
+    move_weight(half, moved)
+    assert half.__dict__["_float32_copy"][0] is moved
+    assert half.__dict__["_float32_copy"][1] is copy
 
 
 @pytest.mark.parametrize("float32_weights", [False, True])
@@ -126,9 +136,9 @@ def test_the_verifier_service_says_what_it_holds_and_decodes_the_same(
         got = client.generate(make_request(prompt_ids=prompt, max_tokens=48)).token_ids
         client.close()
     full = _weight_bytes(plain.model)
-    # kept half, plus the float32 copies a model this small keeps for MLX's products and the
-    # paired copies the few-row forwards read (where the CPU runs them)
-    kept = full + _half_saving(plain.model) + _paired_bytes(plain.model)
+    # kept half, plus the paired copies the few-row forwards read (where the CPU runs them);
+    # the float32 copies for MLX's products let go, prompts running on the CPU layers too
+    kept = full - _half_saving(plain.model) + _paired_bytes(plain.model)
     assert info.weight_bytes == (full if float32_weights else kept)
     assert got == want
     log = (tmp_path / "verifier.log").read_text()
@@ -185,15 +195,24 @@ def test_a_small_model_keeps_float32_copies_of_its_half_weights():
     assert mx.array_equal(half(many), many @ (2 * full.weight).T + full.bias)
 
 
-def test_a_served_target_keeps_float32_copies_for_a_long_prompt(quantized_dir):
-    """Through the verifier's module swaps (the compiled products) the copies stay: a prompt
-    past the numpy forwards' rows, run by MLX on them, gives the same first token."""
+def test_a_served_target_runs_a_long_prompt_on_its_cpu_layers(quantized_dir, monkeypatch):
+    """A prompt past the CPU layers' rows runs on them in chunks and gives plain MLX's first
+    token; the float32 copies MLX's products would read are let go. A target the CPU layers
+    cannot run (products alone) keeps them for its prompts."""
 
     served = Target(load_target(str(quantized_dir), "float32", half_weights=True))
     plain = Target(load_target(str(quantized_dir), "float32"))
-    prompt = PROMPT * 6  # 66 tokens: MLX's products, several rows each
+    prompt = PROMPT * 6  # 66 tokens: three chunks of the CPU layers' 32 rows
+    assert served.cpu_layers is not None and served.prefill_chunk < len(prompt)
     assert prefill(served, prompt).first_token == prefill(plain, prompt).first_token
     modules = [m for _, m in served.model.named_modules() if stored_half_module(m)]
+    assert modules and not any("_float32_copy" in m.__dict__ for m in modules)
+    from specd.cpu.llama import CpuLlama
+
+    monkeypatch.setattr(CpuLlama, "supports", staticmethod(lambda model: False))
+    products_alone = Target(load_target(str(quantized_dir), "float32", half_weights=True))
+    assert products_alone.cpu_layers is None and products_alone.gemv_rows > 0
+    modules = [m for _, m in products_alone.model.named_modules() if stored_half_module(m)]
     assert modules and all("_float32_copy" in m.__dict__ for m in modules)
 
 
