@@ -22,7 +22,8 @@ FLOAT32_WEIGHTS_HELP = (
     "keep every weight float32 in memory; by default, with the numpy forwards above, weights "
     "that float16 holds exactly (all of a model dequantized from a 4-bit or half checkpoint, "
     "as the embedded one is) are kept as float16: half the bytes per decode step, same outputs "
-    f"(a prompt's prefill reads float32 copies of them made at load, up to "
+    f"(a target whose forwards run on numpy as whole layers prefills there too; for "
+    f"others a prompt's prefill reads float32 copies made at load, up to "
     f"{FLOAT32_COPIES_BYTES >> 30} GiB)"
 )
 

@@ -10,8 +10,9 @@ package when a C compiler is there; numpy otherwise).
 """
 
 # float32 copies of a model's half weights for MLX's products, up to this many bytes in all (the
-# embedded model's: 513 MiB); a larger model converts at each product instead, so its weights
-# keep to half the memory. Here, not in half.py, so the verifier's help can name it without MLX.
+# embedded model's: 513 MiB; the verifier lets them go where its CPU layers run the target,
+# prompts too); a larger model converts at each product instead, so its weights keep to half
+# the memory. Here, not in half.py, so the verifier's help can name it without MLX.
 FLOAT32_COPIES_BYTES = 1 << 30
 
 # paired copies of the half weights the verifier's few-row forwards read (specd.cpu.row_products),
