@@ -19,6 +19,7 @@ from specd.cpu.half import (
     store_half,
     stored_half_module,
 )
+from specd.cpu.llama import CpuLlama
 
 DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
 _FLOAT = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -258,7 +259,8 @@ def convert_dtype(model: nn.Module, dtype: str, half_weights: bool = False) -> N
         model.apply(cast)
         if half:  # weights that were stored unquantized
             store_half(model)
-            keep_float32_copies(model)
+            if not CpuLlama.supports(model):  # whose prompts go to MLX's products
+                keep_float32_copies(model)
     mx.eval(model.parameters())
     mx.clear_cache()  # the conversion's temporaries, else MLX keeps them for reuse
 
