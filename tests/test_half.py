@@ -76,8 +76,8 @@ def test_a_half_weight_target_decodes_as_float32_mlx_does(quantized_dir):
 
 def test_joined_products_hold_no_second_copy_of_the_weights(quantized_dir):
     """The CPU layers' q/k/v and gate/up products read one buffer each: every module's half
-    weight is a slice of it; the float32 copies made at load are let go once the CPU layers
-    take every forward of up to their rows, prompts' chunks too."""
+    weight is a slice of it; no float32 copies are made at load, the CPU layers taking every
+    forward of up to their rows, prompts' chunks too."""
     target = Target(load_target(str(quantized_dir), "float32", half_weights=True))
     layers = target.cpu_layers.layers
     block = target.model.model.layers[0]
@@ -137,7 +137,7 @@ def test_the_verifier_service_says_what_it_holds_and_decodes_the_same(
         client.close()
     full = _weight_bytes(plain.model)
     # kept half, plus the paired copies the few-row forwards read (where the CPU runs them);
-    # the float32 copies for MLX's products let go, prompts running on the CPU layers too
+    # no float32 copies for MLX's products, prompts running on the CPU layers too
     kept = full - _half_saving(plain.model) + _paired_bytes(plain.model)
     assert info.weight_bytes == (full if float32_weights else kept)
     assert got == want
@@ -197,7 +197,7 @@ def test_a_small_model_keeps_float32_copies_of_its_half_weights():
 
 def test_a_served_target_runs_a_long_prompt_on_its_cpu_layers(quantized_dir, monkeypatch):
     """A prompt past the CPU layers' rows runs on them in chunks and gives plain MLX's first
-    token; the float32 copies MLX's products would read are let go. A target the CPU layers
+    token; the float32 copies MLX's products would read are not made. A target the CPU layers
     cannot run (products alone) keeps them for its prompts."""
 
     served = Target(load_target(str(quantized_dir), "float32", half_weights=True))

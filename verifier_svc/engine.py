@@ -23,7 +23,7 @@ from specd.cpu.gemv import (
     set_max_rows,
     use_gemv,
 )
-from specd.cpu.half import drop_float32_copies, float32_copy_bytes, stored_half
+from specd.cpu.half import float32_copy_bytes, stored_half
 from specd.cpu.llama import DEFAULT_MAX_ROWS as CPU_MAX_ROWS
 from specd.cpu.llama import CpuLlama, Segment
 from specd.cpu.row_products import compiled as row_kernels_compiled
@@ -116,9 +116,6 @@ class Target:
         if use_gemv(self.model, gemv_rows) and row_kernels_compiled():
             limit_numpy_blas_threads(1)  # see specd.cpu.row_products
         cpu_layers = CpuLlama.attach(self.model) if gemv_rows else None
-        if cpu_layers is not None and drop_float32_copies(self.model):
-            # every forward of up to its rows, prompts' chunks too, runs on the CPU kernels
-            mx.clear_cache()
         if cpu_layers is None and gemv_rows == CPU_MAX_ROWS > products_rows:
             gemv_rows = set_max_rows(self.model, products_rows)  # the default it could not use
         self.gemv_rows = gemv_rows

@@ -10,8 +10,8 @@ package when a C compiler is there; numpy otherwise).
 """
 
 # float32 copies of a model's half weights for MLX's products, up to this many bytes in all (the
-# embedded model's: 513 MiB; the verifier lets them go where its CPU layers run the target,
-# prompts too); a larger model converts at each product instead, so its weights keep to half
+# embedded model's: 513 MiB; none for a target the verifier's CPU layers run, prompts
+# too); a larger model converts at each product instead, so its weights keep to half
 # the memory. Here, not in half.py, so the verifier's help can name it without MLX.
 FLOAT32_COPIES_BYTES = 1 << 30
 

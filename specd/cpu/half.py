@@ -139,16 +139,6 @@ def keep_float32_copies(model: nn.Module, limit: int = FLOAT32_COPIES_BYTES) -> 
     return True
 
 
-def drop_float32_copies(model: nn.Module) -> int:
-    """Let go of the float32 copies `keep_float32_copies` made (a target whose prompts, too,
-    run on the CPU kernels seldom calls MLX's products); returns the bytes they held."""
-    freed = 0
-    for _, module in model.named_modules():
-        kept = module.__dict__.pop("_float32_copy", None)
-        freed += 0 if kept is None else kept[1].nbytes
-    return freed
-
-
 def float32_copy_bytes(model: nn.Module) -> int:
     """Bytes the float32 copies of `model`'s half weights take (`keep_float32_copies`)."""
     return sum(m.__dict__["_float32_copy"][1].nbytes

@@ -90,13 +90,19 @@ def _joined(modules: list[nn.Module]) -> GemvWeights | None:
     return GemvWeights(view, bias, gemvs[0].max_rows)
 
 
+def _products(layers: list[_Layer]) -> list[GemvWeights]:
+    return [g for layer in layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
+
 def _paired_within(
     layers: list[_Layer], head: GemvWeights, limit: int
 ) -> tuple[list[_Layer], GemvWeights]:
     """The layers' products and the head reading paired copies of their half weights, if the
     copies together take at most `limit` bytes (else all unchanged)."""
-    products = [g for layer in layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    if sum(g.weight.nbytes for g in [*products, head] if g.weight.dtype == np.float16) > limit:
+    if (
+        sum(g.weight.nbytes for g in [*_products(layers), head] if g.weight.dtype == np.float16)
+        > limit
+    ):
         return layers, head
     layers = [
         replace(
@@ -261,10 +267,8 @@ class CpuLlama:
 
     def paired_bytes(self) -> int:
         """Bytes of the paired weight copies this holds beside the model's own."""
-        products = [
-            g for layer in self.layers for g in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        ]
-        return sum(g.paired.nbytes for g in [*products, self.head] if g.paired is not None)
+        products = [*_products(self.layers), self.head]
+        return sum(g.paired.nbytes for g in products if g.paired is not None)
 
     def can_run(self, tokens: int, cache: list) -> bool:
         return 0 < tokens <= self.max_rows and all(type(c) is KVCache for c in cache)
