@@ -29,9 +29,9 @@ def recorded_on(monkeypatch, owner, method: str = "forward_many") -> list[list[i
     calls: list[list[int]] = []
     real = getattr(type(owner), method)
 
-    def recording(self, segments, capture):
+    def recording(self, segments, capture, *rest):
         calls.append([len(seg.token_ids) for seg in segments])
-        return real(self, segments, capture)
+        return real(self, segments, capture, *rest)
 
     monkeypatch.setattr(type(owner), method, recording)
     return calls

@@ -122,7 +122,9 @@ def test_small_forwards_and_trees_run_on_numpy(tiny_model_dir, monkeypatch):
     sizes = []
     real = CpuLlama.forward
     monkeypatch.setattr(
-        CpuLlama, "forward", lambda self, ids, *a: sizes.append(len(ids)) or real(self, ids, *a)
+        CpuLlama,
+        "forward",
+        lambda self, ids, *a, **kw: sizes.append(len(ids)) or real(self, ids, *a, **kw),
     )
     session = prefill(fast, PROMPT).session
     assert sizes == [10, 1]  # prefill: all but the last token, then the last, as mlx-lm does
@@ -288,9 +290,9 @@ def test_more_sessions_than_a_forward_takes_go_in_groups(pair, monkeypatch):
     calls = []
     real = type(fast.cpu_layers).forward_many
 
-    def counted(self, segments, capture):
+    def counted(self, segments, capture, *rest):
         calls.append(sum(len(s.token_ids) for s in segments))
-        return real(self, segments, capture)
+        return real(self, segments, capture, *rest)
 
     monkeypatch.setattr(type(fast.cpu_layers), "forward_many", counted)
     rounds = [Round(prefill(fast, p).session, [], 3) for p in prompts]
@@ -337,10 +339,10 @@ def _stream_with_a_second_round(fast, sa, sb, second, fail_at=None):
 
     real = type(fast.cpu_layers).forward_many
 
-    def forward_many(self, segments, capture):
+    def forward_many(self, segments, capture, *rest):
         if len(steps) == fail_at:
             raise MemoryError("injected")
-        return real(self, segments, capture)
+        return real(self, segments, capture, *rest)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(type(fast.cpu_layers), "forward_many", forward_many)
@@ -411,11 +413,11 @@ def test_a_failed_shared_forward_leaves_a_sampled_session_and_its_draws_as_they_
     real = type(fast.cpu_layers).forward_many
     calls = []
 
-    def failing(self, segments, capture):
+    def failing(self, segments, capture, *rest):
         calls.append(1)
         if len(calls) >= 3:
             raise MemoryError("the third forward")
-        return real(self, segments, capture)
+        return real(self, segments, capture, *rest)
 
     monkeypatch.setattr(type(fast.cpu_layers), "forward_many", failing)
     results = rounds_many(fast, [rounds[0], burst])
@@ -441,9 +443,9 @@ def test_a_shared_forward_failing_once_mid_burst_goes_on_and_draws_what_it_would
     real = type(fast.cpu_layers).forward_many
     calls = []
 
-    def failing_once(self, segments, capture):
+    def failing_once(self, segments, capture, *rest):
         calls.append(len(segments))
-        outs = real(self, segments, capture)
+        outs = real(self, segments, capture, *rest)
         if len(calls) == 3:
             raise MemoryError("the third forward")
         return outs

@@ -216,6 +216,31 @@ def test_a_served_target_runs_a_long_prompt_on_its_cpu_layers(quantized_dir, mon
     assert modules and all("_float32_copy" in m.__dict__ for m in modules)
 
 
+def test_a_prompts_chunks_skip_the_output_head(quantized_dir, monkeypatch):
+    """The chunks before a prompt's last token compute no logits on the CPU layers (the head
+    is a fifth of the embedded model's products): the head runs once, for the last token,
+    and the first token, captured rows and cache are those of chunks that computed it."""
+    served = Target(load_target(str(quantized_dir), "float32", half_weights=True))
+    head = served.cpu_layers.head
+    prompt, capture = PROMPT * 6, (0, 1)
+    want = prefill(served, prompt, capture)
+    head_rows = []
+
+    class CountedHead:
+        def of_rows(self, x):
+            head_rows.append(len(x))
+            return head.of_rows(x)
+
+    monkeypatch.setattr(served.cpu_layers, "head", CountedHead())
+    got = prefill(served, prompt, capture)
+    assert head_rows == [1]
+    assert got.first_token == want.first_token
+    assert mx.array_equal(got.rows, want.rows) and got.rows.shape[0] == len(prompt)
+    for a, b in zip(got.session.cache, want.session.cache, strict=True):
+        assert a.offset == b.offset == len(prompt)
+        assert mx.array_equal(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :])
+
+
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4, 8, 9])
 def test_paired_weights_give_the_same_logits(quantized_dir, tokens):
     """The few-row forwards read paired copies of the half weights where the CPU allows

@@ -160,7 +160,7 @@ def test_a_failed_pooled_forward_leaves_every_session_as_it_was(pooled, monkeypa
     before = [(s.position, s.cache[0].offset) for s in sessions]
     want = [decode(pooled, s, 2).committed for s in _sessions(pooled)[:3]]
 
-    def failing(self, segments, capture):
+    def failing(self, segments, capture, *rest):
         raise RuntimeError("device out of memory")
 
     with monkeypatch.context() as patch:
@@ -727,11 +727,11 @@ def test_a_prompt_whose_step_fails_is_answered_with_the_error_and_leaves_no_slot
     real = MlxForward.forward_pooled
     calls = []
 
-    def failing_second(self, segments, capture):
+    def failing_second(self, segments, capture, *rest):
         calls.append(len(segments))
         if len(calls) >= 2:  # tried again one round a step, each fails alone
             raise RuntimeError("device lost")
-        return real(self, segments, capture)
+        return real(self, segments, capture, *rest)
 
     monkeypatch.setattr(MlxForward, "forward_pooled", failing_second)
     slots = pooled.kv_pool.open_slots
@@ -770,9 +770,10 @@ def test_a_step_that_fails_with_many_rounds_goes_on_with_fewer_and_the_same_resu
     real = MlxForward.forward_pooled
     widths = []
 
-    def failing(self, segments, capture):
+    def failing(self, segments, capture, *rest):
         widths.append(len(segments))
-        outs = real(self, segments, capture)  # the caches' offsets moved: rolled back on failure
+        # the caches' offsets moved: rolled back on failure
+        outs = real(self, segments, capture, *rest)
         if len(segments) > 2 if fails == "wide" else len(widths) == 3:
             raise RuntimeError("cudaMallocAsync: out of memory")
         return outs

@@ -105,10 +105,10 @@ def test_a_failing_forward_fails_only_the_session_that_fails_alone(target, monke
     before = [(s.position, s.cache[0].offset) for s in sessions]
     real = type(target._mlx).forward_many
 
-    def failing(self, segments, capture):
+    def failing(self, segments, capture, *rest):
         if any(seg.cache is sessions[2].cache for seg in segments):
             raise RuntimeError("device out of memory")
-        return real(self, segments, capture)
+        return real(self, segments, capture, *rest)
 
     monkeypatch.setattr(type(target._mlx), "forward_many", failing)
     # forwards of 2 and 2; the failed one's two rounds tried again one a step

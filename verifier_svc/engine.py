@@ -329,6 +329,17 @@ class Target:
         """token_ids [T] appended at the cache end -> (logits [T, V], rows [T, L*H] or None)."""
         return self._backend(token_ids.size, cache)(token_ids, cache, capture, None)
 
+    def forward_rows(
+        self, token_ids: mx.array, cache: list, capture: tuple[int, ...] = ()
+    ) -> mx.array | None:
+        """`forward` where the logits are not wanted (a prompt's chunks): its captured rows.
+        MLX never computes logits nobody evaluates; the CPU kernels compute eagerly, so they
+        are told to skip the output head."""
+        backend = self._backend(token_ids.size, cache)
+        if isinstance(backend, CpuKernelForward):
+            return backend.rows_only(token_ids, cache, capture)
+        return backend(token_ids, cache, capture, None)[1]
+
 
 class _Opened:
     """A live session's mark: the open-session count drops when the last cache holding it goes."""
@@ -482,7 +493,7 @@ def prefill_steps(
         else:
             if sliced and done:  # the CPU kernels' chunks: other rounds run between them
                 yield
-            _, rows = target.forward(prompt[done : done + n], cache, capture)
+            rows = target.forward_rows(prompt[done : done + n], cache, capture)
         if rows is not None:
             row_chunks.append(rows.astype(rows_dtype))
         mx.eval([c.state for c in cache], row_chunks)

@@ -357,5 +357,18 @@ class CpuKernelForward:
         logits, outputs = self.layers.forward(
             np.asarray(token_ids), cache, frozenset(capture), positions, sees
         )
-        rows = np.concatenate([outputs[i] for i in capture], axis=-1) if capture else None
-        return mx.array(logits), None if rows is None else mx.array(rows)
+        return mx.array(logits), _captured_rows(outputs, capture)
+
+    def rows_only(self, token_ids, cache, capture) -> mx.array | None:
+        """The forward without its output head: a prompt's chunks before its last token need
+        only their KV and captured rows, and the head is a fifth of the embedded model."""
+        _, outputs = self.layers.forward(np.asarray(token_ids), cache, frozenset(capture),
+                                         logits=False)  # fmt: skip
+        return _captured_rows(outputs, capture)
+
+
+def _captured_rows(outputs: dict[int, np.ndarray], capture) -> mx.array | None:
+    """The captured layers' outputs side by side [T, L*H], or None where none are captured."""
+    if not capture:
+        return None
+    return mx.array(np.concatenate([outputs[i] for i in capture], axis=-1))

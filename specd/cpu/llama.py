@@ -280,18 +280,21 @@ class CpuLlama:
         capture: frozenset[int],
         positions: np.ndarray | None = None,
         sees: np.ndarray | None = None,
-    ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        logits: bool = True,
+    ) -> tuple[np.ndarray | None, dict[int, np.ndarray]]:
         """token_ids [T] appended at the cache end -> (logits [T, V], {layer: output [T, H]}).
 
         Each new token sees the whole cache and, among the new tokens, those `sees` [T, T]
         allows (default: itself and the ones before it); `positions` [T] are its RoPE
         positions (default: its place in the cache). Appends each layer's keys and values
-        to its KVCache, as MLX's forward would."""
-        return self.forward_many([Segment(token_ids, cache, positions, sees)], capture)[0]
+        to its KVCache, as MLX's forward would. logits: False skips the output head (None in
+        their place), as a prompt's chunks before its last token need no logits."""
+        segment = Segment(token_ids, cache, positions, sees)
+        return self.forward_many([segment], capture, logits)[0]
 
     def forward_many(
-        self, segments: list[Segment], capture: frozenset[int]
-    ) -> list[tuple[np.ndarray, dict[int, np.ndarray]]]:
+        self, segments: list[Segment], capture: frozenset[int], logits: bool = True
+    ) -> list[tuple[np.ndarray | None, dict[int, np.ndarray]]]:
         """Several sequences' new tokens in one forward, each at the end of its own cache: the
         products and norms run over every row at once (a weight read once for all), RoPE by
         each row's position, attention over each sequence's own cache (in the compiled kernels
@@ -344,7 +347,7 @@ class CpuLlama:
                 h = h + layer.down.of_rows(gate)
                 if i in capture:
                     captured[i] = h
-            logits = self.head.of_rows(rms(h, self.final_norm))
+            out = self.head.of_rows(rms(h, self.final_norm)) if logits else None
         except BaseException:
             for s, offset in zip(segments, offsets, strict=True):
                 for layer_cache in s.cache:  # all layers as they were, so rollback trims alike
@@ -354,7 +357,10 @@ class CpuLlama:
             for layer_cache in s.cache:
                 layer_cache.offset += len(s.token_ids)
         spans = list(zip(bounds[:-1], bounds[1:], strict=True))
-        return [(logits[a:b], {i: rows[a:b] for i, rows in captured.items()}) for a, b in spans]
+        return [
+            (None if out is None else out[a:b], {i: rows[a:b] for i, rows in captured.items()})
+            for a, b in spans
+        ]
 
     def _cache_buffers(self, cache: list, tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Writable numpy views [kv, C, D] of each layer's key and value buffers, with room for
