@@ -134,11 +134,13 @@ def handler_seconds(metrics_url: str) -> tuple[float, int]:
 
 def as_served(target_dir: str | None, dtype: str, verifier_flags: list[str]):
     """The target a verifier started with these flags serves, and whether it leaves the next
-    forward queued after a plain decode (as the verifier decides both)."""
+    forward queued after a plain decode (as the verifier decides both); its prefix cache off
+    unless the flags set it (benchmarks send prompts again)."""
+    from coordinator.bench import timing_prefills
     from specd.cli import build_parser
     from specd.options import flag_values
 
-    flags = build_parser().parse_args(["serve", "verifier", *verifier_flags])
+    flags = build_parser().parse_args(["serve", "verifier", *timing_prefills(verifier_flags)])
     values = {**flag_values(flags, VerifierConfig), "model": target_dir, "dtype": dtype}
     config = VerifierConfig(**values)
     target = target_for(config)

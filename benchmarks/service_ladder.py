@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 from call_overhead import as_served
 
-from coordinator.bench import plain_decode
+from coordinator.bench import plain_decode, timing_prefills
 from specd import mlx_settings
 from specd.client import CoordinatorClient, make_request
 from specd.launch import Stack, spawn
@@ -78,7 +78,7 @@ def main() -> None:
     dtype = loaded.dtype
     prompt = [(17 * i + 3) % 1000 + 100 for i in range(args.context)]
     eos = set(loaded.identity.eos_token_ids)
-    extra = shlex.split(args.verifier_args)
+    extra = timing_prefills(shlex.split(args.verifier_args))
     # the engine's own copy, as the verifier serves it: its forward wrappers stay off mlx-lm's
     target, look_ahead = as_served(args.target, dtype, extra)
     worker = MlxThread(inline_rounds=False)

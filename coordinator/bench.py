@@ -756,6 +756,15 @@ def drafts_share(result: dict, off: dict) -> float | None:
     return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
 
 
+def timing_prefills(verifier_args: list[str]) -> list[str]:
+    """The verifier's flags with its prefix cache off unless they set it: a bench sends the
+    same prompts again (warm-ups, repeats, solo runs beside concurrent ones), and a prompt
+    found stored would skip the prefill that plain mlx-lm's side pays."""
+    if any(a == "--prefix-cache" or a.startswith("--prefix-cache=") for a in verifier_args):
+        return verifier_args
+    return [*verifier_args, "--prefix-cache", "0"]
+
+
 def bench_stack(args, drafter: str, log_dir: Path):
     """The three services for bench drafter `drafter`, with the bench's options."""
     from specd.launch import Stack
@@ -767,7 +776,7 @@ def bench_stack(args, drafter: str, log_dir: Path):
         dtype=args.dtype,
         gemv_rows=args.gemv_rows,
         float32_weights=args.float32_weights,
-        verifier_args=shlex.split(args.verifier_args),
+        verifier_args=timing_prefills(shlex.split(args.verifier_args)),
         drafter_args=_drafter_args(args, drafter),
         coordinator_args=([] if args.adaptive else ["--no-adaptive"])
         + (["--overlap-drafting"] if args.overlap else [])

@@ -6,7 +6,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from coordinator.bench import plain_decode, service_memory
+from coordinator.bench import plain_decode, service_memory, timing_prefills
 
 # answered cleanly by the embedded model: code it ends with EOS in ~150 tokens
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
@@ -44,7 +44,10 @@ def run_demo(args) -> int:
         f"(logs in {log_dir}) ...",
         file=sys.stderr,
     )
-    with Stack(target=args.target, drafter=drafter, log_dir=log_dir) as stack:
+    # the prompt runs four times: each prefills, as plain mlx-lm's side does
+    verifier_args = timing_prefills([])
+    with Stack(target=args.target, drafter=drafter, verifier_args=verifier_args,
+               log_dir=log_dir) as stack:  # fmt: skip
         client = CoordinatorClient(stack.coordinator)
         print(
             f"demo: ready at {stack.coordinator}\n\nuser: {args.prompt}\n\nassistant: ",

@@ -79,6 +79,11 @@ _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 
 
+def byte_size_or_zero(text: str) -> int:
+    """A memory size as `byte_size` reads it, or 0 (or "off") for none."""
+    return 0 if text.strip().lower() in ("0", "off") else byte_size(text)
+
+
 def byte_size(text: str) -> int:
     """A memory size: bytes, or a number with a unit such as 512MiB, 8GiB, 2GB."""
     number = text.strip().lower().rstrip("bikmgt")

@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specd.argtypes import byte_size, int_between, non_negative_float
+from specd.argtypes import byte_size, byte_size_or_zero, int_between, non_negative_float
 from specd.cpu import FLOAT32_COPIES_BYTES
 from specd.options import GPU_MODES, option
 from specd.security import ServerSecurity
@@ -55,6 +55,19 @@ class VerifierConfig:
         "default: no limit beyond --max-sessions)",
         flag="--max-kv-memory",
         type=byte_size,
+        metavar="SIZE",
+    )
+    prefix_cache_bytes: int | None = option(
+        None,
+        "keep prompts' keys and values up to SIZE (e.g. 512MiB; least recently used evicted "
+        "first), so a later prompt that begins with the same tokens (the chat template's "
+        "system turn, a conversation's earlier turns) prefills only the rest; 0: off. "
+        "Default: 256MiB where a reused prefix is bit for bit the prefill it replaces (the "
+        "CPU layers with float16 weights on a CPU with AVX-512VL), else off: elsewhere it "
+        "can differ from the prompt's own prefill in the last bits and flip a near-tie. "
+        "Sessions on the KV pool (--kv-pool) reuse none",
+        flag="--prefix-cache",
+        type=byte_size_or_zero,
         metavar="SIZE",
     )
     max_context: int = option(

@@ -41,6 +41,8 @@ from verifier_svc.forwards import (
     TreeLayout,
 )
 from verifier_svc.kv_pool import KVPool, PooledCache
+from verifier_svc.prefix_cache import AUTO_BYTES as PREFIX_CACHE_AUTO_BYTES
+from verifier_svc.prefix_cache import Prefix, PrefixCache
 from verifier_svc.sampling import SamplingConfig, accept_sampled, sample, target_distribution
 from verifier_svc.tree import (
     accept_tree_greedy,
@@ -87,6 +89,7 @@ class Target:
         pool_alone: bool = True,
         compiled_pooled: bool = False,
         pool_kernel: str = "off",
+        prefix_cache_bytes: int | None = 0,
     ):
         """gemv_rows: forwards of at most this many tokens run on numpy: whole layers for
         Llama-family models (specd.cpu.llama), else the weight products alone
@@ -103,7 +106,9 @@ class Target:
         work between attentions compiled, where the architecture allows. pool_kernel: auto, on
         or off: their rows, and a compiled forward's draft tree, attend in
         specd.models.pool_attention's one launch (auto: where it runs; on: a warning where it
-        cannot)."""
+        cannot). prefix_cache_bytes: prompts' KV kept this far for later prompts that begin
+        alike (verifier_svc.prefix_cache); None: PREFIX_CACHE_AUTO_BYTES where reuse is exact
+        (`prefix_reuse_exact`), else none; 0: none."""
         self.loaded = loaded
         self.model = loaded.model
         device = device_kind()
@@ -149,6 +154,10 @@ class Target:
         self._tree_ready: bool | None = None
         self.kv_pool = KVPool(len(self.model.layers)) if pooled else None
         self.pool_alone = pool_alone
+        self.prefix_reuse_exact = cpu_layers is not None and cpu_layers.rows_exact
+        if prefix_cache_bytes is None:
+            prefix_cache_bytes = PREFIX_CACHE_AUTO_BYTES if self.prefix_reuse_exact else 0
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
         self._open_sessions = 0  # caches made by new_cache and not yet garbage
         self._open_lock = threading.Lock()  # finalizers run on whichever thread drops a cache
 
@@ -329,6 +338,23 @@ class Target:
         """token_ids [T] appended at the cache end -> (logits [T, V], rows [T, L*H] or None)."""
         return self._backend(token_ids.size, cache)(token_ids, cache, capture, None)
 
+    def reusable_prefix(self, prompt_ids: list[int], capture: tuple[int, ...], cache: list):
+        """The stored beginning of this prompt (`prefix_cache`) for its plain caches, or None."""
+        if self.prefix_cache is None or not all(type(c) is KVCache for c in cache):
+            return None
+        return self.prefix_cache.find(prompt_ids, capture)
+
+    def keep_prefix(self, prompt_ids: list[int], cache: list, capture, rows) -> None:
+        """Store a prefilled prompt's keys and values (copies: the session's cache moves on)
+        and its captured rows [len(prompt), W] float32 (None without capture)."""
+        if self.prefix_cache is None or not all(type(c) is KVCache for c in cache):
+            return
+        n = len(prompt_ids)
+        keys = tuple(np.array(c.keys[0, :, :n]) for c in cache)
+        values = tuple(np.array(c.values[0, :, :n]) for c in cache)
+        tokens = np.asarray(prompt_ids, dtype=np.int32)
+        self.prefix_cache.add(Prefix(tokens, keys, values, rows, tuple(capture)))
+
     def forward_rows(
         self, token_ids: mx.array, cache: list, capture: tuple[int, ...] = ()
     ) -> mx.array | None:
@@ -485,7 +511,16 @@ def prefill_steps(
     cache = target.new_cache() if cache is None else cache
     prompt = mx.array(prompt_ids, dtype=mx.int32)
     row_chunks = []
+    kept_rows = []  # float32, for the prefix cache
     done = 0
+    reuse = target.reusable_prefix(prompt_ids, capture, cache)
+    if reuse is not None:
+        for layer_cache, keys, values in zip(cache, reuse.keys, reuse.values, strict=True):
+            layer_cache.update_and_fetch(mx.array(keys[None]), mx.array(values[None]))
+        if capture:
+            kept_rows.append(reuse.rows)
+            row_chunks.append(mx.array(reuse.rows).astype(rows_dtype))
+        done = reuse.length
     while len(prompt_ids) - done > 1:
         n = min(target.prefill_chunk, len(prompt_ids) - done - 1)
         if sliced and target.on_mlx(n, cache):  # the CPU kernels' numbers differ: not sliced
@@ -495,11 +530,13 @@ def prefill_steps(
                 yield
             rows = target.forward_rows(prompt[done : done + n], cache, capture)
         if rows is not None:
+            kept_rows.append(rows)
             row_chunks.append(rows.astype(rows_dtype))
         mx.eval([c.state for c in cache], row_chunks)
         done += n
     logits, rows = target.forward(prompt[done:], cache, capture)
     if rows is not None:
+        kept_rows.append(rows)
         row_chunks.append(rows.astype(rows_dtype))
     rng = None
     if sampling.greedy:
@@ -508,6 +545,9 @@ def prefill_steps(
         first, rng = _first_drawn(logits, sampling, seed)
     all_rows = mx.concatenate(row_chunks, axis=0) if row_chunks else None
     mx.eval([c.state for c in cache], *([all_rows] if all_rows is not None else []))
+    if target.prefix_cache is not None:
+        rows = np.concatenate([np.asarray(r, np.float32) for r in kept_rows]) if capture else None
+        target.keep_prefix(prompt_ids, cache, capture, rows)
     session = Session(
         cache=cache,
         capture=capture,

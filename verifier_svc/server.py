@@ -51,6 +51,12 @@ async def serve(config: VerifierConfig) -> None:
         timed = ", ".join(f"{d} {ms:.2f} ms" for d, ms in loaded.dtype_timings.items())
         log.info("dtype auto: %s (a decode step + a verify of 8 tokens: %s)", loaded.dtype, timed)
     log.info("warm-up (%s): %d calls in %.1f s", warmup.mode, warmup.calls, warmup.seconds)
+    prefixes = servicer.target.prefix_cache
+    if prefixes is not None:
+        prefixes.clear()  # the warm-up's prompts
+        exact = "bit for bit" if servicer.target.prefix_reuse_exact else "not bit for bit here"
+        log.info("prefix cache: %.0f MiB of prompts' KV, reuse %s", prefixes.capacity_bytes / 2**20,
+                 exact)  # fmt: skip
     await server.ready()
     tasks = [asyncio.create_task(servicer.sessions.expire_forever())]
     if config.log_stats_s > 0:

@@ -138,6 +138,7 @@ def target_for(config: VerifierConfig) -> Target:
         pool_alone=config.kv_pool == "on",
         compiled_pooled=on_gpu(config.compiled_pooled, "compiled-pooled"),
         pool_kernel=config.pool_kernel,
+        prefix_cache_bytes=config.prefix_cache_bytes,
     )
 
 
@@ -475,6 +476,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             interval = self.load_stats.take()
             if interval.calls or interval.forwards or interval.prefill_jobs:
                 log.info("%s", interval.line(len(self.sessions), self.kv_bytes()))
+                prefixes = self.target.prefix_cache if self.target else None
+                if prefixes is not None and interval.prefill_jobs:
+                    log.info("%s", prefixes.summary())
 
     def _verify_in_order(
         self, target: Target, session: Session, position: int, drafts, probs, parents=None,

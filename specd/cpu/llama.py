@@ -26,7 +26,7 @@ from mlx_lm.models.rope_utils import Llama3RoPE
 from specd.cpu import PAIRED_COPIES_BYTES
 from specd.cpu.gemv import GemvWeights, float32_view, paired, weight_view
 from specd.cpu.half import move_weight
-from specd.cpu.row_products import layer_kernels
+from specd.cpu.row_products import layer_kernels, pairs_supported
 
 ROPE_BLOCK = 256  # positions per table of RoPE angles, made on first use
 # numpy beat MLX at every size measured up to 32 tokens, and tied at 33 (benchmarks/step_floor.py;
@@ -269,6 +269,21 @@ class CpuLlama:
         """Bytes of the paired weight copies this holds beside the model's own."""
         products = [*_products(self.layers), self.head]
         return sum(g.paired.nbytes for g in products if g.paired is not None)
+
+    @property
+    def rows_exact(self) -> bool:
+        """Whether every row of a forward is the number a one-row forward gives it, however
+        many rows run together: half weights on a CPU with the paired products (each row
+        then sums as one row does, at any row count) and the compiled attention (each row's
+        keys summed as one sequence). So a token's keys and values do not depend on how a
+        prompt was cut into forwards."""
+        products = [*_products(self.layers), self.head]
+        return (
+            layer_kernels() is not None
+            and self.head_dim % 8 == 0  # else the numpy attention runs
+            and pairs_supported()
+            and all(g.weight.dtype == np.float16 for g in products)
+        )
 
     def can_run(self, tokens: int, cache: list) -> bool:
         return 0 < tokens <= self.max_rows and all(type(c) is KVCache for c in cache)
