@@ -7,8 +7,9 @@ prompts in alternating order, `--rounds` times after an untimed pass:
                 question's prompt (what a stream of new chats shares: the template's system
                 turn), so no prompt finds itself stored
   second turns  each question's second turn after its first and the target's greedy reply to
-                it (`--reply-tokens`), the cache holding the first turn's prompt, as a chat's
-                next request finds it
+                it (`--reply-tokens`), the cache holding the first turn's session as the
+                verifier keeps it when it closes (its prompt and reply), as a chat's next
+                request finds it
 
 Median ms per prompt, the tokens reused, and warm / cold. Each warm prompt's first token is
 checked against the cold one's.
@@ -60,18 +61,23 @@ def main() -> None:
         return encode_chat(tokenizer, messages)
 
     other = chat(OTHER_QUESTION)
-    cases = []  # (kind, what the cache holds first, the prompt timed)
+    cases = []  # (kind, the session the cache holds first: its prompt and reply, the prompt timed)
     for q in load_questions(args.questions)[:: args.every]:
-        cases.append(("first turn", other, chat(q.turns[0])))
+        cases.append(("first turn", (other, 0), chat(q.turns[0])))
         if len(q.turns) > 1:
             opened = prefill(cold, chat(q.turns[0]))
             reply = [opened.first_token] + decode(cold, opened.session, args.reply_tokens).committed
             text = tokenizer.decode([t for t in reply if t not in warm.eos_ids])
-            cases.append(("second turn", chat(q.turns[0]), chat(q.turns[0], text, q.turns[1])))
+            second = chat(q.turns[0], text, q.turns[1])
+            cases.append(("second turn", (chat(q.turns[0]), args.reply_tokens), second))
 
     def run_warm(held, prompt):
         warm.prefix_cache.clear()
-        prefill(warm, held)
+        held_prompt, reply_tokens = held
+        session = prefill(warm, held_prompt).session
+        if reply_tokens:
+            decode(warm, session, reply_tokens)
+            warm.keep_session(session)  # as CloseSession keeps it
         return timed(warm, prompt)
 
     sides = {"cold": lambda held, prompt: timed(cold, prompt), "warm": run_warm}

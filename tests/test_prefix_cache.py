@@ -147,3 +147,52 @@ def test_the_served_target_takes_the_configured_size(quantized_dir):  # noqa: F8
         target_for(VerifierConfig(model=str(quantized_dir), prefix_cache_bytes=0)).prefix_cache
         is None
     )
+
+
+def test_a_closed_sessions_tokens_serve_the_next_turn(quantized_dir):  # noqa: F811
+    """A chat's next request begins with the last one's prompt and reply: the verifier keeps a
+    closed session's KV, and the next prompt prefills only what follows it, the same first
+    token as a cold prefill where reuse is exact."""
+    import asyncio
+
+    from sessions import RpcContext
+
+    from specd.service import MlxThread
+    from specd.v1 import common_pb2, verifier_pb2
+    from verifier_svc.config import VerifierConfig
+    from verifier_svc.servicer import VerifierServicer
+
+    prompt = _prompts()[0]
+
+    async def next_turn():
+        mlx, ctx = MlxThread(), RpcContext()
+        config = VerifierConfig(
+            model=str(quantized_dir), warmup="minimal", prefix_cache_bytes=8 << 20
+        )
+        verifier = VerifierServicer(config, mlx)
+        await verifier.load()
+        try:
+            opened = await verifier.OpenSession(
+                verifier_pb2.OpenSessionRequest(prompt_ids=prompt), ctx
+            )
+            sid = opened.session_id
+            ask = verifier_pb2.VerifyRequest(
+                session_id=sid, position=opened.position, plain_steps=8
+            )
+            replied = await verifier.Verify(ask, ctx)
+            await verifier.CloseSession(common_pb2.CloseSessionRequest(session_id=sid), ctx)
+            said = [*prompt, opened.first_token, *replied.committed_ids]
+            stats = verifier.target.prefix_cache.stats
+            before = stats.tokens_reused
+            again = await verifier.OpenSession(
+                verifier_pb2.OpenSessionRequest(prompt_ids=[*said, 40, 41]), ctx
+            )
+            return said, stats.tokens_reused - before, again.first_token
+        finally:
+            mlx.shutdown()
+
+    said, reused, first = asyncio.run(next_turn())
+    assert reused == len(said) - 1  # the reply's last token was never in the cache
+    if pairs_supported():
+        cold = Target(load_target(str(quantized_dir), "float32", half_weights=True))
+        assert first == prefill(cold, [*said, 40, 41]).first_token

@@ -345,15 +345,25 @@ class Target:
         return self.prefix_cache.find(prompt_ids, capture)
 
     def keep_prefix(self, prompt_ids: list[int], cache: list, capture, rows) -> None:
-        """Store a prefilled prompt's keys and values (copies: the session's cache moves on)
-        and its captured rows [len(prompt), W] float32 (None without capture)."""
+        """Store a prefilled prompt's keys and values and its captured rows [len(prompt), W]
+        float32 (None without capture)."""
+        self._keep(prompt_ids, cache, rows, tuple(capture))
+
+    def keep_session(self, session: Session) -> None:
+        """Store a closing session's KV for the tokens its cache holds (the prompt and the
+        committed tokens but the last), for a later prompt that goes on from them: a chat's
+        next turn. No rows: a drafter's were sent, not kept."""
+        if session.tokens and len(session.tokens) == session.position:
+            self._keep(session.tokens[: session.position - 1], session.cache)
+
+    def _keep(self, tokens: list[int], cache: list, rows=None, capture=()) -> None:
+        """Copies of the first len(tokens) keys and values (the cache moves on) to the cache."""
         if self.prefix_cache is None or not all(type(c) is KVCache for c in cache):
             return
-        n = len(prompt_ids)
+        n = len(tokens)
         keys = tuple(np.array(c.keys[0, :, :n]) for c in cache)
         values = tuple(np.array(c.values[0, :, :n]) for c in cache)
-        tokens = np.asarray(prompt_ids, dtype=np.int32)
-        self.prefix_cache.add(Prefix(tokens, keys, values, rows, tuple(capture)))
+        self.prefix_cache.add(Prefix(np.asarray(tokens, np.int32), keys, values, rows, capture))
 
     def forward_rows(
         self, token_ids: mx.array, cache: list, capture: tuple[int, ...] = ()
@@ -387,6 +397,17 @@ class Session:
     # the device works while the answer travels; its KV is in the cache (one past position-1)
     ahead: Ahead | None = None
     last_answer_s: float | None = None  # when the server last answered it (its load log)
+    # the prompt and every committed token in order (the prefix cache stores a closed
+    # session's); empty where it is not followed
+    tokens: list[int] = field(default_factory=list)
+
+    def commit(self, tokens: list[int], finished: bool) -> None:
+        """Advance past committed `tokens` (the last one not yet in the cache)."""
+        self.position += len(tokens)
+        self.last_token = tokens[-1]
+        self.finished = finished
+        if self.tokens:
+            self.tokens.extend(tokens)
 
 
 @dataclass
@@ -557,6 +578,7 @@ def prefill_steps(
         finished=first in target.eos_ids,
         sampling=sampling,
         rng=rng,
+        tokens=[*prompt_ids, first] if target.prefix_cache is not None else [],
     )
     return PrefillResult(session, first, all_rows, time.perf_counter() - start)
 
@@ -811,9 +833,7 @@ def decode(target: Target, session: Session, steps: int, look_ahead: bool = Fals
         session.ahead = None
         _rollback(session.cache, base)
         raise
-    session.position += len(committed)
-    session.last_token = committed[-1]
-    session.finished = committed[-1] in target.eos_ids
+    session.commit(committed, committed[-1] in target.eos_ids)
     return VerifyResult(committed, 0, session.finished, all_rows, time.perf_counter() - start)
 
 
@@ -1056,9 +1076,7 @@ class _Running:
         if self.round.prompt is not None:
             return self._prefilled(target)
         session, tokens = self.round.session, self.committed
-        session.position += len(tokens)
-        session.last_token = tokens[-1]
-        session.finished = tokens[-1] in target.eos_ids
+        session.commit(tokens, tokens[-1] in target.eos_ids)
         kept = None
         if self.rows:
             kept = _mx(_joined(self.rows, 0)).astype(session.rows_dtype)
@@ -1340,9 +1358,7 @@ def _merged(results: list[VerifyResult]) -> VerifyResult:
 
 def _committed(session: Session, acceptance, rows, start: float) -> VerifyResult:
     """Advance the session past the committed tokens and report the round."""
-    session.position += len(acceptance.committed)
-    session.last_token = acceptance.committed[-1]
-    session.finished = acceptance.finished
+    session.commit(acceptance.committed, acceptance.finished)
     return VerifyResult(
         acceptance.committed,
         acceptance.num_accepted,

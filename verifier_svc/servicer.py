@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import NamedTuple
 
@@ -58,6 +59,8 @@ ROWS_DTYPES = {
     "bfloat16": mx.bfloat16,
     "float32": mx.float32,
 }
+
+log = logging.getLogger("specd.verifier")
 
 
 def check_layers(layers, num_layers: int) -> tuple[int, ...]:
@@ -499,6 +502,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def CloseSession(self, request, context):
         session = self.sessions.pop(request.session_id)
         self._rounds.forget(id(session))  # its rounds are not waited for any more
+        target = self.target
+        if target is not None and target.prefix_cache is not None:
+            # on the MLX thread, after any round of it still queued there
+            try:
+                await self.mlx.run(target.keep_session, session)
+            except Exception:  # noqa: BLE001 - the session is closed whatever keeping did
+                log.exception("keeping a closed session's KV for its next turn failed")
         return common_pb2.CloseSessionResponse()
 
 
