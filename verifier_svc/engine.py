@@ -357,7 +357,8 @@ class Target:
             self._keep(session.tokens[: session.position - 1], session.cache)
 
     def _keep(self, tokens: list[int], cache: list, rows=None, capture=()) -> None:
-        """Copies of the first len(tokens) keys and values (the cache moves on) to the cache."""
+        """Copies (the session's cache moves on) of the keys and values of `tokens`, the first
+        len(tokens) rows, into the prefix cache."""
         if self.prefix_cache is None or not all(type(c) is KVCache for c in cache):
             return
         n = len(tokens)
