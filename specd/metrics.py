@@ -10,6 +10,9 @@ RPCS = Counter("specd_rpc_total", "RPCs served, by method and status code", ["me
 RPC_SECONDS = Histogram("specd_rpc_seconds", "time to answer an RPC", ["method"], buckets=_FAST)
 SESSIONS = Gauge("specd_open_sessions", "sessions open in this service")
 KV_BYTES = Gauge("specd_kv_cache_bytes", "bytes the open sessions' KV caches hold (verifier)")
+PREFIX_BYTES = Gauge(
+    "specd_prefix_cache_bytes", "bytes of prompts' KV the prefix cache holds (verifier)"
+)
 MLX_BYTES = Gauge(
     "specd_mlx_memory_bytes", "MLX memory: active (in arrays), cache (freed, kept), peak", ["kind"]
 )

@@ -67,7 +67,7 @@ def test_kv_cache_bytes_and_the_kv_memory_limit(tiny_model_dir, tmp_path):
     metrics_port, port = free_ports(2)  # together, so the service's port is not the same
     # a limit of one byte: the first session passes it, the second is refused
     flags = ["--model", str(tiny_model_dir), "--metrics-port", str(metrics_port),
-             "--max-kv-memory", "1"]  # fmt: skip
+             "--max-kv-memory", "1", "--prefix-cache", "1MiB"]  # fmt: skip
     verifier = spawn("verifier", flags, port=port, log_dir=tmp_path)
     try:
         verifier.wait_healthy(120)
@@ -75,13 +75,16 @@ def test_kv_cache_bytes_and_the_kv_memory_limit(tiny_model_dir, tmp_path):
             stub = verifier_pb2_grpc.VerifierStub(channel)
 
             def open_session():
-                request = verifier_pb2.OpenSessionRequest(prompt_ids=[3, 4, 5, 6])
+                request = verifier_pb2.OpenSessionRequest(prompt_ids=list(range(3, 15)))
                 return stub.OpenSession(request, timeout=60).session_id
 
             assert value(scrape(metrics_port), "specd_kv_cache_bytes") == 0
+            assert value(scrape(metrics_port), "specd_prefix_cache_bytes") == 0
             first = open_session()
             held = value(scrape(metrics_port), "specd_kv_cache_bytes")
             assert held > 0
+            # the prompt kept for later ones, apart from the sessions' KV and its limit
+            assert 0 < value(scrape(metrics_port), "specd_prefix_cache_bytes") < held
             with pytest.raises(grpc.RpcError) as refused:
                 open_session()
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -21,6 +21,7 @@ async def serve(config: VerifierConfig) -> None:
     mlx_thread = MlxThread(inline_rounds=device_kind() == "cpu")
     servicer = VerifierServicer(config, mlx_thread)
     metrics.KV_BYTES.set_function(servicer.kv_bytes)
+    metrics.PREFIX_BYTES.set_function(servicer.prefix_cache_bytes)
     metrics.watch_mlx_memory()
     server = Server(config.host, config.port, [SERVICE_NAME], config.security, config.metrics_port)
     register(server.server, servicer, SERVICE)

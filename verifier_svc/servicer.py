@@ -194,6 +194,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         )
         return pooled + own  # the pool: every slot's share, open or free
 
+    def prefix_cache_bytes(self) -> int:
+        """Bytes of prompts' KV the prefix cache holds (not counted by `kv_bytes`)."""
+        target = self.target
+        return 0 if target is None or target.prefix_cache is None else target.prefix_cache.nbytes
+
     def _ensure_kv_room(self) -> None:
         limit = self.config.max_kv_bytes
         if limit is None:
