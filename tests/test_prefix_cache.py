@@ -62,8 +62,9 @@ def test_rows_for_a_drafter_come_only_from_an_entry_that_captured_the_same_layer
     cache = PrefixCache(1 << 20)
     tokens = list(range(50, 70))
     cache.add(_prefix(tokens, capture=(0, 1)))
-    assert cache.find(tokens + [1], capture=(0, 2)) is None
-    found = cache.find(tokens + [1], capture=(0, 1))
+    assert cache.find(tokens + [1], capture=(0, 2), rows_dtype=np.float32) is None
+    assert cache.find(tokens + [1], capture=(0, 1), rows_dtype=np.float16) is None
+    found = cache.find(tokens + [1], capture=(0, 1), rows_dtype=np.float32)
     assert found.rows.shape == (20, 4)
     assert cache.find(tokens + [1]).rows is None  # no capture asked: the KV alone
     cache.clear()
@@ -149,14 +150,16 @@ def test_the_served_target_takes_the_configured_size(quantized_dir):  # noqa: F8
     )
 
 
-def test_a_closed_sessions_tokens_serve_the_next_turn(quantized_dir):  # noqa: F811
+@pytest.mark.parametrize("capture", [(), (0, 1)])
+def test_a_closed_sessions_tokens_serve_the_next_turn(quantized_dir, capture):  # noqa: F811
     """A chat's next request begins with the last one's prompt and reply: the verifier keeps a
-    closed session's KV, and the next prompt prefills only what follows it, the same first
-    token as a cold prefill where reuse is exact."""
+    closed session's KV (and the rows it sent a drafter), and the next prompt prefills only
+    what follows it: the same first token and rows as a cold prefill where reuse is exact."""
     import asyncio
 
     from sessions import RpcContext
 
+    from specd import wire
     from specd.service import MlxThread
     from specd.v1 import common_pb2, verifier_pb2
     from verifier_svc.config import VerifierConfig
@@ -171,28 +174,32 @@ def test_a_closed_sessions_tokens_serve_the_next_turn(quantized_dir):  # noqa: F
         )
         verifier = VerifierServicer(config, mlx)
         await verifier.load()
+
+        def opening(ids):
+            return verifier_pb2.OpenSessionRequest(prompt_ids=ids, capture_layers=capture)
+
         try:
-            opened = await verifier.OpenSession(
-                verifier_pb2.OpenSessionRequest(prompt_ids=prompt), ctx
-            )
-            sid = opened.session_id
-            ask = verifier_pb2.VerifyRequest(
-                session_id=sid, position=opened.position, plain_steps=8
-            )
-            replied = await verifier.Verify(ask, ctx)
+            opened = await verifier.OpenSession(opening(prompt), ctx)
+            sid, position, said = opened.session_id, opened.position, [*prompt, opened.first_token]
+            # a round of plain steps, then one with drafts (the second path rows come by)
+            for fields in ({"plain_steps": 6}, {"draft_ids": [40, 41]}):
+                ask = verifier_pb2.VerifyRequest(session_id=sid, position=position, **fields)
+                replied = await verifier.Verify(ask, ctx)
+                position, said = replied.position, [*said, *replied.committed_ids]
             await verifier.CloseSession(common_pb2.CloseSessionRequest(session_id=sid), ctx)
-            said = [*prompt, opened.first_token, *replied.committed_ids]
             stats = verifier.target.prefix_cache.stats
             before = stats.tokens_reused
-            again = await verifier.OpenSession(
-                verifier_pb2.OpenSessionRequest(prompt_ids=[*said, 40, 41]), ctx
-            )
-            return said, stats.tokens_reused - before, again.first_token
+            again = await verifier.OpenSession(opening([*said, 40, 41]), ctx)
+            rows = wire.decode(again.hidden_rows) if capture else None
+            return said, stats.tokens_reused - before, again.first_token, rows
         finally:
             mlx.shutdown()
 
-    said, reused, first = asyncio.run(next_turn())
+    said, reused, first, rows = asyncio.run(next_turn())
     assert reused == len(said) - 1  # the reply's last token was never in the cache
     if pairs_supported():
         cold = Target(load_target(str(quantized_dir), "float32", half_weights=True))
-        assert first == prefill(cold, [*said, 40, 41]).first_token
+        want = prefill(cold, [*said, 40, 41], capture)
+        assert first == want.first_token
+        if capture:
+            assert np.array_equal(rows, np.array(want.rows))

@@ -338,23 +338,31 @@ class Target:
         """token_ids [T] appended at the cache end -> (logits [T, V], rows [T, L*H] or None)."""
         return self._backend(token_ids.size, cache)(token_ids, cache, capture, None)
 
-    def reusable_prefix(self, prompt_ids: list[int], capture: tuple[int, ...], cache: list):
-        """The stored beginning of this prompt (`prefix_cache`) for its plain caches, or None."""
+    def reusable_prefix(self, prompt_ids: list[int], capture: tuple[int, ...], rows_dtype,
+                        cache: list):  # fmt: skip
+        """The stored beginning of this prompt (`prefix_cache`) for its plain caches, with
+        rows of `capture` in `rows_dtype` where it captures; or None."""
         if self.prefix_cache is None or not all(type(c) is KVCache for c in cache):
             return None
-        return self.prefix_cache.find(prompt_ids, capture)
+        return self.prefix_cache.find(prompt_ids, capture, rows_dtype)
 
     def keep_prefix(self, prompt_ids: list[int], cache: list, capture, rows) -> None:
-        """Store a prefilled prompt's keys and values and its captured rows [len(prompt), W]
-        float32 (None without capture)."""
+        """Store a prefilled prompt's keys and values and the rows it sent [len(prompt), W]
+        (None without capture)."""
         self._keep(prompt_ids, cache, rows, tuple(capture))
 
     def keep_session(self, session: Session) -> None:
         """Store a closing session's KV for the tokens its cache holds (the prompt and the
         committed tokens but the last), for a later prompt that goes on from them: a chat's
-        next turn. No rows: a drafter's were sent, not kept."""
-        if session.tokens and len(session.tokens) == session.position:
-            self._keep(session.tokens[: session.position - 1], session.cache)
+        next turn; with the rows it sent for them, where it captured."""
+        if not session.tokens or len(session.tokens) != session.position:
+            return
+        n = session.position - 1
+        rows = mx.concatenate(session.rows_kept) if session.rows_kept else None
+        if rows is not None and rows.shape[0] != n:
+            rows = None  # not the cache's tokens one for one: the KV alone
+        capture = session.capture if rows is not None else ()
+        self._keep(session.tokens[:n], session.cache, rows, capture)
 
     def _keep(self, tokens: list[int], cache: list, rows=None, capture=()) -> None:
         """Copies (the session's cache moves on) of the keys and values of `tokens`, the first
@@ -401,14 +409,19 @@ class Session:
     # the prompt and every committed token in order (the prefix cache stores a closed
     # session's); empty where it is not followed
     tokens: list[int] = field(default_factory=list)
+    # with tokens and capture: the rows sent for the tokens in the cache, in order
+    rows_kept: list = field(default_factory=list)
 
-    def commit(self, tokens: list[int], finished: bool) -> None:
-        """Advance past committed `tokens` (the last one not yet in the cache)."""
+    def commit(self, tokens: list[int], finished: bool, rows=None) -> None:
+        """Advance past committed `tokens` (the last one not yet in the cache), `rows` the
+        captured rows of the tokens the round put in the cache."""
         self.position += len(tokens)
         self.last_token = tokens[-1]
         self.finished = finished
         if self.tokens:
             self.tokens.extend(tokens)
+            if self.rows_kept and rows is not None:
+                self.rows_kept.append(rows)
 
 
 @dataclass
@@ -533,15 +546,13 @@ def prefill_steps(
     cache = target.new_cache() if cache is None else cache
     prompt = mx.array(prompt_ids, dtype=mx.int32)
     row_chunks = []
-    kept_rows = []  # float32, for the prefix cache
     done = 0
-    reuse = target.reusable_prefix(prompt_ids, capture, cache)
+    reuse = target.reusable_prefix(prompt_ids, capture, rows_dtype, cache)
     if reuse is not None:
         for layer_cache, keys, values in zip(cache, reuse.keys, reuse.values, strict=True):
             layer_cache.update_and_fetch(mx.array(keys[None]), mx.array(values[None]))
         if capture:
-            kept_rows.append(reuse.rows)
-            row_chunks.append(mx.array(reuse.rows).astype(rows_dtype))
+            row_chunks.append(reuse.rows)
         done = reuse.length
     while len(prompt_ids) - done > 1:
         n = min(target.prefill_chunk, len(prompt_ids) - done - 1)
@@ -552,13 +563,11 @@ def prefill_steps(
                 yield
             rows = target.forward_rows(prompt[done : done + n], cache, capture)
         if rows is not None:
-            kept_rows.append(rows)
             row_chunks.append(rows.astype(rows_dtype))
         mx.eval([c.state for c in cache], row_chunks)
         done += n
     logits, rows = target.forward(prompt[done:], cache, capture)
     if rows is not None:
-        kept_rows.append(rows)
         row_chunks.append(rows.astype(rows_dtype))
     rng = None
     if sampling.greedy:
@@ -568,8 +577,7 @@ def prefill_steps(
     all_rows = mx.concatenate(row_chunks, axis=0) if row_chunks else None
     mx.eval([c.state for c in cache], *([all_rows] if all_rows is not None else []))
     if target.prefix_cache is not None:
-        rows = np.concatenate([np.asarray(r, np.float32) for r in kept_rows]) if capture else None
-        target.keep_prefix(prompt_ids, cache, capture, rows)
+        target.keep_prefix(prompt_ids, cache, capture, all_rows)
     session = Session(
         cache=cache,
         capture=capture,
@@ -580,6 +588,7 @@ def prefill_steps(
         sampling=sampling,
         rng=rng,
         tokens=[*prompt_ids, first] if target.prefix_cache is not None else [],
+        rows_kept=[all_rows] if target.prefix_cache is not None and capture else [],
     )
     return PrefillResult(session, first, all_rows, time.perf_counter() - start)
 
@@ -781,6 +790,7 @@ def decode(target: Target, session: Session, steps: int, look_ahead: bool = Fals
     if session.rng is not None or (steps <= 1 and not look_ahead and session.ahead is None):
         # all or nothing, like one round: a failure leaves the session (and its draws) as it was
         saved = (session.position, session.last_token, session.finished)
+        followed = (len(session.tokens), len(session.rows_kept))
         draws = _draws(session)
         results = []
         try:
@@ -791,6 +801,7 @@ def decode(target: Target, session: Session, steps: int, look_ahead: bool = Fals
         except BaseException:
             _rollback(session.cache, saved[0] - 1)
             session.position, session.last_token, session.finished = saved
+            del session.tokens[followed[0] :], session.rows_kept[followed[1] :]
             _restore_draws(session, draws)
             raise
         return _merged(results)
@@ -834,7 +845,7 @@ def decode(target: Target, session: Session, steps: int, look_ahead: bool = Fals
         session.ahead = None
         _rollback(session.cache, base)
         raise
-    session.commit(committed, committed[-1] in target.eos_ids)
+    session.commit(committed, committed[-1] in target.eos_ids, all_rows)
     return VerifyResult(committed, 0, session.finished, all_rows, time.perf_counter() - start)
 
 
@@ -1077,11 +1088,11 @@ class _Running:
         if self.round.prompt is not None:
             return self._prefilled(target)
         session, tokens = self.round.session, self.committed
-        session.commit(tokens, tokens[-1] in target.eos_ids)
         kept = None
         if self.rows:
             kept = _mx(_joined(self.rows, 0)).astype(session.rows_dtype)
             mx.eval(kept)
+        session.commit(tokens, tokens[-1] in target.eos_ids, kept)
         share = self.own_rows / self.all_rows
         return VerifyResult(tokens, self.accepted, session.finished, kept, seconds, share)
 
@@ -1359,7 +1370,7 @@ def _merged(results: list[VerifyResult]) -> VerifyResult:
 
 def _committed(session: Session, acceptance, rows, start: float) -> VerifyResult:
     """Advance the session past the committed tokens and report the round."""
-    session.commit(acceptance.committed, acceptance.finished)
+    session.commit(acceptance.committed, acceptance.finished, rows)
     return VerifyResult(
         acceptance.committed,
         acceptance.num_accepted,

@@ -31,7 +31,8 @@ MIN_REUSED_TOKENS = 8
 @dataclass(frozen=True)
 class Prefix:
     """A stored prompt: its tokens and, per layer, keys and values [kv_heads, T, D]; the rows
-    its session captured for a drafter ([T, W] of the layers `capture`, None where none)."""
+    its session sent a drafter ([T, W] of the layers `capture`, in the dtype they were sent;
+    None where none)."""
 
     tokens: np.ndarray
     keys: tuple[np.ndarray, ...]
@@ -100,17 +101,19 @@ class PrefixCache:
             self._bytes = 0
             self.stats = PrefixStats()
 
-    def find(self, prompt_ids: list[int], capture: tuple[int, ...] = ()) -> Reuse | None:
+    def find(
+        self, prompt_ids: list[int], capture: tuple[int, ...] = (), rows_dtype=None
+    ) -> Reuse | None:
         """The longest stored beginning of `prompt_ids`, leaving its last token to compute
         (the first token's logits come from it); with `capture`, only entries that kept
-        those layers' rows. None below MIN_REUSED_TOKENS."""
+        those layers' rows in `rows_dtype`. None below MIN_REUSED_TOKENS."""
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         limit = len(prompt) - 1
         with self._lock:
             self.stats.lookups += 1
             best, best_key, length = None, None, 0
             for key, entry in self._entries.items():
-                if capture and entry.capture != capture:
+                if capture and (entry.capture != capture or entry.rows.dtype != rows_dtype):
                     continue
                 shared = _common_length(entry.tokens, prompt, limit)
                 if shared > length:
@@ -136,7 +139,7 @@ class PrefixCache:
             return False
         with self._lock:
             for key, entry in list(self._entries.items()):
-                if entry.capture != prefix.capture:
+                if not _same_kind(entry, prefix):
                     continue
                 if _extends(entry.tokens, prefix.tokens):
                     self._entries.move_to_end(key)
@@ -153,6 +156,13 @@ class PrefixCache:
 
     def _drop(self, key: int) -> None:
         self._bytes -= self._entries.pop(key).nbytes
+
+
+def _same_kind(a: Prefix, b: Prefix) -> bool:
+    """Whether one can stand for the other: the same layers' rows in the same dtype, or none."""
+    if a.capture != b.capture or (a.rows is None) != (b.rows is None):
+        return False
+    return a.rows is None or a.rows.dtype == b.rows.dtype
 
 
 def _common_length(a: np.ndarray, b: np.ndarray, limit: int) -> int:
