@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +38,7 @@ class Prefix:
     tokens: np.ndarray
     keys: tuple[np.ndarray, ...]
     values: tuple[np.ndarray, ...]
-    rows: np.ndarray | None = None
+    rows: Any = None  # an MLX or numpy array
     capture: tuple[int, ...] = ()
 
     @property
@@ -53,7 +54,7 @@ class Reuse:
     length: int
     keys: tuple[np.ndarray, ...]
     values: tuple[np.ndarray, ...]
-    rows: np.ndarray | None
+    rows: Any  # as the entry holds them, or None
 
 
 @dataclass
