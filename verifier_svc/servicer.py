@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import NamedTuple
@@ -509,12 +510,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._rounds.forget(id(session))  # its rounds are not waited for any more
         target = self.target
         if target is not None and target.prefix_cache is not None:
-            # on the MLX thread, after any round of it still queued there
-            try:
-                await self.mlx.run(target.keep_session, session)
-            except Exception:  # noqa: BLE001 - the session is closed whatever keeping did
-                log.exception("keeping a closed session's KV for its next turn failed")
+            # on the MLX thread after any round of it queued there, and before any prompt
+            # opened after this answer; not awaited: the caller's stream ends meanwhile
+            with contextlib.suppress(RuntimeError):  # the MLX thread is shutting down
+                kept = self.mlx.submit(target.keep_session, session)
+                kept.add_done_callback(_log_failed_keep)
         return common_pb2.CloseSessionResponse()
+
+
+def _log_failed_keep(kept) -> None:
+    if not kept.cancelled() and kept.exception() is not None:
+        log.error("keeping a closed session's KV for its next turn failed: %r", kept.exception())
 
 
 def _mib(n: int) -> str:
