@@ -338,18 +338,30 @@ class Target:
         """token_ids [T] appended at the cache end -> (logits [T, V], rows [T, L*H] or None)."""
         return self._backend(token_ids.size, cache)(token_ids, cache, capture, None)
 
+    def _prefixes_for(self, cache: list) -> PrefixCache | None:
+        """The prefix cache, where there is one and `cache` is plain caches (not pooled)."""
+        if self.prefix_cache is None or not all(type(c) is KVCache for c in cache):
+            return None
+        return self.prefix_cache
+
     def reusable_prefix(self, prompt_ids: list[int], capture: tuple[int, ...], rows_dtype,
                         cache: list):  # fmt: skip
         """The stored beginning of this prompt (`prefix_cache`) for its plain caches, with
         rows of `capture` in `rows_dtype` where it captures; or None."""
-        if self.prefix_cache is None or not all(type(c) is KVCache for c in cache):
-            return None
-        return self.prefix_cache.find(prompt_ids, capture, rows_dtype)
+        prefixes = self._prefixes_for(cache)
+        return prefixes.find(prompt_ids, capture, rows_dtype) if prefixes else None
 
-    def keep_prefix(self, prompt_ids: list[int], cache: list, capture, rows) -> None:
-        """Store a prefilled prompt's keys and values and the rows it sent [len(prompt), W]
-        (None without capture)."""
-        self._keep(prompt_ids, cache, rows, tuple(capture))
+    def keep_prefix(self, tokens: list[int], cache: list, rows=None, capture=()) -> None:
+        """Store copies (the cache moves on) of the keys and values of `tokens`, the cache's
+        first len(tokens) rows, with the rows sent for them [len(tokens), W] of layers
+        `capture` (None without capture)."""
+        prefixes = self._prefixes_for(cache)
+        if prefixes is None:
+            return
+        n = len(tokens)
+        keys = tuple(np.array(c.keys[0, :, :n]) for c in cache)
+        values = tuple(np.array(c.values[0, :, :n]) for c in cache)
+        prefixes.add(Prefix(np.asarray(tokens, np.int32), keys, values, rows, tuple(capture)))
 
     def keep_session(self, session: Session) -> None:
         """Store a closing session's KV for the tokens its cache holds (the prompt and the
@@ -362,17 +374,7 @@ class Target:
         if rows is not None and rows.shape[0] != n:
             rows = None  # not the cache's tokens one for one: the KV alone
         capture = session.capture if rows is not None else ()
-        self._keep(session.tokens[:n], session.cache, rows, capture)
-
-    def _keep(self, tokens: list[int], cache: list, rows=None, capture=()) -> None:
-        """Copies (the session's cache moves on) of the keys and values of `tokens`, the first
-        len(tokens) rows, into the prefix cache."""
-        if self.prefix_cache is None or not all(type(c) is KVCache for c in cache):
-            return
-        n = len(tokens)
-        keys = tuple(np.array(c.keys[0, :, :n]) for c in cache)
-        values = tuple(np.array(c.values[0, :, :n]) for c in cache)
-        self.prefix_cache.add(Prefix(np.asarray(tokens, np.int32), keys, values, rows, capture))
+        self.keep_prefix(session.tokens[:n], session.cache, rows, capture)
 
     def forward_rows(
         self, token_ids: mx.array, cache: list, capture: tuple[int, ...] = ()
@@ -576,8 +578,7 @@ def prefill_steps(
         first, rng = _first_drawn(logits, sampling, seed)
     all_rows = mx.concatenate(row_chunks, axis=0) if row_chunks else None
     mx.eval([c.state for c in cache], *([all_rows] if all_rows is not None else []))
-    if target.prefix_cache is not None:
-        target.keep_prefix(prompt_ids, cache, capture, all_rows)
+    target.keep_prefix(prompt_ids, cache, all_rows, capture)
     session = Session(
         cache=cache,
         capture=capture,

@@ -267,8 +267,7 @@ class CpuLlama:
 
     def paired_bytes(self) -> int:
         """Bytes of the paired weight copies this holds beside the model's own."""
-        products = [*_products(self.layers), self.head]
-        return sum(g.paired.nbytes for g in products if g.paired is not None)
+        return sum(g.paired.nbytes for g in self._all_products() if g.paired is not None)
 
     @property
     def rows_exact(self) -> bool:
@@ -277,13 +276,15 @@ class CpuLlama:
         then sums as one row does, at any row count) and the compiled attention (each row's
         keys summed as one sequence). So a token's keys and values do not depend on how a
         prompt was cut into forwards."""
-        products = [*_products(self.layers), self.head]
         return (
             layer_kernels() is not None
             and self.head_dim % 8 == 0  # else the numpy attention runs
             and pairs_supported()
-            and all(g.weight.dtype == np.float16 for g in products)
+            and all(g.weight.dtype == np.float16 for g in self._all_products())
         )
+
+    def _all_products(self) -> list[GemvWeights]:
+        return [*_products(self.layers), self.head]
 
     def can_run(self, tokens: int, cache: list) -> bool:
         return 0 < tokens <= self.max_rows and all(type(c) is KVCache for c in cache)
