@@ -281,6 +281,42 @@ def test_batched_jobs_queued_together_run_in_one_call_and_others_keep_their_orde
     mlx.shutdown()
 
 
+def test_a_lone_callers_batched_job_runs_inline_while_the_worker_is_idle():
+    """run_batched(inline=True): a caller alone in its batch, the worker idle, runs on the event
+    loop's thread; with another caller of the batch seen lately it queues for the worker, to be
+    batched; so does a job not marked inline, and every job of a thread without inline rounds."""
+    from specd.service import Batch
+
+    threads: list[tuple[str, list]] = []
+
+    def run_many(items):
+        threads.append((threading.current_thread().name, list(items)))
+        return [ValueError(f"bad {x}") if x < 0 else 10 * x for x in items]
+
+    def key(item):
+        return abs(item) // 100  # the caller: 1xx and 2xx are two sessions
+
+    async def main():
+        mlx, batch = MlxThread(), Batch(run_many, key=key)
+        assert await mlx.run_batched(batch, 101, inline=True) == 1010
+        with pytest.raises(ValueError, match="bad -102"):  # its error raised as the worker's
+            await mlx.run_batched(batch, -102, inline=True)
+        assert await mlx.run_batched(batch, 103) == 1030  # not marked inline
+        assert await mlx.run_batched(batch, 201, inline=True) == 2010  # caller 1 seen lately
+        assert await mlx.run_batched(batch, 104, inline=True) == 1040  # and caller 2
+        mlx.shutdown()
+        other = MlxThread(inline_rounds=False)
+        assert await other.run_batched(Batch(run_many), 5, inline=True) == 50
+        other.shutdown()
+
+    asyncio.run(main())
+    loop_thread = threading.current_thread().name
+    assert [(name == loop_thread, items) for name, items in threads] == [
+        (True, [101]), (True, [-102]), (False, [103]), (False, [201]), (False, [104]),
+        (False, [5]),
+    ]  # fmt: skip
+
+
 def test_a_stream_batch_answers_each_item_when_done_and_takes_later_ones_until_others_wait():
     from specd.service import Batch
 

@@ -336,8 +336,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if target.shares_forwards:
             # chains, plain steps and trees, greedy or sampled: the sessions waiting together
             # share forwards
+            asked = RoundAsked(session, request.position, drafts, steps, probs, parents)
+            # a short call of a lone session runs inline, as `run_round` runs the others
             result = await self.mlx.run_batched(
-                self._rounds, RoundAsked(session, request.position, drafts, steps, probs, parents)
+                self._rounds, asked, inline=steps <= INLINE_MAX_STEPS
             )
         else:
             # a few forwards may run on the event loop; a longer burst goes to the worker, so
