@@ -8,6 +8,7 @@ import math
 import statistics
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -338,6 +339,37 @@ async def run_rounds(
     finally:
         stats.total_s = time.perf_counter() - start
         await _close_sessions(verifier, opened.session_id, link)
+
+
+_END = object()
+
+
+async def rounds_ahead(rounds):
+    """`rounds`' items in order, the rounds going on while the caller hands each to its client:
+    a message to the client (~0.2 ms through gRPC's layers) then overlaps the next round's
+    calls instead of delaying them. Its errors are raised here; closing it stops the rounds
+    (a call in flight cancelled, the sessions closed) and waits for them to end."""
+    items: asyncio.Queue = asyncio.Queue()
+
+    async def produce():
+        try:
+            async with aclosing(rounds):
+                async for item in rounds:
+                    items.put_nowait(item)
+        except Exception as exc:  # noqa: BLE001 - raised again on the reader's side
+            items.put_nowait(exc)
+        else:
+            items.put_nowait(_END)
+
+    producer = asyncio.ensure_future(produce())
+    try:
+        while (item := await items.get()) is not _END:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+    finally:
+        producer.cancel()
+        await asyncio.wait([producer])  # the sessions closed and the stats final
 
 
 @dataclass

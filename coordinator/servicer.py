@@ -13,7 +13,7 @@ from coordinator.clients import DrafterClient, UpstreamError, VerifierClient
 from coordinator.config import CoordinatorConfig
 from coordinator.failover import VerifierPool
 from coordinator.pairing import pairing_error
-from coordinator.rounds import Plan, RoundStats, run_rounds
+from coordinator.rounds import Plan, RoundStats, rounds_ahead, run_rounds
 from coordinator.text import TextStream
 from coordinator.tokenizer import load_served_tokenizer
 from specd import metrics
@@ -323,7 +323,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         eos_ids = set(self.verifier_info.model.eos_token_ids)
         stats, last = RoundStats(), None
         drafter = drafter if plan.num_draft_tokens > 0 else None
-        rounds = run_rounds(self.verifier, drafter, prompt_ids, plan, stats)
+        rounds = rounds_ahead(run_rounds(self.verifier, drafter, prompt_ids, plan, stats))
         async with aclosing(rounds):
             async for new_ids, _finished in rounds:
                 out = []

@@ -632,3 +632,53 @@ def test_pinned_trees_cut_at_the_measured_prices_equal_plain_rounds(target):
                        Plan(max_tokens=30, num_draft_tokens=3))  # fmt: skip
     assert whole == plain
     assert max(n for n, _ in whole_verifier.calls) == 6  # without prices: every node sent
+
+
+def test_rounds_ahead_goes_on_while_the_reader_is_busy_and_stops_when_closed():
+    """rounds_ahead: the next round starts while the reader still holds the last one's tokens
+    (a client's write); an error is raised to the reader after the items before it; closing
+    it early cancels the round in flight and returns once the rounds' cleanup has run."""
+    from contextlib import aclosing
+
+    from coordinator.rounds import rounds_ahead
+
+    events: list[str] = []
+    third_started = asyncio.Event()
+
+    async def rounds():
+        try:
+            for i in range(3):
+                if i == 2:
+                    third_started.set()
+                    await asyncio.sleep(3600)  # a call in flight
+                events.append(f"round {i}")
+                yield [i], False
+        finally:
+            events.append("sessions closed")
+
+    async def read_slowly():
+        async with aclosing(rounds_ahead(rounds())) as ahead:
+            async for ids, _finished in ahead:
+                events.append(f"read {ids[0]}")
+                if ids == [0]:  # the reader busy with its client until the rounds go on
+                    await asyncio.wait_for(third_started.wait(), 5)
+                if ids == [1]:
+                    break
+        events.append("closed")
+
+    asyncio.run(read_slowly())
+    assert events == ["round 0", "round 1", "read 0", "read 1", "sessions closed", "closed"]
+
+    async def read_all(ahead):
+        got = []
+        with pytest.raises(RuntimeError, match="went away"):
+            async for ids, _finished in ahead:
+                got.append(ids)
+        return got
+
+    async def rounds_failing():
+        yield [0], False
+        yield [1], False
+        raise RuntimeError("the verifier went away")
+
+    assert asyncio.run(read_all(rounds_ahead(rounds_failing()))) == [[0], [1]]
