@@ -23,6 +23,12 @@
 #          settings (one GPU context beside the services' two: whether the split costs the
 #          verify); pinned turns adaptive k off (--no-adaptive), so a tree drafter drafts its
 #          trees every round
+# before-after PATCH [DRAFTERS [SECONDS]]  the same bench (every 8th MT-bench question, k
+#          pinned; default eagle3-k3,none) with the carried PATCH (git diff OLD NEW of the code)
+#          reversed, then applied again: two commits side by side on one machine
+# round-profile [DRAFTER [K]]  where a served round's time goes (benchmarks/round_profile.py:
+#          py-spy on each service, the verifier's load lines); carry py-spy's wheel as
+#          .gpu/pyspy/py_spy-*.whl (pip download py-spy --no-deps --only-binary=:all:)
 # heads    the EAGLE-3 head's chains, trees and extends on the GPU (MLX) against the host
 #          (numpy and specd's compiled kernels), per k (issue 26: a chain must cost well under
 #          a target step), with the host's caches warm and written over before each call
@@ -164,6 +170,23 @@ drafters)
   bench --dtype float32 --questions mt-bench --every 4 --drafter "${3:-eagle3-k6},none" \
     "${mode[@]}" --time-limit "${2:-300}" --json ~/res/drafters.json \
     >> "$OUT/drafters.log" 2>&1 ;;
+before-after)
+  [ -f "${2:-}" ] || { echo "before-after: give the carried patch (git diff OLD NEW)" >&2; exit 2; }
+  for side in before after; do
+    if [ $side = before ]; then patch -s -R -p1 < "$2"; else patch -s -p1 < "$2"; fi || exit 1
+    timeout "$(( ${4:-200} + 40 ))" python3 -m specd bench --target "$model" --max-tokens 128 \
+      --dtype float32 --questions mt-bench --every 8 --drafter "${3:-eagle3-k3,none}" \
+      --no-adaptive --time-limit "${4:-200}" > "$OUT/$side.log" 2>&1
+    echo "$side:"; grep -E "^target|OVERALL|per round|share" "$OUT/$side.log"
+  done ;;
+round-profile)
+  spy=~/py-spy-wheel
+  rm -rf "$spy" && mkdir -p "$spy" && python3 -m zipfile -e .gpu/pyspy/py_spy-*.whl "$spy" \
+    || { echo "round-profile: carry py-spy's wheel as .gpu/pyspy/" >&2; exit 2; }
+  binary=$(find "$spy" -name py-spy -type f | head -1) && chmod +x "$binary"
+  timeout 240 python3 benchmarks/round_profile.py --target "$model" --dtype float32 \
+    --drafter "${2:-eagle3}" --k "${3:-3}" --py-spy "$binary" --idle --out ~/round-profile \
+    > "$OUT/round-profile.log" 2>&1 ;;
 heads)
   # warm caches, then written over before each call as a served round finds them
   for mb in 0 512; do
