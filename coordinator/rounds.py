@@ -358,7 +358,7 @@ async def rounds_ahead(rounds):
                     items.put_nowait(item)
         except Exception as exc:  # noqa: BLE001 - raised again on the reader's side
             items.put_nowait(exc)
-        else:
+        finally:  # cancelled too: the reader never waits for an item that cannot come
             items.put_nowait(_END)
 
     producer = asyncio.ensure_future(produce())
@@ -367,6 +367,8 @@ async def rounds_ahead(rounds):
             if isinstance(item, Exception):
                 raise item
             yield item
+        if producer.cancelled():  # not by the reader: the loop is shutting down
+            raise asyncio.CancelledError
     finally:
         producer.cancel()
         await asyncio.wait([producer])  # the sessions closed and the stats final

@@ -682,3 +682,30 @@ def test_rounds_ahead_goes_on_while_the_reader_is_busy_and_stops_when_closed():
         raise RuntimeError("the verifier went away")
 
     assert asyncio.run(read_all(rounds_ahead(rounds_failing()))) == [[0], [1]]
+
+
+def test_rounds_ahead_cancelled_from_outside_ends_its_reader_cancelled():
+    """The rounds' task cancelled by anyone but the reader (the loop shutting down) leaves no
+    reader waiting for an item that cannot come."""
+    from coordinator.rounds import rounds_ahead
+
+    async def rounds():
+        yield [0], False
+        await asyncio.sleep(3600)
+        yield [1], False
+
+    async def read(got: list):
+        async for ids, _finished in rounds_ahead(rounds()):
+            got.append(ids)
+            tasks = asyncio.all_tasks()
+            next(t for t in tasks if t.get_coro().__name__ == "produce").cancel()
+
+    async def main():
+        got: list = []
+        reader = asyncio.ensure_future(read(got))
+        done, _ = await asyncio.wait({reader}, timeout=5)
+        ended_cancelled = reader in done and reader.cancelled()
+        reader.cancel()
+        return got, ended_cancelled
+
+    assert asyncio.run(main()) == ([[0]], True)
