@@ -341,7 +341,7 @@ async def run_rounds(
         await _close_sessions(verifier, opened.session_id, link)
 
 
-_END = object()
+_END = object()  # rounds_ahead's last item: the rounds are over
 
 
 async def rounds_ahead(rounds):

@@ -337,7 +337,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             # chains, plain steps and trees, greedy or sampled: the sessions waiting together
             # share forwards
             asked = RoundAsked(session, request.position, drafts, steps, probs, parents)
-            # a short call of a lone session runs inline, as `run_round` runs the others
+            # on a CPU a lone session's short call runs on this thread (run_batched's inline)
             result = await self.mlx.run_batched(
                 self._rounds, asked, inline=steps <= INLINE_MAX_STEPS
             )
