@@ -361,7 +361,8 @@ class Batch:
     Callers tend to come back together a moment after their answers: while some of the
     callers seen in the last `recent_s` (by `key(item)`) are missing, the worker waits up to
     `gather_s` for them, so the callers of several small calls merge into one call. A lone
-    caller never waits."""
+    caller never waits. A key of None is a caller that does not come back (a prompt, whose
+    session's rounds come back under their own key): it is never waited for."""
 
     run_many: Callable[[list], list]
     key: Callable[[Any], Hashable] = id
@@ -385,7 +386,7 @@ class Batch:
         return bool(self.seen.keys() - {self.key(item) for item in items})
 
     def ran(self, items: list, now: float) -> None:
-        self.seen.update((self.key(item), now) for item in items)
+        self.seen.update((key, now) for key in map(self.key, items) if key is not None)
 
     def forget(self, key: Hashable) -> None:
         """A caller that will not come back (any thread may say so)."""

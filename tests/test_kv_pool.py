@@ -844,6 +844,43 @@ def test_the_verifier_opens_short_prompts_in_the_running_rounds_steps(
     assert list(verified.committed_ids) == decode(plain, reference, 4).committed
 
 
+def test_a_prompt_opened_in_the_steps_leaves_no_caller_for_the_rounds_to_wait_for(
+    tiny_model_dir,
+):
+    """A prompt's caller comes back as its session's rounds, never as a prompt: after an
+    OpenSession in the steps the lone session's next round finds no caller missing, so the
+    worker does not wait `Batch.gather_s` before it (it did, for half a second after every
+    prompt, on a GPU's default --prefill-in-steps)."""
+    import asyncio
+    import time
+
+    from specd.service import MlxThread
+    from specd.v1 import verifier_pb2
+    from verifier_svc.config import VerifierConfig
+    from verifier_svc.servicer import RoundAsked, VerifierServicer
+
+    async def main():
+        mlx = MlxThread(inline_rounds=False)
+        config = VerifierConfig(model=str(tiny_model_dir), warmup="minimal", gemv_rows=0,
+                                row_forwards="on", kv_pool="on", prefill_in_steps=64)  # fmt: skip
+        verifier = VerifierServicer(config, mlx)
+        await verifier.load()
+        ran, record = [], verifier._rounds.ran
+        verifier._rounds.ran = lambda items, now: ran.extend(items) or record(items, now)
+        opened = await verifier.OpenSession(
+            verifier_pb2.OpenSessionRequest(prompt_ids=PROMPTS[0]), RpcContext()
+        )
+        session = verifier.sessions.get(opened.session_id)
+        asked = RoundAsked(session, opened.position, [], 1)
+        waits = verifier._rounds.missing([asked], time.perf_counter())
+        mlx.shutdown()
+        return [type(item).__name__ for item in ran], waits
+
+    ran, waits = asyncio.run(main())
+    assert ran == ["PromptAsked"]  # the prompt went through the rounds' batch
+    assert not waits
+
+
 def test_a_prompt_that_cannot_open_in_the_steps_fails_alone(tiny_model_dir, plain, monkeypatch):
     """A prompt whose session cannot be made (here: its pool slot) gets the error; the rounds
     and the other prompt in the same steps go on."""

@@ -281,6 +281,19 @@ def test_batched_jobs_queued_together_run_in_one_call_and_others_keep_their_orde
     mlx.shutdown()
 
 
+def test_a_batch_never_waits_for_a_caller_whose_key_is_none():
+    """Batch.key None: a caller that does not come back (a prompt) is not recorded, so later
+    jobs never wait for it; other callers seen lately are waited for until recent_s passes."""
+    from specd.service import Batch
+
+    batch = Batch(lambda items: items, key=lambda item: None if item < 0 else item)
+    batch.ran([-1, 5], now=100.0)
+    assert set(batch.seen) == {5}
+    assert not batch.missing([5], now=100.1)  # the prompt is not waited for
+    assert batch.missing([6], now=100.1)  # caller 5 may come back
+    assert not batch.missing([6], now=100.1 + batch.recent_s)
+
+
 def test_a_lone_callers_batched_job_runs_inline_while_the_worker_is_idle():
     """run_batched(inline=True): a caller alone in its batch, the worker idle, runs on the event
     loop's thread; with another caller of the batch seen lately it queues for the worker, to be

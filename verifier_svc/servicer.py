@@ -101,10 +101,12 @@ class PromptAsked(NamedTuple):
     ask: PromptToPrefill
 
 
-def _caller(item) -> int | str:
-    """Who asked a batched round: its session, or for every prompt opened in the steps one
-    caller, not one each (`Batch.key`)."""
-    return "prompts" if isinstance(item, PromptAsked) else id(item[0])
+def _caller(item) -> int | None:
+    """Who asked a batched round (`Batch.key`): its session; None for a prompt opened in the
+    steps, whose caller comes back as its session's rounds, so no round waits for it (with a
+    key of its own, every lone session's rounds waited `Batch.gather_s` for it for half a
+    second after each prompt)."""
+    return None if isinstance(item, PromptAsked) else id(item[0])
 
 
 class RoundAsked(NamedTuple):
