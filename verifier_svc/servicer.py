@@ -103,8 +103,8 @@ class PromptAsked(NamedTuple):
 
 def _caller(item) -> int | None:
     """Who asked a batched round (`Batch.key`): its session; None for a prompt opened in the
-    steps, whose caller comes back as its session's rounds, so no round waits for it (with a
-    key of its own, every lone session's rounds waited `Batch.gather_s` for it for half a
+    steps, whose caller comes back as its session's rounds, so no round waits for it (a key
+    for prompts would make every lone session's rounds wait `Batch.gather_s` for half a
     second after each prompt)."""
     return None if isinstance(item, PromptAsked) else id(item[0])
 
