@@ -786,6 +786,21 @@ def test_a_step_that_fails_with_many_rounds_goes_on_with_fewer_and_the_same_resu
     assert widths[failed : failed + 2] == [4, 2]  # failed, then half as many a step
 
 
+async def _servicer_with_prompts_in_steps(model_dir):
+    """A loaded verifier servicer whose prompts of up to 64 tokens open in the batched steps,
+    its MLX worker thread without inline rounds (as on a GPU); returns (servicer, thread)."""
+    from specd.service import MlxThread
+    from verifier_svc.config import VerifierConfig
+    from verifier_svc.servicer import VerifierServicer
+
+    mlx = MlxThread(inline_rounds=False)
+    config = VerifierConfig(model=str(model_dir), warmup="minimal", gemv_rows=0,
+                            row_forwards="on", kv_pool="on", prefill_in_steps=64)  # fmt: skip
+    verifier = VerifierServicer(config, mlx)
+    await verifier.load()
+    return verifier, mlx
+
+
 def _verify_beside_opens(model_dir, prompts: list[list[int]]):
     """A Verify of 4 plain steps and OpenSessions of `prompts` queued together on a verifier
     with `--prefill-in-steps 64`: (the Verify's answer, each open's answer or error, the load
@@ -793,17 +808,10 @@ def _verify_beside_opens(model_dir, prompts: list[list[int]]):
     import asyncio
     import threading
 
-    from specd.service import MlxThread
     from specd.v1 import verifier_pb2
-    from verifier_svc.config import VerifierConfig
-    from verifier_svc.servicer import VerifierServicer
 
     async def main():
-        mlx = MlxThread(inline_rounds=False)
-        config = VerifierConfig(model=str(model_dir), warmup="minimal", gemv_rows=0,
-                                row_forwards="on", kv_pool="on", prefill_in_steps=64)  # fmt: skip
-        verifier = VerifierServicer(config, mlx)
-        await verifier.load()
+        verifier, mlx = await _servicer_with_prompts_in_steps(model_dir)
         first = await verifier.OpenSession(
             verifier_pb2.OpenSessionRequest(prompt_ids=PROMPTS[0]), RpcContext()
         )
@@ -854,17 +862,11 @@ def test_a_prompt_opened_in_the_steps_leaves_no_caller_for_the_rounds_to_wait_fo
     import asyncio
     import time
 
-    from specd.service import MlxThread
     from specd.v1 import verifier_pb2
-    from verifier_svc.config import VerifierConfig
-    from verifier_svc.servicer import RoundAsked, VerifierServicer
+    from verifier_svc.servicer import RoundAsked
 
     async def main():
-        mlx = MlxThread(inline_rounds=False)
-        config = VerifierConfig(model=str(tiny_model_dir), warmup="minimal", gemv_rows=0,
-                                row_forwards="on", kv_pool="on", prefill_in_steps=64)  # fmt: skip
-        verifier = VerifierServicer(config, mlx)
-        await verifier.load()
+        verifier, mlx = await _servicer_with_prompts_in_steps(tiny_model_dir)
         ran, record = [], verifier._rounds.ran
         verifier._rounds.ran = lambda items, now: ran.extend(items) or record(items, now)
         opened = await verifier.OpenSession(

@@ -579,6 +579,8 @@ def prefill_steps(
     all_rows = mx.concatenate(row_chunks, axis=0) if row_chunks else None
     mx.eval([c.state for c in cache], *([all_rows] if all_rows is not None else []))
     target.keep_prefix(prompt_ids, cache, all_rows, capture)
+    # its tokens followed for the prefix cache only where a closed session can be kept
+    followed = target._prefixes_for(cache) is not None
     session = Session(
         cache=cache,
         capture=capture,
@@ -588,8 +590,8 @@ def prefill_steps(
         finished=first in target.eos_ids,
         sampling=sampling,
         rng=rng,
-        tokens=[*prompt_ids, first] if target.prefix_cache is not None else [],
-        rows_kept=[all_rows] if target.prefix_cache is not None and capture else [],
+        tokens=[*prompt_ids, first] if followed else [],
+        rows_kept=[all_rows] if followed and capture else [],
     )
     return PrefillResult(session, first, all_rows, time.perf_counter() - start)
 
