@@ -25,7 +25,10 @@
 #          trees every round
 # before-after PATCH [DRAFTERS [SECONDS]]  the same bench (every 8th MT-bench question, k
 #          pinned; default eagle3-k3,none) with the carried PATCH (git diff OLD NEW of the code)
-#          reversed, then applied again: two commits side by side on one machine
+#          reversed, then applied again: two commits side by side on one machine; a side
+#          starts its stacks one after another (a verifier's warm-up ~60 s on a fresh
+#          machine), so SECONDS (default 200) under ~100 a drafter gets no table, only the
+#          verifiers' load lines ($OUT/SIDE-load.log)
 # round-profile [DRAFTER [K]]  where a served round's time goes (benchmarks/round_profile.py:
 #          py-spy on each service, the verifier's load lines); carry py-spy's wheel as
 #          .gpu/pyspy/py_spy-*.whl (pip download py-spy --no-deps --only-binary=:all:)
@@ -178,6 +181,8 @@ before-after)
       --dtype float32 --questions mt-bench --every 8 --drafter "${3:-eagle3-k3,none}" \
       --no-adaptive --time-limit "${4:-200}" > "$OUT/$side.log" 2>&1
     echo "$side:"; grep -E "^target|OVERALL|per round|share" "$OUT/$side.log"
+    logs=$(sed -n 's/.*logs in //p' "$OUT/$side.log" | head -1)
+    [ -n "$logs" ] && grep -H "last 10" "$logs"/*/verifier.log > "$OUT/$side-load.log"
   done ;;
 round-profile)
   spy=~/py-spy-wheel
