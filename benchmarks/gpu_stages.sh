@@ -27,7 +27,7 @@
 #          pinned; default eagle3-k3,none) with the carried PATCH (git diff OLD NEW of the code)
 #          reversed, then applied again: two commits side by side on one machine; a side
 #          starts its stacks one after another (a verifier's warm-up ~60 s on a fresh
-#          machine), so SECONDS (default 200) under ~100 a drafter gets no table, only the
+#          machine), so SECONDS (default 250) under ~100 a drafter gets no table, only the
 #          verifiers' load lines ($OUT/SIDE-load.log)
 # round-profile [DRAFTER [K]]  where a served round's time goes (benchmarks/round_profile.py:
 #          py-spy on each service, the verifier's load lines); carry py-spy's wheel as
@@ -177,9 +177,9 @@ before-after)
   [ -f "${2:-}" ] || { echo "before-after: give the carried patch (git diff OLD NEW)" >&2; exit 2; }
   for side in before after; do
     if [ $side = before ]; then patch -s -R -p1 < "$2"; else patch -s -p1 < "$2"; fi || exit 1
-    timeout "$(( ${4:-200} + 40 ))" python3 -m specd bench --target "$model" --max-tokens 128 \
+    timeout "$(( ${4:-250} + 40 ))" python3 -m specd bench --target "$model" --max-tokens 128 \
       --dtype float32 --questions mt-bench --every 8 --drafter "${3:-eagle3-k3,none}" \
-      --no-adaptive --time-limit "${4:-200}" > "$OUT/$side.log" 2>&1
+      --no-adaptive --time-limit "${4:-250}" > "$OUT/$side.log" 2>&1
     echo "$side:"; grep -E "^target|OVERALL|per round|share" "$OUT/$side.log"
     logs=$(sed -n 's/.*logs in //p' "$OUT/$side.log" | head -1)
     [ -n "$logs" ] && grep -H "last 10" "$logs"/*/verifier.log > "$OUT/$side-load.log"
