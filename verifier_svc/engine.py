@@ -338,7 +338,7 @@ class Target:
         """token_ids [T] appended at the cache end -> (logits [T, V], rows [T, L*H] or None)."""
         return self._backend(token_ids.size, cache)(token_ids, cache, capture, None)
 
-    def _prefixes_for(self, cache: list) -> PrefixCache | None:
+    def prefixes_for(self, cache: list) -> PrefixCache | None:
         """The prefix cache, where there is one and `cache` is plain caches (not pooled)."""
         if self.prefix_cache is None or not all(type(c) is KVCache for c in cache):
             return None
@@ -348,14 +348,14 @@ class Target:
                         cache: list):  # fmt: skip
         """The stored beginning of this prompt (`prefix_cache`) for its plain caches, with
         rows of `capture` in `rows_dtype` where it captures; or None."""
-        prefixes = self._prefixes_for(cache)
+        prefixes = self.prefixes_for(cache)
         return prefixes.find(prompt_ids, capture, rows_dtype) if prefixes else None
 
     def keep_prefix(self, tokens: list[int], cache: list, rows=None, capture=()) -> None:
         """Store copies (the cache moves on) of the keys and values of `tokens`, the cache's
         first len(tokens) rows, with the rows sent for them [len(tokens), W] of layers
         `capture` (None without capture)."""
-        prefixes = self._prefixes_for(cache)
+        prefixes = self.prefixes_for(cache)
         if prefixes is None:
             return
         n = len(tokens)
@@ -580,7 +580,7 @@ def prefill_steps(
     mx.eval([c.state for c in cache], *([all_rows] if all_rows is not None else []))
     target.keep_prefix(prompt_ids, cache, all_rows, capture)
     # its tokens followed for the prefix cache only where a closed session can be kept
-    followed = target._prefixes_for(cache) is not None
+    followed = target.prefixes_for(cache) is not None
     session = Session(
         cache=cache,
         capture=capture,
