@@ -423,6 +423,9 @@ class MlxThread:
                 self._run_batch(fn, [(future, args)], held)
             else:
                 self._run_one(future, fn, args)
+            # not held while waiting for the next job: the last job's arguments and result
+            # (a closed session's caches, and through them a KV pool's slot) would stay alive
+            del future, fn, args
 
     def _run_one(self, future: Future, fn: Callable, args) -> None:
         settle = None

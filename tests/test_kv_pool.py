@@ -182,6 +182,50 @@ def test_the_verifier_option_pools_and_reports_the_pool_as_its_kv(tiny_model_dir
     assert verifier.kv_bytes() == target.kv_pool.nbytes > 0
 
 
+def test_the_verifier_frees_the_pool_once_its_last_session_closes(tiny_model_dir):
+    """Sessions opened and stepped through the servicer's RPCs, on its MLX worker, then all
+    closed: no reference to the last job's session is left behind (the worker waiting for
+    its next job held one), so the pool's memory goes as it does for the engine alone."""
+    import asyncio
+
+    from specd.service import MlxThread
+    from specd.v1 import common_pb2, verifier_pb2
+    from verifier_svc.config import VerifierConfig
+    from verifier_svc.servicer import VerifierServicer
+
+    async def main():
+        mlx = MlxThread(inline_rounds=False)
+        config = VerifierConfig(model=str(tiny_model_dir), warmup="minimal", gemv_rows=0,
+                                row_forwards="on", kv_pool="on")  # fmt: skip
+        verifier = VerifierServicer(config, mlx)
+        await verifier.load()
+        opened = await asyncio.gather(*(
+            verifier.OpenSession(verifier_pb2.OpenSessionRequest(prompt_ids=p), RpcContext())
+            for p in PROMPTS[:3]
+        ))  # fmt: skip
+        await asyncio.gather(*(
+            verifier.Verify(verifier_pb2.VerifyRequest(session_id=o.session_id,
+                                                       position=o.position, plain_steps=2),
+                            RpcContext())
+            for o in opened
+        ))  # fmt: skip
+        in_use = verifier.kv_bytes()
+        for o in opened:
+            request = common_pb2.CloseSessionRequest(session_id=o.session_id)
+            await verifier.CloseSession(request, RpcContext())
+        for _ in range(250):  # until the worker, its last job settled, is back at its queue
+            gc.collect()
+            if verifier.kv_bytes() == 0:
+                break
+            await asyncio.sleep(0.02)
+        left = verifier.kv_bytes(), verifier.target.kv_pool.open_slots
+        mlx.shutdown()
+        return in_use, left
+
+    in_use, left = asyncio.run(main())
+    assert in_use > 0 and left == (0, 0)
+
+
 def test_a_prompt_prefilled_a_layer_at_a_time_into_the_pool_is_the_same(pooled, plain):
     from verifier_svc.engine import advance, prefill_steps
 

@@ -225,6 +225,34 @@ def test_without_inline_rounds_every_job_runs_on_the_worker():
     assert set(asyncio.run(main())) == {"mlx"}
 
 
+def test_the_mlx_worker_keeps_nothing_of_a_finished_job_while_it_waits_for_the_next():
+    """A job's arguments and result are not held by the idle worker: a closed session's caches
+    (and a KV pool's slot through them) go once their callers let go, not at the next job."""
+    import gc
+    import weakref
+
+    from specd.service import Batch
+
+    class Held:
+        pass
+
+    mlx = MlxThread(inline_rounds=False)
+    batch = Batch(lambda items: [Held() for _ in items])
+    for submit in (lambda arg: mlx.submit(lambda held: Held(), arg),
+                   lambda arg: mlx.submit_batched(batch, arg)):  # fmt: skip
+        argument = Held()
+        future = submit(argument)
+        gone = [weakref.ref(argument), weakref.ref(future.result(5))]
+        del argument, future
+        for _ in range(500):  # the worker settles the future, then goes back to its queue
+            gc.collect()
+            if all(ref() is None for ref in gone):
+                break
+            time.sleep(0.01)
+        assert [ref() for ref in gone] == [None, None]
+    mlx.shutdown()
+
+
 def test_sampling_and_tree_checks_every_service_shares():
     from specd.service import InvalidArgument, check_sampling_params, check_tree_request
     from specd.v1 import common_pb2
