@@ -3,7 +3,10 @@
 Each cycle opens --sessions sessions (a --prompt-tokens prompt each), decodes --tokens plain
 tokens in every one, reads the verifier's metrics (its sessions' KV cache bytes, MLX's active,
 cached and peak memory, the process's resident memory), closes them all and reads them again.
-Memory that grows from cycle to cycle after the sessions close is a leak.
+Memory that grows from cycle to cycle after the sessions close is a leak. The readings after
+a close are taken once MLX's active memory stops changing (the verifier handles closes on its
+own time); the prefix cache's bytes (prompts' KV it keeps, in host memory) are a column of
+their own.
 
     python benchmarks/kv_memory.py [--target DIR] [--sessions 64] [--prompt-tokens 256]
         [--tokens 16] [--cycles 3] [--verifier-args "..."]
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import tempfile
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +30,7 @@ from specd.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 READINGS = {
     "KV caches": "specd_kv_cache_bytes",
+    "prefix cache": "specd_prefix_cache_bytes",
     "MLX active": 'specd_mlx_memory_bytes{kind="active"}',
     "MLX cache": 'specd_mlx_memory_bytes{kind="cache"}',
     "MLX peak": 'specd_mlx_memory_bytes{kind="peak"}',
@@ -40,6 +45,21 @@ def read_metrics(url: str) -> dict[str, float]:
         for line in text.splitlines():
             if line.startswith(prefix + " ") or line.startswith(prefix + "{"):
                 values[name] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def settled_metrics(url: str, longest_s: float = 60.0) -> dict[str, float]:
+    """The metrics once MLX's active memory stops changing: a closed session's KV goes when
+    the verifier has handled its close (with the prefix cache on, after a job on its MLX
+    thread copies what it keeps), not when CloseSession returns."""
+    values = read_metrics(url)
+    deadline = time.monotonic() + longest_s
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        again = read_metrics(url)
+        if again.get("MLX active") == values.get("MLX active"):
+            return again
+        values = again
     return values
 
 
@@ -91,7 +111,7 @@ def main() -> None:
                 rows.append((f"cycle {cycle}, open", len(ids), read_metrics(url)))
                 for session_id in ids:
                     stub.CloseSession(common_pb2.CloseSessionRequest(session_id=session_id))
-                rows.append((f"cycle {cycle}, closed", 0, read_metrics(url)))
+                rows.append((f"cycle {cycle}, closed", 0, settled_metrics(url)))
     finally:
         verifier.stop()
 
