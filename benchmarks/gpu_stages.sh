@@ -23,9 +23,10 @@
 #          settings (one GPU context beside the services' two: whether the split costs the
 #          verify); pinned turns adaptive k off (--no-adaptive), so a tree drafter drafts its
 #          trees every round
-# before-after PATCH [DRAFTERS [SECONDS]]  the same bench (every 8th MT-bench question, k
-#          pinned; default eagle3-k3,none) with the carried PATCH (git diff OLD NEW of the code)
-#          reversed, then applied again: two commits side by side on one machine; a side
+# before-after PATCH [DRAFTERS [SECONDS [after-first]]]  the same bench (every 8th MT-bench
+#          question, k pinned; default eagle3-k3,none) with the carried PATCH (git diff OLD NEW
+#          of the code) reversed, then applied again (after-first: the tree as it is, then
+#          reversed): two commits side by side on one machine; a side
 #          starts its stacks one after another (a verifier's warm-up ~60 s on a fresh
 #          machine), so SECONDS (default 250) under ~100 a drafter gets no table, only the
 #          verifiers' load lines ($OUT/SIDE-load.log)
@@ -72,6 +73,8 @@
 #          sessions against the same prompts one by one and plain mlx-lm's first tokens
 #          (prefill_cost.py --group 5), then each prompt alone
 # pool     many clients on the KV pool: the verifier alone, the services, the fault drill (issue 28)
+# kvmem    the verifier's memory with 64 sessions open and after they close, three cycles
+#          (kv_memory.py; issue 28: KV per session, the peak at 64, no growth after close)
 # distill [SECONDS [DTYPE]]  the target's replies to ShareGPT prompts (every user turn, the
 #          whole prompt range up to 1024 tokens, in shuffled order), appended to ~/dd.jsonl
 #          (resumes), for SECONDS (default 500) in DTYPE (default bfloat16)
@@ -175,8 +178,11 @@ drafters)
     >> "$OUT/drafters.log" 2>&1 ;;
 before-after)
   [ -f "${2:-}" ] || { echo "before-after: give the carried patch (git diff OLD NEW)" >&2; exit 2; }
-  for side in before after; do
-    if [ $side = before ]; then patch -s -R -p1 < "$2"; else patch -s -p1 < "$2"; fi || exit 1
+  sides="before after"
+  [ "${5:-}" = after-first ] && sides="after before"
+  for side in $sides; do
+    if [ $side = before ]; then patch -s -R -p1 < "$2"; elif [ "$sides" = "before after" ]; then
+      patch -s -p1 < "$2"; fi || exit 1
     timeout "$(( ${4:-250} + 40 ))" python3 -m specd bench --target "$model" --max-tokens 128 \
       --dtype float32 --questions mt-bench --every 8 --drafter "${3:-eagle3-k3,none}" \
       --no-adaptive --time-limit "${4:-250}" > "$OUT/$side.log" 2>&1
@@ -292,6 +298,9 @@ pool)
   timeout 150 python3 -m specd bench --target "$model" --dtype float32 --questions mt-bench \
     --max-tokens 64 --drafter ngram --concurrency 1,16 --concurrency-requests 1 \
     --concurrency-faults --json ~/res/faults.json > "$OUT/pool-faults.log" 2>&1 ;;
+kvmem)
+  timeout 400 python3 benchmarks/kv_memory.py --target "$model" --sessions 64 --cycles 3 \
+    --verifier-args "--dtype float32" > "$OUT/kv-memory.log" 2>&1 ;;
 distill)
   timeout 590 python3 -m specd distill --target "$model" --out ~/dd.jsonl --conversations 100000 \
     --batch-size 512 --max-prompt-tokens 1024 --max-new-tokens 256 --dtype "${3:-bfloat16}" \
