@@ -183,6 +183,10 @@ class DrafterLink:
         self.retry_at: float | None = None  # set while the drafter is down
         self.carried: Drafted | None = None  # next block, drafted while the last verify ran
         self.empty_answers = 0  # drafter calls in a row that proposed nothing
+        # drafter calls in a row the target kept nothing of: no draft, or drafts (a guess beside
+        # a burst) wrong from the first; after empty answers they set the bursts and the backoff,
+        # so a drafter whose rare proposals miss does not restart its bursts at one token
+        self.fruitless_calls = 0
         self.calls_skipped = 0  # rounds in a row decoded without asking, after empty answers
         self.all_rows: list = []  # rows of every verified position, for a re-open
 
@@ -210,14 +214,21 @@ class DrafterLink:
     ) -> Drafted:
         drafted = await self._draft(position, k, sampling, speculative_ids, tree)
         self.empty_answers = 0 if drafted.ids else self.empty_answers + 1
+        if not drafted.ids:
+            self.fruitless_calls += 1  # an answer with drafts counts once judged (`judged`)
         self.calls_skipped = 0
         return drafted
 
+    def judged(self, kept: int) -> None:
+        """An answer's drafts (or guess) met the target's tokens: `kept` of them right in a
+        row."""
+        self.fruitless_calls = 0 if kept else self.fruitless_calls + 1
+
     def skip_call(self) -> bool:
-        """After EMPTY_BACKOFF_AFTER empty answers in a row, ask only every few rounds (1, 2,
+        """After EMPTY_BACKOFF_AFTER fruitless calls in a row, ask only every few rounds (1, 2,
         then EMPTY_BACKOFF_MAX rounds skipped between calls): an answer that finds nothing
         still costs a call, and under load the CPU it takes from the verifier."""
-        over = self.empty_answers - EMPTY_BACKOFF_AFTER
+        over = self.fruitless_calls - EMPTY_BACKOFF_AFTER
         if over < 0 or self.calls_skipped >= min(2**over, EMPTY_BACKOFF_MAX):
             return False
         self.calls_skipped += 1
@@ -459,7 +470,18 @@ async def _play_round(request: _Request, remaining: int) -> Round:
         played.kind = "overlap"
     await _ROUNDS[played.kind](request, played, remaining)
     played.verify_done = time.perf_counter()
+    _judge_answer(request.link, played)
     return played
+
+
+def _judge_answer(link: DrafterLink | None, played: Round) -> None:
+    """What the target kept of the round's drafts, or of the guess made beside its burst."""
+    if link is None:
+        return
+    if played.kind in ("verify", "overlap") and played.drafted.ids:
+        link.judged(played.verified.num_accepted)
+    elif played.kind == "beside" and played.guess is not None and played.guess.ids:
+        link.judged(played.matched)
 
 
 def cut_at_prices(drafted: Drafted, prices: LinearCost, paid: float, least: int = 0) -> Drafted:
@@ -529,11 +551,11 @@ def _steps_after_empty_answer(request: _Request, remaining: int) -> int:
     expected to find nothing again beside it): in company, and in a request's first round,
     drafting off's burst, since a call of one token leaves the session a whole wait for the
     batched forwards behind the others (on MT-bench n-gram's first answer is nearly always
-    empty); alone later, a burst as long as the empty streak."""
+    empty); alone later, a burst as long as the streak of calls that gave nothing kept."""
     plan = request.plan
     if request.in_company or request.stats.rounds == 0:
         return _burst(plan, remaining)
-    return min(plan.decode_burst, request.link.empty_answers, remaining)
+    return min(plan.decode_burst, request.link.fruitless_calls, remaining)
 
 
 def _probe_beside(request: _Request) -> bool:

@@ -421,24 +421,56 @@ def test_in_company_probes_of_a_text_drafter_run_beside_bursts(target, monkeypat
     assert adaptive.acceptance < 0.2  # the guesses beside the bursts were judged, and wrong
 
 
-def test_after_empty_answers_the_drafter_is_asked_every_few_rounds():
+def test_after_fruitless_calls_the_drafter_is_asked_every_few_rounds():
     from coordinator.rounds import EMPTY_BACKOFF_AFTER, DrafterLink
 
     link = DrafterLink(drafter=None, stats=RoundStats())
-    link.empty_answers = EMPTY_BACKOFF_AFTER - 1
+    link.fruitless_calls = EMPTY_BACKOFF_AFTER - 1
     assert not link.skip_call()  # before the backoff every round asks
-    link.empty_answers += 1
+    link.judged(0)  # drafts wrong from the first count as a call that found nothing
     rounds = ""
     for _ in range(15):  # S: a round without a call; C: a call, and it finds nothing again
         if link.skip_call():
             rounds += "S"
         else:
             rounds += "C"
-            link.empty_answers += 1
+            link.fruitless_calls += 1
             link.calls_skipped = 0  # as DrafterLink.draft does
     assert rounds == "SCSSCSSSSCSSSSC"  # 1, 2, then at most 4 rounds between calls
-    link.empty_answers = 0  # an answer with drafts: every round asks again
-    assert not link.skip_call()
+    link.judged(2)  # an answer the target kept some of: every round asks again
+    assert link.fruitless_calls == 0 and not link.skip_call()
+
+
+class RarelyWrongProposer(GarbageProposer):
+    """Proposes nothing but on every `every`-th call, and then tokens the target never
+    chooses (an n-gram drafter's rare matches that miss, as on MT-bench)."""
+
+    def __init__(self, every):
+        super().__init__(vocab=1)
+        self.every, self.calls = every, 0
+
+    def propose(self, state, k, sampling=None, speculative=(), tree=None):
+        self.calls += 1
+        return Proposal([] if self.calls % self.every else [10**6] * k)
+
+
+def test_proposals_the_target_rejects_do_not_restart_the_bursts_at_one_token(target):
+    """After empty answers a lone session's bursts grow with the calls that gave it nothing;
+    an answer whose drafts (or guess beside a burst) are wrong from the first is one of them,
+    so a drafter that rarely proposes, and wrongly, costs few calls more than drafting off."""
+    plain, _ = collect(LocalVerifier(target), None, PROMPTS[2], Plan(80, 0, decode_burst=16))
+    verifier = CountingVerifier(target)
+    drafter = LocalDrafter(RarelyWrongProposer(every=3))
+    plan = Plan(80, 4, decode_burst=16, draft_beside_decode=True)
+    out, stats = collect(verifier, drafter, PROMPTS[2], plan)
+    assert out == plain and stats.accepted == 0
+    bursts = [n for _, n in verifier.calls]
+    # the first burst (4), then one and two tokens beside the first calls; past the wrong guess
+    # of the third call the bursts go on growing (wrong answers count as empty ones) and the
+    # backoff's rounds decode whole bursts: 11 calls for 80 tokens, where restarting at one
+    # token after each wrong answer took 57, one a token and a half
+    assert bursts[:3] == [4, 0, 2], bursts
+    assert min(bursts[3:-1]) >= 4 and len(verifier.calls) <= 12, bursts
 
 
 def test_a_guess_made_beside_a_burst_drafts_the_next_round_when_the_burst_matches(target):
