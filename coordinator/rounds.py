@@ -555,7 +555,7 @@ def _steps_after_empty_answer(request: _Request, remaining: int) -> int:
     plan = request.plan
     if request.in_company or request.stats.rounds == 0:
         return _burst(plan, remaining)
-    return min(plan.decode_burst, request.link.fruitless_calls, remaining)
+    return min(plan.decode_burst, max(1, request.link.fruitless_calls), remaining)
 
 
 def _probe_beside(request: _Request) -> bool:
