@@ -50,6 +50,20 @@ def use_build(path: str) -> None:
     row_products._row_kernels = module
 
 
+def runs_of_builds(
+    script: str, builds: list[str], trials: int, args: list[str]
+) -> dict[str, list[dict[int, float]]]:
+    """Each build timed by `script --one BUILD ARGS` in a process of its own, the builds
+    alternating, `trials` times: per build, each trial's {size: ms} (the child's JSON)."""
+    runs: dict[str, list[dict[int, float]]] = {path: [] for path in builds}
+    for _ in range(trials):
+        for path in builds:
+            child = [sys.executable, script, "--one", path, *args]
+            out = subprocess.run(child, check=True, capture_output=True, text=True).stdout
+            runs[path].append({int(k): v for k, v in json.loads(out).items()})
+    return runs
+
+
 def time_rows(rows: list[int], passes: int, layouts=("stored",)) -> dict[str, dict[int, float]]:
     """Best ms per pass over the stack for each row count, per layout ("stored", "paired"),
     the layouts' passes alternating."""
@@ -98,13 +112,8 @@ def main() -> None:
         for n in args.rows:
             print(f"{n:4d}  " + "  ".join(f"{best[layout][n]:8.1f}" for layout in layouts))
         return
-    runs: dict[str, list[dict]] = {path: [] for path in args.kernels}
-    for _ in range(args.trials):
-        for path in args.kernels:
-            child = [sys.executable, __file__, "--one", path, "--passes", str(args.passes),
-                     "--rows", *map(str, args.rows)]  # fmt: skip
-            out = subprocess.run(child, check=True, capture_output=True, text=True).stdout
-            runs[path].append({int(k): v for k, v in json.loads(out).items()})
+    sizes = ["--passes", str(args.passes), "--rows", *map(str, args.rows)]
+    runs = runs_of_builds(__file__, args.kernels, args.trials, sizes)
     print("ms per pass over the weights (median of the trials' best):")
     print("rows  " + "  ".join(f"{Path(path).name[-24:]:>24}" for path in args.kernels))
     for n in args.rows:

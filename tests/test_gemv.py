@@ -441,11 +441,12 @@ def test_compiled_attention_equals_softmax_attention(past, tokens):
     assert np.allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
-def test_attention_of_several_sequences_equals_each_alone():
-    """attention_many: every sequence's rows bit for bit as `attention` gives them alone, its
-    new keys and values written after its past in its own cache, nothing else touched."""
+@pytest.mark.parametrize("heads, groups, dim", [(6, 2, 16), (9, 3, 64), (4, 4, 8)])
+def test_attention_of_several_sequences_equals_each_alone(heads, groups, dim):
+    """attention_many: every sequence's rows bit for bit as `attention` gives them alone (its
+    query heads of one KV head taken together, keys and values read once for them), its new
+    keys and values written after its past in its own cache, nothing else touched."""
     rng = np.random.default_rng(5)
-    heads, groups, dim = 6, 2, 16
     pasts, tokens, capacities = [0, 7, 300, 40], [1, 3, 8, 1], [8, 16, 320, 256]
     bounds = np.cumsum([0, *tokens]).tolist()
     n = bounds[-1]

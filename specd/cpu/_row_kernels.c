@@ -696,33 +696,59 @@ static inline float sum8_of(f8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/* scores[j] = query . keys[j] for `count` rows of `dim` (a multiple of 8) floats; four keys
- * at a time so their multiply-adds do not wait on each other. */
+/* scores[r * stride + j] = query r . keys[j] for `rows` query rows [rows, dim] and `count`
+ * keys of `dim` (a multiple of 8) floats; four keys at a time so their multiply-adds do not
+ * wait on each other, each block of keys read once for every query row. */
 VECTOR_CLONES
-static void scores_of(const float *query, const float *keys, Py_ssize_t count, Py_ssize_t dim,
-                      float *scores) {
+static void scores_of_rows(const float *queries, int rows, const float *keys, Py_ssize_t count,
+                           Py_ssize_t dim, float *scores, Py_ssize_t stride) {
     Py_ssize_t j = 0;
     for (; j + 4 <= count; j += 4) {
         const float *k0 = keys + j * dim, *k1 = k0 + dim, *k2 = k1 + dim, *k3 = k2 + dim;
-        f8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        for (Py_ssize_t d = 0; d < dim; d += 8) {
-            f8 q = load8(query + d);
-            a0 += q * load8(k0 + d);
-            a1 += q * load8(k1 + d);
-            a2 += q * load8(k2 + d);
-            a3 += q * load8(k3 + d);
+        for (int r = 0; r < rows; r++) {
+            const float *query = queries + r * dim;
+            f8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (Py_ssize_t d = 0; d < dim; d += 8) {
+                f8 q = load8(query + d);
+                a0 += q * load8(k0 + d);
+                a1 += q * load8(k1 + d);
+                a2 += q * load8(k2 + d);
+                a3 += q * load8(k3 + d);
+            }
+            float *s = scores + r * stride + j;
+            s[0] = sum8_of(a0), s[1] = sum8_of(a1), s[2] = sum8_of(a2), s[3] = sum8_of(a3);
         }
-        scores[j] = sum8_of(a0);
-        scores[j + 1] = sum8_of(a1);
-        scores[j + 2] = sum8_of(a2);
-        scores[j + 3] = sum8_of(a3);
     }
     for (; j < count; j++) {
         const float *k = keys + j * dim;
-        f8 a = {0};
-        for (Py_ssize_t d = 0; d < dim; d += 8) a += load8(query + d) * load8(k + d);
-        scores[j] = sum8_of(a);
+        for (int r = 0; r < rows; r++) {
+            f8 a = {0};
+            for (Py_ssize_t d = 0; d < dim; d += 8) a += load8(queries + r * dim + d) * load8(k + d);
+            scores[r * stride + j] = sum8_of(a);
+        }
     }
+}
+
+static void scores_of(const float *query, const float *keys, Py_ssize_t count, Py_ssize_t dim,
+                      float *scores) {
+    scores_of_rows(query, 1, keys, count, dim, scores, 0);
+}
+
+/* scores[0:total] become e^(score - max), in place; returns their sum (eight partial sums,
+ * key j in lane j % 8, whatever the count). */
+VECTOR_CLONES
+static float softmax_of(float *scores, Py_ssize_t total) {
+    float m = -INFINITY;
+    for (Py_ssize_t j = 0; j < total; j++) m = scores[j] > m ? scores[j] : m;
+    f8 lanes = {0};
+    Py_ssize_t j = 0;
+    for (; j + 8 <= total; j += 8) {
+        f8 e;
+        for (int l = 0; l < 8; l++) e[l] = scores[j + l] = exp_of(scores[j + l] - m);
+        lanes += e;
+    }
+    for (int l = 0; j < total; j++, l++) lanes[l] += scores[j] = exp_of(scores[j] - m);
+    return sum8_of(lanes);
 }
 
 /* One query row: scores over the `past` cached keys and the `fresh` new ones it sees, their
@@ -740,17 +766,7 @@ static void attend_one(const float *query, const float *keys, const float *value
     Py_ssize_t total = past;
     for (Py_ssize_t j = 0; j < fresh; j++)
         if (sees[j]) scores_of(query, new_keys + j * dim, 1, dim, scores + total++);
-    float m = -INFINITY;
-    for (Py_ssize_t j = 0; j < total; j++) m = scores[j] > m ? scores[j] : m;
-    f8 lanes = {0};  /* eight partial sums, key j in lane j % 8, whatever the count */
-    Py_ssize_t j = 0;
-    for (; j + 8 <= total; j += 8) {
-        f8 e;
-        for (int l = 0; l < 8; l++) e[l] = scores[j + l] = exp_of(scores[j + l] - m);
-        lanes += e;
-    }
-    for (int l = 0; j < total; j++, l++) lanes[l] += scores[j] = exp_of(scores[j] - m);
-    float sum = sum8_of(lanes);
+    float sum = softmax_of(scores, total);
     for (Py_ssize_t d0 = 0; d0 < dim; d0 += 64) {
         Py_ssize_t width = dim - d0 < 64 ? dim - d0 : 64;
         f8 acc[8];
@@ -769,6 +785,68 @@ static void attend_one(const float *query, const float *keys, const float *value
     }
     float inverse = 1.0f / sum;
     for (Py_ssize_t d = 0; d < dim; d++) out[d] *= inverse;
+}
+
+/* Keys whose values a grouped pass sums before moving to the next query row: the block's values
+ * stay in L1 while every query of the group reads them. */
+#define VALUE_BLOCK 32
+/* sequences x KV heads from which a KV head's query heads are a unit of work together */
+#define ATTENTION_UNITS_SHARED 8
+
+/* The `count` query rows of one KV head (grouped-query attention), [count, dim] in `queries`,
+ * into out [count, dim]: each row bit for bit what attend_one computes for it, every sum in
+ * the same order, but each block of keys and values read once for the group instead of once a
+ * row. scores holds count * stride floats (stride >= past + fresh). */
+VECTOR_CLONES
+static void attend_heads(const float *queries, int count, const float *keys,
+                         const float *values, Py_ssize_t past, const float *new_keys,
+                         const float *new_values, Py_ssize_t fresh, const unsigned char *sees,
+                         Py_ssize_t dim, float *scores, Py_ssize_t stride, float *out) {
+    scores_of_rows(queries, count, keys, past, dim, scores, stride);
+    float sums[count];
+    for (int h = 0; h < count; h++) {
+        const float *query = queries + h * dim;
+        float *s = scores + h * stride;
+        Py_ssize_t total = past;
+        for (Py_ssize_t n = 0; n < fresh; n++)
+            if (sees[n]) scores_of(query, new_keys + n * dim, 1, dim, s + total++);
+        sums[h] = softmax_of(s, total);
+    }
+    for (Py_ssize_t d0 = 0; d0 < dim; d0 += 64) {
+        Py_ssize_t width = dim - d0 < 64 ? dim - d0 : 64;
+        for (int h = 0; h < count; h++) memset(out + h * dim + d0, 0, sizeof(float) * width);
+        for (Py_ssize_t i0 = 0; i0 < past; i0 += VALUE_BLOCK) {
+            Py_ssize_t i1 = i0 + VALUE_BLOCK < past ? i0 + VALUE_BLOCK : past;
+            for (int h = 0; h < count; h++) {
+                const float *s = scores + h * stride;
+                f8 acc[8];
+                for (int c = 0; c < width / 8; c++) acc[c] = load8(out + h * dim + d0 + 8 * c);
+                for (Py_ssize_t i = i0; i < i1; i++) {
+                    const float *row = values + i * dim + d0;
+                    for (int c = 0; c < width / 8; c++) acc[c] += s[i] * load8(row + 8 * c);
+                }
+                for (int c = 0; c < width / 8; c++)
+                    memcpy(out + h * dim + d0 + 8 * c, &acc[c], sizeof acc[c]);
+            }
+        }
+        for (int h = 0; h < count; h++) {
+            const float *s = scores + h * stride;
+            f8 acc[8];
+            for (int c = 0; c < width / 8; c++) acc[c] = load8(out + h * dim + d0 + 8 * c);
+            for (Py_ssize_t i = 0, k = past; i < fresh; i++) {
+                if (!sees[i]) continue;
+                const float *row = new_values + i * dim + d0;
+                float w = s[k++];
+                for (int c = 0; c < width / 8; c++) acc[c] += w * load8(row + 8 * c);
+            }
+            for (int c = 0; c < width / 8; c++)
+                memcpy(out + h * dim + d0 + 8 * c, &acc[c], sizeof acc[c]);
+        }
+    }
+    for (int h = 0; h < count; h++) {
+        float inverse = 1.0f / sums[h];
+        for (Py_ssize_t d = 0; d < dim; d++) out[h * dim + d] *= inverse;
+    }
 }
 
 /* attention(queries [H, T, D], new_keys [G, T, D], new_values [G, T, D], keys [G, C, D],
@@ -836,27 +914,37 @@ typedef struct {
     const Py_ssize_t *pasts, *bounds;       /* per sequence; bounds has one more */
     Py_ssize_t heads, groups, tokens, dim, longest;  /* longest: most rows a query sees */
     float scale;
+    Py_ssize_t together;  /* query heads a unit of work takes: those of a KV head, or one */
 } ManyAttention;
 
-/* units [first, last) of sequence x query head */
+/* units [first, last) of sequence x `together` query heads (all of a KV head's, or one) */
 static void attention_units(const Job *job, Py_ssize_t first, Py_ssize_t last) {
     const ManyAttention *a = job->context;
-    Py_ssize_t dim = a->dim, group = a->heads / a->groups;
-    float *scratch = malloc(sizeof(float) * (size_t)(a->longest + 1 + dim));
+    Py_ssize_t dim = a->dim, group = a->together, stride = a->longest + 1;
+    Py_ssize_t units = a->heads / group;  /* a sequence's */
+    float *scratch = malloc(sizeof(float) * (size_t)(group * (stride + dim)));
     if (scratch == NULL) abort();  /* a few KiB; no way to raise from a worker */
-    float *query = scratch + a->longest + 1;
+    float *queries = scratch + group * stride;
     for (Py_ssize_t u = first; u < last; u++) {
-        Py_ssize_t s = u / a->heads, h = u % a->heads, g = h / group;
+        Py_ssize_t s = u / units, head = u % units * group, g = head / (a->heads / a->groups);
         Py_ssize_t start = a->bounds[s], fresh = a->bounds[s + 1] - start, past = a->pasts[s];
         Py_ssize_t capacity = a->keys[s].shape[1];
         const float *keys = (const float *)a->keys[s].buf + g * capacity * dim;
         const float *values = (const float *)a->values[s].buf + g * capacity * dim;
         const unsigned char *sees = a->sees[s].buf;
         for (Py_ssize_t t = 0; t < fresh; t++) {
-            const float *q = a->queries + (h * a->tokens + start + t) * dim;
-            for (Py_ssize_t d = 0; d < dim; d++) query[d] = q[d] * a->scale;
-            attend_one(query, keys, values, past, keys + past * dim, values + past * dim, fresh,
-                       sees + t * fresh, dim, scratch, a->out + (start + t) * a->heads * dim + h * dim);
+            for (Py_ssize_t r = 0; r < group; r++) {
+                const float *q = a->queries + ((head + r) * a->tokens + start + t) * dim;
+                for (Py_ssize_t d = 0; d < dim; d++) queries[r * dim + d] = q[d] * a->scale;
+            }
+            float *out = a->out + (start + t) * a->heads * dim + head * dim;
+            if (group == 1)
+                attend_one(queries, keys, values, past, keys + past * dim, values + past * dim,
+                           fresh, sees + t * fresh, dim, scratch, out);
+            else
+                attend_heads(queries, (int)group, keys, values, past, keys + past * dim,
+                             values + past * dim, fresh, sees + t * fresh, dim, scratch, stride,
+                             out);
         }
     }
     free(scratch);
@@ -969,10 +1057,14 @@ static PyObject *attention_many(PyObject *self, PyObject *args) {
                                           "not a multiple of 8, or a cache without room)");
         goto done;
     }
-    ManyAttention context = {v[0].buf, v[3].buf, keys,   values, sees, pasts, bounds,
-                             heads,    groups,   tokens, dim,    longest, scale};
-    Job job = {.outputs = count * heads, .span = 1, .spans = count * heads,
-               .chunk = piece(count * heads), .task = attention_units, .context = &context};
+    /* a KV head's query heads together read its keys and values once; with few sequences,
+     * one head a unit, so the pool's threads get work enough to share */
+    Py_ssize_t together = count * groups >= ATTENTION_UNITS_SHARED ? heads / groups : 1;
+    ManyAttention context = {v[0].buf, v[3].buf, keys,   values, sees,    pasts, bounds,
+                             heads,    groups,   tokens, dim,    longest, scale, together};
+    Py_ssize_t units = count * heads / together;
+    Job job = {.outputs = units, .span = 1, .spans = units, .chunk = piece(units),
+               .task = attention_units, .context = &context};
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t s = 0; s < count; s++) {
         Py_ssize_t start = bounds[s], fresh = bounds[s + 1] - start;
