@@ -125,6 +125,10 @@ class SpeculationCosts:
     verify: LinearCost = field(default_factory=lambda: LinearCost(0.06, 0.006))
     draft: LinearCost = field(default_factory=lambda: LinearCost(0.001, 0.0))
     acceptance: SharedAcceptance = field(default_factory=SharedAcceptance)
+    # the drafter's calls in a row that gave nothing kept, where the last request left them: a
+    # request starts its bursts and backoff there (`DrafterLink.fruitless_calls`), so a drafter
+    # that finds nothing in request after request is not asked beside short bursts anew each time
+    fruitless_calls: int = 0
 
 
 @dataclass

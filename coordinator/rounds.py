@@ -320,6 +320,9 @@ async def run_rounds(
     opened = await verifier.open(prompt_ids, capture, plan.sampling)
     stats.prefill_s = time.perf_counter() - start
     link = DrafterLink(drafter, stats, plan.drafter_retry_s) if drafter is not None else None
+    shared = plan.adaptive.costs if plan.adaptive is not None else None
+    if link is not None and shared is not None:
+        link.fruitless_calls = shared.fruitless_calls
     try:
         request = _Request(verifier, link, opened.session_id, plan, stats, len(prompt_ids) + 1)
         stats.generated_tokens = 1
@@ -349,6 +352,8 @@ async def run_rounds(
             stats.round_times.append(played.times(time.perf_counter()))
     finally:
         stats.total_s = time.perf_counter() - start
+        if link is not None and shared is not None:
+            shared.fruitless_calls = link.fruitless_calls
         await _close_sessions(verifier, opened.session_id, link)
 
 

@@ -102,7 +102,9 @@ def test_bench_compares_drafters_and_writes_json_markdown_chart(tiny_model_dir, 
     serial = json.loads((tmp_path / "out-ngram-serial.json").read_text())
     assert serial["overall"]["identical"] == 2
     assert all(q["beside_calls"] == 0 < q["draft_calls"] for q in serial["questions"])
-    assert sum(q["beside_calls"] for q in result["questions"]) > 0  # on by default
+    # on by default (k pinned: adaptive k's requests start from the drafter's fruitless streak
+    # of the requests before, and these short ones then skip its calls)
+    assert sum(q["beside_calls"] for q in pinned["questions"]) > 0
     assert "the target's forwards alone:" in run.stdout
     assert "median question: speed-up" in run.stdout
     assert "OVERALL" in run.stdout

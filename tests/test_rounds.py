@@ -441,6 +441,34 @@ def test_after_fruitless_calls_the_drafter_is_asked_every_few_rounds():
     assert link.fruitless_calls == 0 and not link.skip_call()
 
 
+def test_a_request_starts_from_the_fruitless_streak_the_last_one_left(target):
+    """With adaptive k the drafter's streak of calls that gave nothing kept is shared by the
+    coordinator's requests: after a request in which it found nothing, the next one does not
+    begin again with bursts of one token beside its calls, and one that finds drafts resets it."""
+    from coordinator.adaptive import AdaptiveK, SpeculationCosts
+
+    plain, _ = collect(LocalVerifier(target), None, PROMPTS[2], Plan(80, 0, decode_burst=16))
+    costs = SpeculationCosts()
+    calls = []
+    for _ in range(2):
+        verifier = CountingVerifier(target)
+        plan = Plan(80, 4, adaptive=AdaptiveK.for_session(costs, 4, text_driven=True),
+                    decode_burst=16, draft_beside_decode=True)  # fmt: skip
+        out, _ = collect(verifier, LocalDrafter(SilentProposer(silent=10**9)), PROMPTS[2], plan)
+        assert out == plain
+        calls.append([n for _, n in verifier.calls])
+    # the first request's bursts beside its calls grow from one token (a verify of one, then
+    # 2, 3, ...); the next one's start where the first left off: none under drafting off's
+    # first burst, fewer calls (here 11, then 8)
+    assert {0, 2, 3} <= set(calls[0][:6]) and costs.fruitless_calls > 4
+    assert min(calls[1][:-1]) >= 4 and len(calls[1]) < len(calls[0])
+    oracle = LocalDrafter(OracleProposer(PROMPTS[2] + plain))
+    plan = Plan(80, 4, adaptive=AdaptiveK.for_session(costs, 4, text_driven=True),
+                decode_burst=16, draft_beside_decode=True)  # fmt: skip
+    out, stats = collect(CountingVerifier(target), oracle, PROMPTS[2], plan)
+    assert out == plain and stats.accepted > 0 and costs.fruitless_calls == 0
+
+
 class RarelyWrongProposer(GarbageProposer):
     """Proposes nothing but on every `every`-th call, and then tokens the target never
     chooses (an n-gram drafter's rare matches that miss, as on MT-bench)."""
