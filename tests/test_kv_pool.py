@@ -182,23 +182,31 @@ def test_the_verifier_option_pools_and_reports_the_pool_as_its_kv(tiny_model_dir
     assert verifier.kv_bytes() == target.kv_pool.nbytes > 0
 
 
+async def _pooled_servicer(model_dir, **options):
+    """A loaded verifier servicer on the KV pool (MLX forwards row by row, `options` added), its
+    MLX worker thread without inline rounds (as on a GPU); returns (servicer, thread)."""
+    from specd.service import MlxThread
+    from verifier_svc.config import VerifierConfig
+    from verifier_svc.servicer import VerifierServicer
+
+    mlx = MlxThread(inline_rounds=False)
+    config = VerifierConfig(model=str(model_dir), warmup="minimal", gemv_rows=0,
+                            row_forwards="on", kv_pool="on", **options)  # fmt: skip
+    verifier = VerifierServicer(config, mlx)
+    await verifier.load()
+    return verifier, mlx
+
+
 def test_the_verifier_frees_the_pool_once_its_last_session_closes(tiny_model_dir):
     """Sessions opened and stepped through the servicer's RPCs, on its MLX worker, then all
     closed: no reference to the last job's session is left behind (the worker waiting for
     its next job held one), so the pool's memory goes as it does for the engine alone."""
     import asyncio
 
-    from specd.service import MlxThread
     from specd.v1 import common_pb2, verifier_pb2
-    from verifier_svc.config import VerifierConfig
-    from verifier_svc.servicer import VerifierServicer
 
     async def main():
-        mlx = MlxThread(inline_rounds=False)
-        config = VerifierConfig(model=str(tiny_model_dir), warmup="minimal", gemv_rows=0,
-                                row_forwards="on", kv_pool="on")  # fmt: skip
-        verifier = VerifierServicer(config, mlx)
-        await verifier.load()
+        verifier, mlx = await _pooled_servicer(tiny_model_dir)
         opened = await asyncio.gather(*(
             verifier.OpenSession(verifier_pb2.OpenSessionRequest(prompt_ids=p), RpcContext())
             for p in PROMPTS[:3]
@@ -311,11 +319,8 @@ def test_sessions_opened_at_once_are_prefilled_in_shared_forwards(
     import asyncio
     import threading
 
-    from specd.service import MlxThread
     from specd.v1 import verifier_pb2
     from verifier_svc import engine
-    from verifier_svc.config import VerifierConfig
-    from verifier_svc.servicer import VerifierServicer
 
     groups: list[int] = []
     real = engine._prefill_group
@@ -325,11 +330,7 @@ def test_sessions_opened_at_once_are_prefilled_in_shared_forwards(
         return real(target, prompts, group, answers)
 
     async def main():
-        mlx = MlxThread(inline_rounds=False)
-        config = VerifierConfig(model=str(tiny_model_dir), warmup="minimal", gemv_rows=0,
-                                row_forwards="on", kv_pool="on")  # fmt: skip
-        verifier = VerifierServicer(config, mlx)
-        await verifier.load()
+        verifier, mlx = await _pooled_servicer(tiny_model_dir)
         gate = threading.Event()
         mlx.submit(gate.wait)  # the worker busy while the calls queue up
         calls = [
@@ -830,21 +831,6 @@ def test_a_step_that_fails_with_many_rounds_goes_on_with_fewer_and_the_same_resu
     assert widths[failed : failed + 2] == [4, 2]  # failed, then half as many a step
 
 
-async def _servicer_with_prompts_in_steps(model_dir):
-    """A loaded verifier servicer whose prompts of up to 64 tokens open in the batched steps,
-    its MLX worker thread without inline rounds (as on a GPU); returns (servicer, thread)."""
-    from specd.service import MlxThread
-    from verifier_svc.config import VerifierConfig
-    from verifier_svc.servicer import VerifierServicer
-
-    mlx = MlxThread(inline_rounds=False)
-    config = VerifierConfig(model=str(model_dir), warmup="minimal", gemv_rows=0,
-                            row_forwards="on", kv_pool="on", prefill_in_steps=64)  # fmt: skip
-    verifier = VerifierServicer(config, mlx)
-    await verifier.load()
-    return verifier, mlx
-
-
 def _verify_beside_opens(model_dir, prompts: list[list[int]]):
     """A Verify of 4 plain steps and OpenSessions of `prompts` queued together on a verifier
     with `--prefill-in-steps 64`: (the Verify's answer, each open's answer or error, the load
@@ -855,7 +841,7 @@ def _verify_beside_opens(model_dir, prompts: list[list[int]]):
     from specd.v1 import verifier_pb2
 
     async def main():
-        verifier, mlx = await _servicer_with_prompts_in_steps(model_dir)
+        verifier, mlx = await _pooled_servicer(model_dir, prefill_in_steps=64)
         first = await verifier.OpenSession(
             verifier_pb2.OpenSessionRequest(prompt_ids=PROMPTS[0]), RpcContext()
         )
@@ -910,7 +896,7 @@ def test_a_prompt_opened_in_the_steps_leaves_no_caller_for_the_rounds_to_wait_fo
     from verifier_svc.servicer import RoundAsked
 
     async def main():
-        verifier, mlx = await _servicer_with_prompts_in_steps(tiny_model_dir)
+        verifier, mlx = await _pooled_servicer(tiny_model_dir, prefill_in_steps=64)
         ran, record = [], verifier._rounds.ran
         verifier._rounds.ran = lambda items, now: ran.extend(items) or record(items, now)
         opened = await verifier.OpenSession(
