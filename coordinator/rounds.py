@@ -224,6 +224,11 @@ class DrafterLink:
         row."""
         self.fruitless_calls = 0 if kept else self.fruitless_calls + 1
 
+    @property
+    def down(self) -> bool:
+        """Failed, and not yet due to be tried again: a round has no call to make."""
+        return self.retry_at is not None and time.perf_counter() < self.retry_at
+
     def skip_call(self) -> bool:
         """After EMPTY_BACKOFF_AFTER fruitless calls in a row, ask only every few rounds (1, 2,
         then EMPTY_BACKOFF_MAX rounds skipped between calls): an answer that finds nothing
@@ -243,6 +248,8 @@ class DrafterLink:
                 return Drafted([])
             log.info("drafter is back; drafting again")
             self.retry_at, self.pending_ids, self.pending_rows = None, [], []
+            # a drafter back (often a fresh process, or another one) starts its streaks anew
+            self.empty_answers = self.fruitless_calls = 0
         if self.session is None:
             return Drafted([])
         try:
@@ -526,6 +533,12 @@ def _round_kind(request: _Request, played: Round, remaining: int) -> str:
             played.steps = _burst(plan, remaining)
         else:
             played.steps = _plain_steps(plan, link, k, remaining, request.in_company)
+        return "plain" if played.steps > 1 else "verify"
+    if link.down:
+        # nothing to ask until its retry: drafting off's burst, and no answer counted against
+        # the drafter (a streak the fault made would slow it in later requests once back)
+        link.take_carried(0)
+        played.steps = _burst(plan, remaining)
         return "plain" if played.steps > 1 else "verify"
     carried = link.take_carried(k)
     played.tree = plan.tree

@@ -158,6 +158,43 @@ def test_drafting_resumes_when_the_drafter_is_back(target):
     assert stats.drafted > 0
 
 
+def test_while_the_drafter_is_down_rounds_decode_drafting_offs_bursts(target):
+    """Between a fault and its retry there is no call to make: each round decodes drafting
+    off's burst, not bursts grown again from one token, and none counts as the drafter's
+    empty answer, so the streak a request leaves to the next ones (adaptive k) is the
+    drafter's answers', not the fault's rounds."""
+    off = CountingVerifier(target)
+    plain, _ = collect(off, None, PROMPTS[0], Plan(60, 0, decode_burst=8))
+    for beside in (False, True):
+        verifier = CountingVerifier(target)
+        plan = Plan(60, 4, decode_burst=8, draft_beside_decode=beside, drafter_retry_s=3600)
+        out, stats = collect(verifier, FailingDrafter(NgramProposer()), PROMPTS[0], plan)
+        assert out == plain and stats.drafter_failed
+        assert verifier.calls == off.calls  # the failed call's round was the first burst
+    costs = SpeculationCosts()
+    for _ in range(2):
+        plan = Plan(60, 4, adaptive=AdaptiveK.for_session(costs, 4, text_driven=True),
+                    decode_burst=8, draft_beside_decode=True, drafter_retry_s=3600)  # fmt: skip
+        out, _ = collect(LocalVerifier(target), FailingDrafter(NgramProposer()), PROMPTS[0], plan)
+        assert out == plain
+    assert costs.fruitless_calls == 2  # each request's one failed call
+
+
+def test_a_drafter_back_after_a_fault_starts_its_streak_anew(target):
+    """A streak of calls that found nothing, left by earlier requests, ends when the drafter
+    comes back after a fault (a restarted or replaced process): it is asked every round
+    again, its own answers counted from zero."""
+    costs = SpeculationCosts(fruitless_calls=50)
+    flaky = FlakyDrafter(SilentProposer(silent=3), failures=1)
+    plan = Plan(60, 4, adaptive=AdaptiveK.for_session(costs, 4, text_driven=True),
+                decode_burst=8, draft_beside_decode=True, drafter_retry_s=0.0)  # fmt: skip
+    out, stats = collect(CountingVerifier(target), flaky, PROMPTS[0], plan)
+    plain, _ = collect(LocalVerifier(target), None, PROMPTS[0], Plan(60, 0))
+    assert out == plain and stats.drafter_failed and flaky.opens == 2
+    # back, three empty answers and then garbage: a streak of its own, not 50 and more
+    assert costs.fruitless_calls < 50
+
+
 class OracleProposer:
     """Knows the continuation: drafts are always right, speculative context included."""
 
