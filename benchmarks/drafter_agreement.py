@@ -7,6 +7,7 @@ target's tokens its draft vocabulary holds at all.
     python benchmarks/drafter_agreement.py --kind eagle3 --k 1 [--weights DIR] [--prompts 3]
     python benchmarks/drafter_agreement.py --kind dflash --k 3
     python benchmarks/drafter_agreement.py --kind eagle3 --questions mt-bench --every 8
+    python benchmarks/drafter_agreement.py --kind eagle3 --sharegpt 20 --tokens 128 --by-position
 
 The prompts are written here, in none of the training data or benchmark sets; `--questions`
 takes the first turns of a benchmark set instead (MT-bench and HumanEval are not in the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,7 +28,7 @@ from coordinator.bench import plain_decode
 from coordinator.local import LocalDrafter, LocalVerifier
 from coordinator.rounds import Plan, RoundStats, run_rounds
 from drafter_svc.config import DrafterConfig, drafter_options
-from drafter_svc.data import Example, TargetFeatures
+from drafter_svc.data import Example, TargetFeatures, read_conversations
 from drafter_svc.server import make_proposer
 from specd.datasets import load_questions
 from specd.models.load import load_target
@@ -41,14 +43,48 @@ PROMPTS = [
 ]
 
 
-def first_draft_agreement(proposer, seq, rows, argmax, start) -> float:
-    """Open the drafter on every prefix of the target's output; compare its first draft."""
+def first_draft_hits(proposer, seq, rows, argmax, start) -> list[bool]:
+    """Open the drafter on every prefix of the target's output; is its first draft the target's
+    next token there? One entry per position of the reply but its last."""
     hits = []
     for a in range(start, len(seq) - 1):
         state = proposer.open([int(x) for x in seq[: a + 1]], mx.array(rows[:a]))
         drafts = proposer.propose(state, 1).ids
         hits.append(bool(drafts) and drafts[0] == argmax[a])
-    return float(np.mean(hits))
+    return hits
+
+
+def first_draft_agreement(proposer, seq, rows, argmax, start) -> float:
+    return float(np.mean(first_draft_hits(proposer, seq, rows, argmax, start)))
+
+
+# reply positions the first-draft agreement is broken down by (--by-position)
+POSITION_SPANS = ((0, 8), (8, 32), (32, 64), (64, 128), (128, None))
+
+
+def by_position(hits_per_reply: list[list[bool]]) -> list[tuple[str, float, int]]:
+    """(span, agreement, positions) over the spans of POSITION_SPANS the replies reach."""
+    out = []
+    for lo, hi in POSITION_SPANS:
+        span = [x for hits in hits_per_reply for x in hits[lo:hi]]
+        if span:
+            out.append((f"{lo}-{hi - 1}" if hi else f"{lo}-", float(np.mean(span)), len(span)))
+    return out
+
+
+def sharegpt_openings(count: int, seed: int = 5) -> list[str]:
+    """The first human turns of `count` ShareGPT conversations (benchmark prompts left out), in
+    a seeded shuffle: the kind of request the training data's earlier stages held."""
+    conversations = read_conversations(None)
+    random.Random(seed).shuffle(conversations)
+    openings = []
+    for record in conversations:
+        turns = record.get("conversations") or []
+        if turns and turns[0].get("from") == "human" and 20 < len(turns[0]["value"]) < 1500:
+            openings.append(turns[0]["value"])
+        if len(openings) == count:
+            break
+    return openings
 
 
 def eagle3_depth_profile(drafter, seq, rows, argmax, start, top: int = 4):
@@ -80,11 +116,24 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     p.add_argument("--prompts", type=int, default=1, help=f"how many of the {len(PROMPTS)} prompts")
     p.add_argument("--questions", help="a question set (mt-bench, humaneval, a .jsonl) instead")
+    p.add_argument(
+        "--sharegpt",
+        type=int,
+        metavar="N",
+        help="the first human turns of N ShareGPT conversations instead (seeded shuffle)",
+    )
+    p.add_argument(
+        "--by-position",
+        action="store_true",
+        help="also break the first-draft agreement down by position in the reply",
+    )
     p.add_argument("--every", type=int, default=1, help="with --questions: every Nth question")
     args = p.parse_args()
     prompts = PROMPTS[: args.prompts]
     if args.questions:
         prompts = [q.turns[0] for q in load_questions(args.questions)[:: args.every]]
+    elif args.sharegpt:
+        prompts = sharegpt_openings(args.sharegpt)
     loaded = load_target(None, "float32")
     options = drafter_options(args.kind, weights=args.weights, draft_vocab=args.draft_vocab)
     proposer = make_proposer(DrafterConfig(**options))
@@ -96,6 +145,7 @@ def main() -> None:
     hits, positions, rounds, accepted, identical = 0.0, 0, 0, 0, True
     covered, depth_positions, first_right, second_right = np.zeros(4), 0, 0, 0
     in_vocab, out_tokens = 0, 0
+    hits_per_reply = []
     for prompt in prompts:
         ids = encode_chat(loaded.tokenizer, [{"role": "user", "content": prompt}])
         out = plain_decode(loaded.model, ids, args.tokens, eos).token_ids
@@ -103,8 +153,9 @@ def main() -> None:
         feats = TargetFeatures(loaded.model, proposer.capture_layers)(
             Example(seq, np.ones(len(seq), bool))
         )
-        agree = first_draft_agreement(proposer, seq, feats.rows, feats.argmax, len(ids))
-        hits += agree * (len(out) - 1)
+        reply_hits = first_draft_hits(proposer, seq, feats.rows, feats.argmax, len(ids))
+        hits_per_reply.append(reply_hits)
+        hits += sum(reply_hits)
         out_tokens += len(out)
         positions += len(out) - 1
         if args.kind == "eagle3":
@@ -128,6 +179,10 @@ def main() -> None:
         identical = identical and tokens == out
     print(f"{args.kind}: first-draft agreement with the target's next token "
           f"{hits / positions:.3f} over {positions} positions of its greedy output")  # fmt: skip
+    if args.by_position:
+        for span, agreement, count in by_position(hits_per_reply):
+            print(f"{args.kind}: first-draft agreement at reply positions {span}: "
+                  f"{agreement:.3f} over {count}")  # fmt: skip
     if depth_positions:
         shares = " / ".join(f"{x:.3f}" for x in covered / depth_positions)
         print(f"eagle3: target's next token among the head's top 1 / 2 / 3 / 4: {shares}")
