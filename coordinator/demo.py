@@ -16,7 +16,19 @@ def add_demo_args(p) -> None:
     p.add_argument("--prompt", default=DEMO_PROMPT)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--target")
-    p.add_argument("--drafter", default="ngram", choices=["ngram", "none"])
+    p.add_argument(
+        "--drafter",
+        default="ngram",
+        choices=["ngram", "eagle3", "dflash", "none"],
+        help="the drafter service to start (eagle3 and dflash: the shipped weights for the "
+        "embedded model, else --drafter-weights)",
+    )
+    p.add_argument(
+        "--drafter-weights",
+        metavar="DIR",
+        help="with --drafter eagle3 or dflash: the EAGLE-3 head or DFlash drafter to load (one "
+        "trained for --target)",
+    )
 
 
 def _faster(first, second):
@@ -46,8 +58,21 @@ def run_demo(args) -> int:
     )
     # the prompt runs four times: each prefills, as plain mlx-lm's side does
     verifier_args = timing_prefills([])
-    with Stack(target=args.target, drafter=drafter, verifier_args=verifier_args,
-               log_dir=log_dir) as stack:  # fmt: skip
+    if args.drafter_weights and drafter not in ("eagle3", "dflash"):
+        print("demo: --drafter-weights is for --drafter eagle3 or dflash", file=sys.stderr)
+        return 2
+    weights = ["--weights", args.drafter_weights] if args.drafter_weights else []
+    stack = Stack(target=args.target, drafter=drafter, verifier_args=verifier_args,
+                  drafter_args=weights, log_dir=log_dir)  # fmt: skip
+    try:
+        stack.start()
+    except (RuntimeError, TimeoutError) as exc:  # e.g. no shipped model drafter for --target
+        print(f"demo: the services did not start: {exc}", file=sys.stderr)
+        if drafter in ("eagle3", "dflash") and not weights:
+            print("demo: a model drafter for another target: --drafter-weights DIR",
+                  file=sys.stderr)  # fmt: skip
+        return 1
+    try:
         client = CoordinatorClient(stack.coordinator)
         print(
             f"demo: ready at {stack.coordinator}\n\nuser: {args.prompt}\n\nassistant: ",
@@ -75,6 +100,8 @@ def run_demo(args) -> int:
         memory = service_memory(client)
         info = client.info()
         client.close()
+    finally:
+        stack.stop()
     print("\n", flush=True)
     target = load_target(
         args.target, info.verifier.dtype if info.verifier.dtype != "native" else "native"
