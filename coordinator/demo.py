@@ -50,6 +50,9 @@ def run_demo(args) -> int:
     from specd.prompts import encode_chat
 
     drafter = None if args.drafter == "none" else args.drafter
+    if args.drafter_weights and drafter not in ("eagle3", "dflash"):
+        print("demo: --drafter-weights is for --drafter eagle3 or dflash", file=sys.stderr)
+        return 2
     log_dir = Path(tempfile.mkdtemp(prefix="specd-demo-"))
     print(
         f"demo: starting verifier, {drafter or 'no'} drafter and coordinator "
@@ -58,9 +61,6 @@ def run_demo(args) -> int:
     )
     # the prompt runs four times: each prefills, as plain mlx-lm's side does
     verifier_args = timing_prefills([])
-    if args.drafter_weights and drafter not in ("eagle3", "dflash"):
-        print("demo: --drafter-weights is for --drafter eagle3 or dflash", file=sys.stderr)
-        return 2
     weights = ["--weights", args.drafter_weights] if args.drafter_weights else []
     stack = Stack(target=args.target, drafter=drafter, verifier_args=verifier_args,
                   drafter_args=weights, log_dir=log_dir)  # fmt: skip
@@ -69,7 +69,7 @@ def run_demo(args) -> int:
     except (RuntimeError, TimeoutError) as exc:  # e.g. no shipped model drafter for --target
         print(f"demo: the services did not start: {exc}", file=sys.stderr)
         if drafter in ("eagle3", "dflash") and not weights:
-            print("demo: a model drafter for another target: --drafter-weights DIR",
+            print("demo: where no shipped drafter fits --target, pass one: --drafter-weights DIR",
                   file=sys.stderr)  # fmt: skip
         return 1
     try:
