@@ -74,7 +74,8 @@ def by_position(hits_per_reply: list[list[bool]]) -> list[tuple[str, float, int]
 
 def sharegpt_openings(count: int, seed: int = 5) -> list[str]:
     """The first human turns of `count` ShareGPT conversations (benchmark prompts left out), in
-    a seeded shuffle: the kind of request the training data's earlier stages held."""
+    a seeded shuffle: the kind of request the training data's earlier stages held (so some
+    may have been trained on)."""
     conversations = read_conversations(None)
     random.Random(seed).shuffle(conversations)
     openings = []
