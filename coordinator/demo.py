@@ -10,6 +10,7 @@ from coordinator.bench import plain_decode, service_memory, timing_prefills
 
 # answered cleanly by the embedded model: code it ends with EOS in ~150 tokens
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+MODEL_DRAFTERS = ("eagle3", "dflash")  # drafters that load weights (--drafter-weights)
 
 
 def add_demo_args(p) -> None:
@@ -19,7 +20,7 @@ def add_demo_args(p) -> None:
     p.add_argument(
         "--drafter",
         default="ngram",
-        choices=["ngram", "eagle3", "dflash", "none"],
+        choices=["ngram", *MODEL_DRAFTERS, "none"],
         help="the drafter service to start (eagle3 and dflash: the shipped weights for the "
         "embedded model, else --drafter-weights)",
     )
@@ -50,7 +51,7 @@ def run_demo(args) -> int:
     from specd.prompts import encode_chat
 
     drafter = None if args.drafter == "none" else args.drafter
-    if args.drafter_weights and drafter not in ("eagle3", "dflash"):
+    if args.drafter_weights and drafter not in MODEL_DRAFTERS:
         print("demo: --drafter-weights is for --drafter eagle3 or dflash", file=sys.stderr)
         return 2
     log_dir = Path(tempfile.mkdtemp(prefix="specd-demo-"))
@@ -68,7 +69,7 @@ def run_demo(args) -> int:
         stack.start()
     except (RuntimeError, TimeoutError) as exc:  # e.g. no shipped model drafter for --target
         print(f"demo: the services did not start: {exc}", file=sys.stderr)
-        if drafter in ("eagle3", "dflash") and not weights:
+        if drafter in MODEL_DRAFTERS and not weights:
             print("demo: where no shipped drafter fits --target, pass one: --drafter-weights DIR",
                   file=sys.stderr)  # fmt: skip
         return 1

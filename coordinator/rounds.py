@@ -241,7 +241,7 @@ class DrafterLink:
 
     async def _draft(self, position: int, k: int, sampling, speculative_ids, tree) -> Drafted:
         if self.retry_at is not None:
-            if time.perf_counter() < self.retry_at:
+            if self.down:
                 return Drafted([])
             await self._open(self.all_rows if self.drafter.capture_layers else None)
             if self.session is None:
