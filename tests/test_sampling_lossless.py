@@ -6,7 +6,7 @@ import pytest
 from stats import chi_square
 
 from verifier_svc.accept import Acceptance
-from verifier_svc.sampling import SamplingConfig, accept_sampled, target_distribution
+from verifier_svc.sampling import SamplingConfig, accept_sampled, sample, target_distribution
 
 V = 12
 STEPS = 4  # positions checked after the context
@@ -135,3 +135,92 @@ def test_distribution_filters_match_their_definitions():
     p = target_distribution(logits, SamplingConfig(0.5))
     expected = np.exp(logits / 0.5) / np.exp(logits / 0.5).sum()
     assert np.allclose(p, expected)
+
+
+def reference_distribution(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
+    """The definition, over the whole vocabulary: log-softmax, the filters as mlx-lm applies
+    them (top-p by a full stable sort), then the temperature over what is left."""
+    logprobs = logits.astype(np.float64) - logits.max()
+    logprobs -= np.log(np.exp(logprobs).sum())
+    keep = np.ones(logprobs.shape, dtype=bool)
+    if 0 < cfg.top_p < 1:
+        order = np.argsort(-logprobs, kind="stable")
+        probs = np.exp(logprobs[order])
+        keep[order[np.cumsum(probs) - probs >= cfg.top_p]] = False
+    if cfg.min_p > 0:
+        keep &= logprobs >= logprobs.max() + np.log(cfg.min_p)
+    if 0 < cfg.top_k < len(logprobs):
+        keep &= np.isin(np.arange(len(logprobs)), np.argsort(-logprobs)[: cfg.top_k])
+    scaled = np.where(keep, logprobs / cfg.temperature, -np.inf)
+    p = np.exp(scaled - scaled.max())
+    return p / p.sum()
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SamplingConfig(0.7),
+        SamplingConfig(1.3),
+        SamplingConfig(0.7, top_p=0.9),
+        SamplingConfig(1.0, top_p=0.999999),  # past what the likely tokens hold: every token sorted
+        SamplingConfig(0.7, top_k=40),
+        SamplingConfig(0.7, top_k=3000),  # more than lie near the top: the whole vocabulary
+        SamplingConfig(0.7, min_p=0.02),
+        SamplingConfig(0.8, top_k=100, top_p=0.95, min_p=0.001),
+    ],
+    ids=["temp", "hot", "top_p", "top_p_whole", "top_k", "top_k_whole", "min_p", "all"],
+)
+@pytest.mark.parametrize("spread", [1.0, 6.0], ids=["flat", "peaked"])
+def test_a_large_vocabulary_keeps_the_definitions_distribution(cfg, spread):
+    """The served shortcuts (shifted logits, top-p sorting only likely tokens, top-k among the
+    tokens near the top) give the definition's distribution on a vocabulary of 50,000."""
+    logits = np.random.default_rng(3).standard_normal(50_000).astype(np.float32) * spread
+    got, want = target_distribution(logits, cfg), reference_distribution(logits, cfg)
+    assert np.array_equal(got > 0, want > 0)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-300)
+
+
+def test_top_p_ties_follow_the_vocabulary_order():
+    """Tokens of equal probability at top-p's edge are taken in index order, as a full stable
+    sort takes them."""
+    # a thousand unlikely tokens, so that only the likely ones are sorted
+    logits = np.log(np.array([0.05] * 10 + [0.3, 0.2] + [1e-6] * 1000))
+    cfg = SamplingConfig(1.0, top_p=0.58)
+    got = target_distribution(logits, cfg)
+    assert set(np.flatnonzero(got)) == {10, 11, 0, 1}  # 0.3 + 0.2 + 0.05 < 0.58, then one more
+    assert np.array_equal(got > 0, reference_distribution(logits, cfg) > 0)
+
+
+@pytest.mark.parametrize("size", [7, 256, 1000, 49_152])
+def test_sample_draws_each_token_at_its_probability(size):
+    """sample() sums in blocks: every vocabulary size, blocks whole or not, draws by p, even
+    unnormalised, and never a token of probability 0."""
+    rng = np.random.default_rng(size)
+    p = rng.dirichlet(np.full(size, 0.3)) * 3.0
+    p[rng.choice(size, size // 3, replace=False)] = 0.0
+    likely = np.argsort(-p)[:6]  # the six likeliest, and all others as one
+    draws = np.array([sample(p, rng) for _ in range(6000)])
+    assert (p[draws] > 0).all()
+    observed = [*(np.sum(draws == t) for t in likely), np.sum(~np.isin(draws, likely))]
+    expected = [*(p[likely] / p.sum()), 1 - p[likely].sum() / p.sum()]
+    stat, crit, _ = chi_square(np.array(observed), np.array(expected))
+    assert stat < crit
+
+
+def test_sample_past_its_blocks_running_sum_keeps_to_tokens_that_can_be_drawn():
+    """A block's total (summed pairwise) can pass its running sum's end by a rounding; a draw
+    in between lands on the block's last token of probability > 0, not on a 0 after it."""
+
+    class Top:
+        def random(self):
+            return np.nextafter(1.0, 0.0)
+
+    rng = np.random.default_rng(0)
+    for _ in range(1000):  # a block whose pairwise total rounds above its running sum
+        p = rng.random(256) * 10.0 ** rng.integers(-8, 1, 256)
+        p[-20:] = 0.0
+        if p.sum() * Top().random() > np.cumsum(p)[-1]:
+            break
+    else:
+        pytest.fail("no block that rounds so was found")
+    assert sample(p, Top()) == int(np.flatnonzero(p)[-1])

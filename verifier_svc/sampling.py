@@ -29,32 +29,87 @@ class SamplingConfig:
 
 def target_distribution(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
     """logits [V] -> p [V], as mlx-lm's make_sampler samples: top-p, min-p and top-k filter
-    the model's own probabilities, then the temperature applies to what is left."""
-    logprobs = logits.astype(np.float64)
-    logprobs = logprobs - logprobs.max()
-    logprobs -= np.log(np.exp(logprobs).sum())
-    keep = np.ones(logprobs.shape, dtype=bool)
+    the model's own probabilities, then the temperature applies to what is left. A served
+    step draws for every sampled session on the host, so each pass over the vocabulary
+    counts: shifted logits stand for the log-probabilities (the normalisation cancels), and
+    top-p sorts only the tokens it may keep."""
+    shifted = np.array(logits, dtype=np.float64)
+    shifted -= shifted.max()
+    if 0 < cfg.top_p < 1 or cfg.min_p > 0 or 0 < cfg.top_k < len(shifted):
+        shifted[~_kept_by_filters(shifted, cfg)] = -np.inf
+    shifted /= cfg.temperature
+    p = np.exp(shifted, out=shifted)
+    p /= p.sum()
+    return p
+
+
+def _kept_by_filters(shifted: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
+    """Which tokens top-p, min-p and top-k keep, given logits less their maximum."""
+    keep = np.ones(shifted.shape, dtype=bool)
     if 0 < cfg.top_p < 1:
-        order = np.argsort(-logprobs, kind="stable")
-        probs = np.exp(logprobs[order])
-        mass_before = np.cumsum(probs) - probs  # mass of strictly more likely tokens
-        keep[order[mass_before >= cfg.top_p]] = False
+        probs = np.exp(shifted)
+        probs /= probs.sum()
+        keep[_cut_by_top_p(probs, cfg.top_p)] = False
     if cfg.min_p > 0:
-        keep &= logprobs >= logprobs.max() + np.log(cfg.min_p)
-    if 0 < cfg.top_k < logprobs.shape[0]:
-        top = np.argpartition(-logprobs, cfg.top_k - 1)[: cfg.top_k]
-        in_top = np.zeros_like(keep)
-        in_top[top] = True
-        keep &= in_top
-    scaled = np.where(keep, logprobs / cfg.temperature, -np.inf)
-    p = np.exp(scaled - scaled.max())
-    return p / p.sum()
+        keep &= shifted >= np.log(cfg.min_p)  # p >= min_p * max p
+    if 0 < cfg.top_k < len(shifted):
+        keep &= _in_top_k(shifted, cfg.top_k)
+    return keep
+
+
+def _in_top_k(shifted: np.ndarray, k: int) -> np.ndarray:
+    """The k most likely tokens, partitioned among those near the top where k of them are."""
+    for margin in (8.0, 32.0, np.inf):
+        near = np.flatnonzero(shifted >= -margin)
+        if len(near) >= k:
+            break
+    in_top = np.zeros(shifted.shape, dtype=bool)
+    in_top[near[np.argpartition(-shifted[near], k - 1)[:k]]] = True
+    return in_top
+
+
+def _cut_by_top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """The tokens top-p drops: those whose strictly more likely tokens (ties in index order)
+    already hold top_p. Where the tokens of at least `floor` hold top_p, every token below it
+    is dropped and only those above are sorted; the order among them, and so each one's mass
+    before it, is the whole vocabulary's."""
+    for floor in (1e-3, 1e-6, 0.0):
+        likely = np.flatnonzero(probs >= floor)
+        if floor == 0.0 or probs[likely].sum() >= top_p:
+            break
+    order = likely[np.argsort(-probs[likely], kind="stable")]
+    ranked = probs[order]
+    mass_before = np.cumsum(ranked) - ranked
+    dropped = np.ones(probs.shape, dtype=bool)
+    dropped[order[mass_before < top_p]] = False
+    return dropped
+
+
+# sample() sums the distribution in blocks: one pass for the block sums, then a running sum
+# over the blocks and over one block, in place of a running sum over the whole vocabulary
+SAMPLE_BLOCK = 256
 
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
-    cdf = np.cumsum(p)
-    index = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-    return min(index, len(p) - 1)
+    """A token drawn from p (unnormalised is fine): the first whose running sum passes a
+    uniform draw times the total."""
+    blocks = -(-len(p) // SAMPLE_BLOCK)
+    padded = np.zeros(blocks * SAMPLE_BLOCK) if len(p) % SAMPLE_BLOCK else None
+    if padded is not None:
+        padded[: len(p)] = p
+    block_totals = np.cumsum((p if padded is None else padded).reshape(blocks, -1).sum(axis=1))
+    target = rng.random() * block_totals[-1]
+    block = min(int(np.searchsorted(block_totals, target, side="right")), blocks - 1)
+    start = block * SAMPLE_BLOCK
+    before = block_totals[block - 1] if block else 0.0
+    running = before + np.cumsum(p[start : start + SAMPLE_BLOCK])
+    offset = min(int(np.searchsorted(running, target, side="right")), len(running) - 1)
+    index = start + offset
+    if p[index] <= 0:  # the sums' rounding left the draw past its block's last token
+        positive = np.flatnonzero(p[: index + 1] > 0)
+        if len(positive):
+            index = int(positive[-1])
+    return index
 
 
 def accept_sampled(
