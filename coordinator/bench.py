@@ -599,6 +599,14 @@ def run_bench(args) -> int:
             file=sys.stderr,
         )
         return 2
+    named_twice = sorted({d for d in drafters if drafters.count(d) > 1})
+    if named_twice and not args.concurrency:
+        print(
+            f"specd: bench: {', '.join(named_twice)} named twice in --drafter; each stack runs "
+            "once a question beside the others (--repeat N runs each N times)",
+            file=sys.stderr,
+        )
+        return 2
     if args.concurrency_faults and not args.concurrency:
         print("specd: bench: --concurrency-faults needs --concurrency LEVELS", file=sys.stderr)
         return 2

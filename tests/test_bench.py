@@ -445,6 +445,15 @@ def test_concurrency_faults_need_levels(capsys):
     assert "--concurrency-faults needs --concurrency" in capsys.readouterr().err
 
 
+def test_a_stack_named_twice_is_refused_per_question(capsys):
+    """Per question the stacks are keyed by name: a second of the same would merge into the
+    first (its rows printed twice) and fail at the end; --concurrency runs each in turn."""
+    from specd.cli import main
+
+    assert main(["bench", "--questions", "mt-bench", "--drafter", "none,ngram,none"]) == 2
+    assert "none named twice in --drafter" in capsys.readouterr().err
+
+
 def test_plain_mlx_lm_runs_in_a_process_of_its_own(tiny_model_dir):
     """The bench's baseline child decodes what plain mlx-lm decodes in this process, and
     explains a position with the same rounding."""
