@@ -28,6 +28,9 @@ from pathlib import Path
 
 import grpc
 
+from coordinator.bench import logit_rounding
+from coordinator.rounds import leading_matches
+
 MLX_LM_BATCHED = "mlx-lm batched"
 
 
@@ -103,7 +106,7 @@ def mlx_lm_batched(target, prompts: list[list[int]], levels: list[int], args) ->
                 **sampling,
             )  # fmt: skip
         wall = time.perf_counter() - start
-        differ = None if sampled else _count_differing(solo, [i for i, _ in batch], done.token_ids)
+        differ = None if sampled else len(_differences(solo, [i for i, _ in batch], done.token_ids))
         tokens = sum(len(ids) for ids in done.token_ids)
         rows.append(level_row(level, tokens, wall, [wall] * len(batch), differ))
     return rows
@@ -140,7 +143,7 @@ class FaultDrill:
 
 def services(
     client, request_of, prompts: list[list[int]], levels: list[int], args, drill=None,
-    compare: bool = True, compare_faulted: bool = True, cpu_of=None,
+    compare: bool = True, compare_faulted: bool = True, cpu_of=None, explain=None,
 ) -> list[dict]:  # fmt: skip
     """Each level's row. With `drill` (a FaultDrill) the last level runs again, the drill
     starting once every client's first request has its first tokens, and each output is
@@ -149,7 +152,8 @@ def services(
     the rounds; a reopened sampled session is reseeded, coordinator/failover.py). cpu_of:
     each service's CPU seconds so far (`Stack.cpu_seconds`), for the cores each used in a
     clean level: on a shared host, a drafter's and a coordinator's CPU is the verifier's
-    loss."""
+    loss. explain(prompt index, solo output, difference): why an output differs
+    (`explain_difference`), kept with each difference in the row."""
     rows, solo = [], {}
     runs = [(level, None) for level in levels]
     if drill is not None:
@@ -166,11 +170,17 @@ def services(
         wall = time.perf_counter() - start
         cpu_after = cpu_of() if cpu_before is not None else {}
         finished = [(i, out) for (i, _), out in zip(batch, outputs, strict=True) if out is not None]
-        differ = None
+        differences = None
         if compare_faulted if faulted is not None else compare:
-            differ = _count_differing(solo, [i for i, _ in finished], [out for _, out in finished])
+            differences = _differences(solo, [i for i, _ in finished], [out for _, out in finished])
         tokens = sum(len(out) for _, out in finished)
+        differ = None if differences is None else len(differences)
         row = level_row(level, tokens, wall, latencies, differ, failed, stats)
+        if differences:
+            if explain is not None:
+                for d in differences:
+                    d.update(explain(d["prompt"], solo[d["prompt"]], d))
+            row["differences"] = differences
         if faulted is not None:
             row["faults"] = faulted.summary()
         if cpu_before is not None and wall > 0:
@@ -230,15 +240,68 @@ def _level_prompts(prompts, level: int, per_client: int) -> list[tuple[int, list
     return [(i % len(prompts), prompts[i % len(prompts)]) for i in range(level * per_client)]
 
 
-def _count_differing(solo: dict, indices, outputs) -> int:
-    """Outputs unlike the same prompt's at the first level (which sets them)."""
-    differ = 0
+def _differences(solo: dict, indices, outputs) -> list[dict]:
+    """Outputs unlike the same prompt's at the first level (which sets them): the prompt, the
+    first position that differs, and the token each run chose there."""
+    found = []
     for index, ids in zip(indices, outputs, strict=True):
+        ids = list(ids)
         if index not in solo:
-            solo[index] = list(ids)
-        elif list(ids) != solo[index]:
-            differ += 1
-    return differ
+            solo[index] = ids
+            continue
+        position = leading_matches(solo[index], ids)
+        if position < max(len(ids), len(solo[index])):
+            found.append({
+                "prompt": index,
+                "position": position,
+                "solo_token": _at(solo[index], position),
+                "token": _at(ids, position),
+            })  # fmt: skip
+    return found
+
+
+def _at(ids: list[int], position: int) -> int | None:
+    return ids[position] if position < len(ids) else None  # None: this run ended there
+
+
+def explain_difference(model, prompt_ids, solo_ids, difference: dict, temperature: float) -> dict:
+    """Why an output may rightly differ from its solo run, from plain mlx-lm's logits after
+    the common prefix. Greedy: the top two logits' margin (a flip at a margin near the
+    dtype's rounding is a tie the batched sums broke the other way). Sampled: the target's
+    probability strictly between the two tokens in vocabulary order, the order of the running
+    sum a draw searches: 0 means they are neighbours there, so a uniform draw at their
+    boundary picks either as the sums round; a real mass between them is no rounding."""
+    import mlx.core as mx
+    import numpy as np
+
+    position = difference["position"]
+    if temperature == 0:
+        return logit_rounding(model, list(prompt_ids), list(solo_ids), position)
+    logits = model(mx.array([*prompt_ids, *solo_ids[:position]])[None])[0, -1]
+    scaled = np.array(logits.astype(mx.float32), dtype=np.float64) / temperature
+    p = np.exp(scaled - scaled.max())
+    p /= p.sum()
+    pair = [difference["solo_token"], difference["token"]]
+    if None in pair:
+        return {"mass_between": None}
+    low, high = sorted(pair)
+    return {
+        "mass_between": float(p[low + 1 : high].sum()),
+        "draw_probs": [float(p[t]) for t in pair],
+    }
+
+
+def _explained(rows_of_differences: list[dict]) -> str:
+    """The table's note on a level's differences: the largest greedy margin, or the largest
+    sampled mass between the two draws."""
+    margins = [d["logit_margin"] for d in rows_of_differences if "logit_margin" in d]
+    between = [d["mass_between"] for d in rows_of_differences
+               if d.get("mass_between") is not None]  # fmt: skip
+    if margins:
+        return f" (top-2 margins <= {max(margins):.1e})"
+    if between:
+        return f" (mass between the draws <= {max(between):.1e})"
+    return ""
 
 
 def run_concurrency(args, target, drafters: list[str], prompts, log_dir: Path) -> dict:
@@ -246,6 +309,11 @@ def run_concurrency(args, target, drafters: list[str], prompts, log_dir: Path) -
     from specd.client import CoordinatorClient
 
     levels = parse_levels(args.concurrency)
+
+    def explain(index: int, solo_ids, difference: dict) -> dict:
+        return explain_difference(target.model, prompts[index], solo_ids, difference,
+                                  args.temperature)  # fmt: skip
+
     results = {MLX_LM_BATCHED: mlx_lm_batched(target, prompts, levels, args)}
     _print_rows(MLX_LM_BATCHED, results[MLX_LM_BATCHED])
     for d in drafters:
@@ -262,7 +330,7 @@ def run_concurrency(args, target, drafters: list[str], prompts, log_dir: Path) -
             compare = args.temperature == 0 or d == "none"
             results[d] = services(client, request_of, prompts, levels, args, drill, compare,
                                   compare_faulted=args.temperature == 0,
-                                  cpu_of=stack.cpu_seconds)  # fmt: skip
+                                  cpu_of=stack.cpu_seconds, explain=explain)  # fmt: skip
             client.close()
         _print_rows(d, results[d])
     return results
@@ -290,7 +358,8 @@ def _print_rows(name: str, rows: list[dict]) -> None:
         print(f"  {r['clients']:>5} {r['requests']:>9} {r['aggregate_tok_s']:16.1f} "
               f"{_seconds(r['p50_s']):>6} {_seconds(r['p99_s']):>6}  "
               f"{_count(r['outputs_differing_from_solo']):>19}  "
-              f"{r['failed']:>6}{drafting}{cpu}{faults}", file=sys.stderr)  # fmt: skip
+              f"{r['failed']:>6}{drafting}{cpu}{faults}"
+              f"{_explained(r.get('differences', []))}", file=sys.stderr)  # fmt: skip
 
 
 def _seconds(value: float | None) -> str:
@@ -348,7 +417,8 @@ def concurrency_table(results: dict[str, list[dict]]) -> str:
             lines.append(
                 f"| {name} | {r['clients']}{faults} | {r['aggregate_tok_s']:.1f} | {ratio} | "
                 f"{_seconds(r['p50_s'])} | {_seconds(r['p99_s'])} | "
-                f"{_count(r['outputs_differing_from_solo'])} | "
+                f"{_count(r['outputs_differing_from_solo'])}"
+                f"{_explained(r.get('differences', []))} | "
                 f"{r.get('failed', 0)} |"
             )
     return "\n".join(lines)

@@ -412,6 +412,88 @@ def test_a_level_where_every_request_failed_is_reported_not_a_crash(tmp_path, ca
     assert "| none | 4 | 0.0 | – | – | – | 0 | 4 |" in concurrency_table({"none": [row]})
 
 
+def test_outputs_unlike_their_solo_run_are_found_at_their_first_difference():
+    from coordinator.concurrency import _differences
+
+    solo: dict = {}
+    assert _differences(solo, [0, 1], [[5, 6, 7], [1, 2]]) == []  # the first level sets them
+    found = _differences(solo, [0, 1, 0], [[5, 6, 7], [1, 2, 3], [5, 9, 7]])
+    assert found == [
+        {"prompt": 1, "position": 2, "solo_token": None, "token": 3},  # solo ended there
+        {"prompt": 0, "position": 1, "solo_token": 6, "token": 9},
+    ]
+
+
+def test_a_difference_is_explained_by_the_target_logits_after_the_common_prefix(
+    tiny_model_dir,
+):
+    """Greedy: the top-2 margin where the outputs part; sampled: the target's probability
+    strictly between the two draws in vocabulary order (0 for neighbours in the running sum)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from coordinator.concurrency import (
+        _explained,
+        concurrency_table,
+        explain_difference,
+        level_row,
+    )
+    from specd.models.load import load_target
+
+    model = load_target(str(tiny_model_dir), "float32").model
+    prompt, solo = [1, 5, 9], [4, 8, 15, 16]
+    logits = np.array(model(mx.array([*prompt, 4, 8])[None])[0, -1], dtype=np.float64)
+    top = np.sort(logits)[::-1]
+    difference = {"prompt": 0, "position": 2, "solo_token": 15, "token": 40}
+    greedy = explain_difference(model, prompt, solo, difference, 0.0)
+    assert greedy["logit_margin"] == pytest.approx(top[0] - top[1], abs=1e-5)
+    p = np.exp((logits - logits.max()) / 0.7)
+    p /= p.sum()
+    sampled = explain_difference(model, prompt, solo, difference, 0.7)
+    assert sampled["mass_between"] == pytest.approx(p[16:40].sum(), rel=1e-4)
+    assert sampled["draw_probs"] == pytest.approx([p[15], p[40]], rel=1e-4)
+    neighbours = explain_difference(model, prompt, solo, {**difference, "token": 16}, 0.7)
+    assert neighbours["mass_between"] == 0.0
+    assert _explained([greedy]) == f" (top-2 margins <= {top[0] - top[1]:.1e})"
+    assert _explained([sampled, neighbours]).startswith(" (mass between the draws <= ")
+    assert _explained([]) == ""
+    row = {**level_row(4, 40, 1.0, [0.5] * 4, 1), "differences": [{**difference, **greedy}]}
+    assert f"| 1 (top-2 margins <= {top[0] - top[1]:.1e}) | 0 |" in concurrency_table(
+        {"none": [row]}
+    )
+
+
+def test_a_level_keeps_each_difference_with_its_explanation():
+    """services() compares each level with the first and keeps every difference, explained."""
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from coordinator.concurrency import services
+
+    class Client:  # prompt [2] gives [7, 8] in the first level's two requests, then [7, 9]
+        calls = 0
+
+        def stream(self, prompt):
+            Client.calls += 1
+            tail = 9 if prompt == [2] and Client.calls > 2 else 8
+            yield SimpleNamespace(token_ids=[7, tail], finish_reason="", stats=None)
+
+    asked = []
+
+    def explain(index, solo_ids, difference):
+        asked.append((index, solo_ids))
+        return {"logit_margin": 1e-6}
+
+    rows = services(Client(), lambda ids: ids, [[1], [2]], [1, 2],
+                    Namespace(concurrency_requests=2), explain=explain)  # fmt: skip
+    assert [r["outputs_differing_from_solo"] for r in rows] == [0, 2]
+    assert "differences" not in rows[0]
+    assert rows[1]["differences"] == 2 * [
+        {"prompt": 1, "position": 1, "solo_token": 8, "token": 9, "logit_margin": 1e-6}
+    ]
+    assert asked == 2 * [(1, [7, 8])]
+
+
 def test_a_process_cpu_time_is_read_while_it_runs_and_none_after(tmp_path):
     from specd.launch import process_cpu_seconds
 
