@@ -189,18 +189,27 @@ class DrafterLink:
         self.fruitless_calls = 0
         self.calls_skipped = 0  # rounds in a row decoded without asking, after empty answers
         self.all_rows: list = []  # rows of every verified position, for a re-open
+        self.opening: asyncio.Future | None = None  # the session's open, while in flight
 
-    async def open(self, context_ids: list[int], rows) -> None:
+    def open(self, context_ids: list[int], rows) -> None:
+        """Open the drafter's session in the background: rounds that draft nothing (adaptive
+        k's first plain bursts) go on meanwhile, and the first draft call waits for it."""
         self.context = list(context_ids)
         if self.drafter.capture_layers:
             self.all_rows = [rows]
-        await self._open(rows)
+        self.opening = asyncio.ensure_future(self._open(rows, list(self.context)))
 
-    async def _open(self, rows) -> None:
+    async def _open(self, rows, context: list[int] | None = None) -> None:
         try:
-            self.session = await self.drafter.open(self.context, rows)
+            self.session = await self.drafter.open(context or self.context, rows)
         except Exception as exc:  # noqa: BLE001 - any drafter fault only costs speed
             self._down(exc)
+
+    async def opened(self) -> None:
+        """The background open, done (the session, or the drafter down)."""
+        if self.opening is not None:
+            opening, self.opening = self.opening, None
+            await opening
 
     def commit(self, ids: list[int], rows) -> None:
         self.context.extend(ids)
@@ -240,6 +249,7 @@ class DrafterLink:
         return True
 
     async def _draft(self, position: int, k: int, sampling, speculative_ids, tree) -> Drafted:
+        await self.opened()
         if self.retry_at is not None:
             if self.down:
                 return Drafted([])
@@ -304,6 +314,7 @@ class DrafterLink:
         self.retry_at = time.perf_counter() + self.retry_s
 
     async def close(self) -> None:
+        await self.opened()  # a session opened is closed, not left to the drafter's timeout
         if self.session is not None:
             await close_quietly(self.drafter, self.session)
 
@@ -336,9 +347,7 @@ async def run_rounds(
         finished = opened.finished or plan.max_tokens <= 1
         yield [opened.first_token], finished
         if link is not None and not finished:
-            t = time.perf_counter()
-            await link.open([*prompt_ids, opened.first_token], opened.rows)
-            stats.draft_s += time.perf_counter() - t
+            link.open([*prompt_ids, opened.first_token], opened.rows)
         while not finished:
             remaining = plan.max_tokens - stats.generated_tokens
             played = await _play_round(request, remaining)

@@ -646,6 +646,51 @@ def test_drafts_carried_from_a_guess_do_not_outlive_a_round_without_drafts(targe
     assert stats.accepted == stats.drafted  # the oracle's drafts: never a stale one
 
 
+class SlowOpeningDrafter(LocalDrafter):
+    """Its open waits until released, as a drafter warming up or far away does; it records
+    the verifier's calls made before the open finished."""
+
+    def __init__(self, proposer, verifier):
+        super().__init__(proposer)
+        self.verifier, self.release = verifier, asyncio.Event()
+        self.calls_before_open = None
+
+    async def open(self, context_ids, rows):
+        context = list(context_ids)
+        await self.release.wait()
+        self.calls_before_open = len(self.verifier.calls)
+        return await super().open(context, rows)
+
+
+def test_rounds_that_draft_nothing_go_on_while_the_drafter_opens(target):
+    """The drafter's session opens in the background: adaptive k's plain rounds run
+    meanwhile, the first draft call waits for it, and the tokens committed in between reach
+    the drafter once, as the first call's news (the oracle's drafts are then all right)."""
+    prompt = PROMPTS[0]
+    plain, _ = collect(LocalVerifier(target), None, prompt, Plan(40, 0))
+    verifier = CountingVerifier(target)
+    drafter = SlowOpeningDrafter(OracleProposer(prompt + plain), verifier)
+    adaptive = ScriptedK(SpeculationCosts(), k_max=4)
+    adaptive.script = [0, 0, 0, 4, 4]
+
+    plan = Plan(40, 4, adaptive=adaptive, decode_burst=4)
+
+    async def go():
+        stats, out = RoundStats(), []
+        async for ids, _finished in run_rounds(verifier, drafter, prompt, plan, stats):
+            out.extend(ids)
+            if len(verifier.calls) == 3:
+                drafter.release.set()
+        return out, stats
+
+    out, stats = asyncio.run(asyncio.wait_for(go(), 60))  # an open awaited first never ends
+    assert out == plain
+    assert drafter.calls_before_open == 3  # three plain bursts ran while it opened
+    assert verifier.calls[3][0] == 4 and stats.drafted > 0
+    assert stats.accepted == stats.drafted  # its context: the prompt, then each token once
+    assert not drafter.sessions  # closed at the end
+
+
 def test_a_shared_forward_prices_a_verify_at_the_rounds_share():
     """A verify the verifier ran together with other sessions' costs adaptive k its share of
     the forward (its rows over all rows), not the whole forward's wall time."""
