@@ -201,7 +201,9 @@ class DrafterLink:
 
     async def _open(self, rows, context: list[int] | None = None) -> None:
         try:
-            self.session = await self.drafter.open(context or self.context, rows)
+            self.session = await self.drafter.open(
+                self.context if context is None else context, rows
+            )
         except Exception as exc:  # noqa: BLE001 - any drafter fault only costs speed
             self._down(exc)
 
