@@ -149,8 +149,8 @@ def reference_distribution(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarra
         keep[order[np.cumsum(probs) - probs >= cfg.top_p]] = False
     if cfg.min_p > 0:
         keep &= logprobs >= logprobs.max() + np.log(cfg.min_p)
-    if 0 < cfg.top_k < len(logprobs):
-        keep &= np.isin(np.arange(len(logprobs)), np.argsort(-logprobs)[: cfg.top_k])
+    if 0 < cfg.top_k < len(logprobs):  # ties in index order, as top-p's stable sort
+        keep &= np.isin(np.arange(len(logprobs)), np.argsort(-logprobs, kind="stable")[: cfg.top_k])
     scaled = np.where(keep, logprobs / cfg.temperature, -np.inf)
     p = np.exp(scaled - scaled.max())
     return p / p.sum()
@@ -189,6 +189,40 @@ def test_top_p_ties_follow_the_vocabulary_order():
     got = target_distribution(logits, cfg)
     assert set(np.flatnonzero(got)) == {10, 11, 0, 1}  # 0.3 + 0.2 + 0.05 < 0.58, then one more
     assert np.array_equal(got > 0, reference_distribution(logits, cfg) > 0)
+
+
+def test_top_k_and_top_p_break_ties_alike_so_they_always_leave_a_token():
+    """Tied at the top: top-k takes the lowest index, as top-p's stable order does, so their
+    intersection is never empty (it was with an unordered partition: a NaN distribution)."""
+    logits = np.round(np.random.default_rng(0).standard_normal(300))  # 219, 247, 270 tie
+    p = target_distribution(logits, SamplingConfig(1.0, top_k=1, top_p=1e-9))
+    assert np.flatnonzero(p).tolist() == [219] and p[219] == 1.0
+    two = target_distribution(logits, SamplingConfig(1.0, top_k=2))
+    assert np.flatnonzero(two).tolist() == [219, 247]
+
+
+def test_random_logits_and_settings_match_the_definition():
+    """Masked (-inf) tokens, ties, tiny and large temperatures, every filter and their mixes:
+    the served distribution is the definition's, and a draw never takes a token it excludes."""
+    rng = np.random.default_rng(1)
+    for _ in range(400):
+        size = int(rng.choice([5, 300, 5000]))
+        logits = rng.standard_normal(size).astype(np.float32) * rng.choice([0.1, 1, 5, 30])
+        if rng.random() < 0.3:
+            logits[rng.random(size) < 0.3] = -np.inf
+            logits[0] = 0.0  # at least one token left
+        if rng.random() < 0.3:
+            logits = np.round(logits)
+        cfg = SamplingConfig(
+            float(rng.choice([1e-4, 0.3, 1.0, 3.0, 50.0])),
+            int(rng.choice([0, 1, 2, 50, size - 1, size])),
+            float(rng.choice([0.0, 1e-9, 0.5, 0.9, 0.999999, 1.0])),
+            float(rng.choice([0.0, 1e-6, 0.1, 1.0])),
+        )
+        got, want = target_distribution(logits, cfg), reference_distribution(logits, cfg)
+        assert np.isfinite(got).all() and np.array_equal(got > 0, want > 0), cfg
+        np.testing.assert_allclose(got, want, rtol=1e-7, atol=1e-300)
+        assert got[sample(got, rng)] > 0
 
 
 @pytest.mark.parametrize("size", [7, 256, 1000, 49_152])

@@ -58,13 +58,19 @@ def _kept_by_filters(shifted: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
 
 
 def _in_top_k(shifted: np.ndarray, k: int) -> np.ndarray:
-    """The k most likely tokens, partitioned among those near the top where k of them are."""
+    """The k most likely tokens, ties at the k-th taken in index order (as top-p takes them,
+    so the two filters never leave nothing), looked for among the tokens near the top where k
+    of them are."""
     for margin in (8.0, 32.0, np.inf):
         near = np.flatnonzero(shifted >= -margin)
         if len(near) >= k:
             break
+    values = shifted[near]
+    kth = -np.partition(-values, k - 1)[k - 1]
+    above = near[values > kth]
+    tied = near[values == kth][: k - len(above)]  # near is in index order
     in_top = np.zeros(shifted.shape, dtype=bool)
-    in_top[near[np.argpartition(-shifted[near], k - 1)[:k]]] = True
+    in_top[above] = in_top[tied] = True
     return in_top
 
 
