@@ -1,0 +1,90 @@
+"""What a sampled session's draw costs the verifier's step, in one process: a pooled step's
+logits for N sessions (the target's forward over N prompts' last tokens), then per row the
+copy to the host and the draw (`target_distribution` and `sample`, the served path), median
+ms a row and a step of N rows. --compare FILE times a second `verifier_svc/sampling.py`
+beside (`git show REV:verifier_svc/sampling.py > FILE`), on the same rows.
+
+    python benchmarks/sampled_draws.py [--target MODEL] [--rows 64] [--temperature 0.7]
+        [--top-p 0] [--repeats 5] [--compare FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from specd.argtypes import positive_float, positive_int
+from specd.models.load import load_target
+from verifier_svc import sampling
+
+
+def _module_from(path: str):
+    spec = importlib.util.spec_from_file_location("sampling_compared", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks itself up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _step_logits(model, rows: int) -> mx.array:
+    """[rows, V]: the last position of `rows` short prompts, evaluated on the device."""
+    rng = np.random.default_rng(0)
+    prompts = mx.array(rng.integers(100, 5000, size=(rows, 16)), dtype=mx.int32)
+    logits = model(prompts)[:, -1, :]
+    mx.eval(logits)
+    return logits
+
+
+def _time_draws(module, logits: mx.array, cfg, repeats: int) -> tuple[float, float]:
+    """Median ms a row of the copy to the host and of the draw, over `repeats` steps."""
+    copies, draws = [], []
+    for repeat in range(repeats):
+        generator = np.random.default_rng(repeat)
+        copy_s = draw_s = 0.0
+        for i in range(logits.shape[0]):
+            start = time.perf_counter()
+            row = np.array(logits[i].astype(mx.float32))
+            copied = time.perf_counter()
+            module.sample(module.target_distribution(row, cfg), generator)
+            draw_s += time.perf_counter() - copied
+            copy_s += copied - start
+        copies.append(1e3 * copy_s / logits.shape[0])
+        draws.append(1e3 * draw_s / logits.shape[0])
+    return statistics.median(copies), statistics.median(draws)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=None)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rows", type=positive_int, default=64)
+    parser.add_argument("--temperature", type=positive_float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=0.0)
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--compare", default=None, help="another sampling.py, timed beside")
+    args = parser.parse_args()
+    target = load_target(args.target, args.dtype)
+    logits = _step_logits(target.model, args.rows)
+    cfg = sampling.SamplingConfig(args.temperature, top_p=args.top_p)
+    print(f"{args.rows} rows of {logits.shape[1]} logits on {mx.default_device()}, "
+          f"temperature {args.temperature}, top-p {args.top_p}")  # fmt: skip
+    modules = [("served", sampling)]
+    if args.compare:
+        compared = _module_from(args.compare)
+        cfg_compared = compared.SamplingConfig(args.temperature, top_p=args.top_p)
+        modules.append((args.compare, compared))
+    for name, module in modules:
+        config = cfg if module is sampling else cfg_compared
+        copy_ms, draw_ms = _time_draws(module, logits, config, args.repeats)
+        print(f"{name}: a row's copy {copy_ms:.3f} ms, its draw {draw_ms:.3f} ms; "
+              f"a step of {args.rows} rows {args.rows * (copy_ms + draw_ms):.1f} ms")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
