@@ -75,6 +75,9 @@
 # pool     many clients on the KV pool: the verifier alone, the services, the fault drill (issue 28)
 # kvmem    the verifier's memory with 64 sessions open and after they close, three cycles
 #          (kv_memory.py; issue 28: KV per session, the peak at 64, no growth after close)
+# draws [FILE]  a pooled step's 64 sampled rows copied to the host and drawn, a row's cost
+#          (sampled_draws.py; issue 28's sampled clients), beside the carried FILE, another
+#          verifier_svc/sampling.py (e.g. .gpu/sampling_58db207.py)
 # distill [SECONDS [DTYPE]]  the target's replies to ShareGPT prompts (every user turn, the
 #          whole prompt range up to 1024 tokens, in shuffled order), appended to ~/dd.jsonl
 #          (resumes), for SECONDS (default 500) in DTYPE (default bfloat16)
@@ -301,6 +304,9 @@ pool)
 kvmem)
   timeout 400 python3 benchmarks/kv_memory.py --target "$model" --sessions 64 --cycles 3 \
     --verifier-args "--dtype float32" > "$OUT/kv-memory.log" 2>&1 ;;
+draws)
+  timeout 150 python3 benchmarks/sampled_draws.py --target "$model" --rows 64 \
+    ${2:+--compare "$2"} > "$OUT/sampled-draws.log" 2>&1 ;;
 distill)
   timeout 590 python3 -m specd distill --target "$model" --out ~/dd.jsonl --conversations 100000 \
     --batch-size 512 --max-prompt-tokens 1024 --max-new-tokens 256 --dtype "${3:-bfloat16}" \
