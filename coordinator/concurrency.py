@@ -177,9 +177,12 @@ def services(
         differ = None if differences is None else len(differences)
         row = level_row(level, tokens, wall, latencies, differ, failed, stats)
         if differences:
-            if explain is not None:
-                for d in differences:
-                    d.update(explain(d["prompt"], solo[d["prompt"]], d))
+            for d in differences:
+                key = d["prompt"]  # the faulted run's are keyed by request, not prompt
+                if faulted is not None:
+                    d["request"], d["prompt"] = key, key % len(prompts)
+                if explain is not None:
+                    d.update(explain(d["prompt"], solo[key], d))
             row["differences"] = differences
         if faulted is not None:
             row["faults"] = faulted.summary()

@@ -494,6 +494,43 @@ def test_a_level_keeps_each_difference_with_its_explanation():
     assert asked == 2 * [(1, [7, 8])]
 
 
+def test_a_faulted_runs_differences_name_the_request_and_its_prompt():
+    """The fault drill's run compares request by request: a difference keeps the request and
+    is explained with that request's prompt (requests outnumber prompts)."""
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from coordinator.concurrency import services
+
+    class Client:  # prompt [2] gives [7, 8] in the clean run, [7, 9] in the faulted one
+        calls = 0
+
+        def stream(self, prompt):
+            Client.calls += 1
+            tail = 9 if prompt == [2] and Client.calls > 4 else 8
+            yield SimpleNamespace(token_ids=[7, tail], finish_reason="", stats=None)
+
+    class Drill:
+        def __call__(self):
+            pass
+
+        def summary(self):
+            return "nothing done"
+
+    asked = []
+
+    def explain(index, solo_ids, difference):
+        asked.append(index)
+        return {"logit_margin": 1e-6}
+
+    rows = services(Client(), lambda ids: ids, [[1], [2]], [2],
+                    Namespace(concurrency_requests=2), Drill(), explain=explain)  # fmt: skip
+    faulted = rows[-1]
+    assert faulted["faults"] == "nothing done" and faulted["outputs_differing_from_solo"] == 2
+    assert [(d["request"], d["prompt"]) for d in faulted["differences"]] == [(1, 1), (3, 1)]
+    assert asked == [1, 1]
+
+
 def test_a_process_cpu_time_is_read_while_it_runs_and_none_after(tmp_path):
     from specd.launch import process_cpu_seconds
 
