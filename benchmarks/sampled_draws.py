@@ -71,16 +71,13 @@ def main() -> None:
     args = parser.parse_args()
     target = load_target(args.target, args.dtype)
     logits = _step_logits(target.model, args.rows)
-    cfg = sampling.SamplingConfig(args.temperature, top_p=args.top_p)
     print(f"{args.rows} rows of {logits.shape[1]} logits on {mx.default_device()}, "
           f"temperature {args.temperature}, top-p {args.top_p}")  # fmt: skip
     modules = [("served", sampling)]
     if args.compare:
-        compared = _module_from(args.compare)
-        cfg_compared = compared.SamplingConfig(args.temperature, top_p=args.top_p)
-        modules.append((args.compare, compared))
+        modules.append((args.compare, _module_from(args.compare)))
     for name, module in modules:
-        config = cfg if module is sampling else cfg_compared
+        config = module.SamplingConfig(args.temperature, top_p=args.top_p)
         copy_ms, draw_ms = _time_draws(module, logits, config, args.repeats)
         print(f"{name}: a row's copy {copy_ms:.3f} ms, its draw {draw_ms:.3f} ms; "
               f"a step of {args.rows} rows {args.rows * (copy_ms + draw_ms):.1f} ms")  # fmt: skip

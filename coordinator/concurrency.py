@@ -280,10 +280,10 @@ def explain_difference(model, prompt_ids, solo_ids, difference: dict, temperatur
     position = difference["position"]
     if temperature == 0:
         return logit_rounding(model, list(prompt_ids), list(solo_ids), position)
+    from verifier_svc.sampling import SamplingConfig, target_distribution  # the bench's tooling
+
     logits = model(mx.array([*prompt_ids, *solo_ids[:position]])[None])[0, -1]
-    scaled = np.array(logits.astype(mx.float32), dtype=np.float64) / temperature
-    p = np.exp(scaled - scaled.max())
-    p /= p.sum()
+    p = target_distribution(np.array(logits.astype(mx.float32)), SamplingConfig(temperature))
     pair = [difference["solo_token"], difference["token"]]
     if None in pair:
         return {"mass_between": None}

@@ -199,11 +199,9 @@ class DrafterLink:
             self.all_rows = [rows]
         self.opening = asyncio.ensure_future(self._open(rows, list(self.context)))
 
-    async def _open(self, rows, context: list[int] | None = None) -> None:
+    async def _open(self, rows, context: list[int]) -> None:
         try:
-            self.session = await self.drafter.open(
-                self.context if context is None else context, rows
-            )
+            self.session = await self.drafter.open(context, rows)
         except Exception as exc:  # noqa: BLE001 - any drafter fault only costs speed
             self._down(exc)
 
@@ -255,7 +253,7 @@ class DrafterLink:
         if self.retry_at is not None:
             if self.down:
                 return Drafted([])
-            await self._open(self.all_rows if self.drafter.capture_layers else None)
+            await self._open(self.all_rows if self.drafter.capture_layers else None, self.context)
             if self.session is None:
                 return Drafted([])
             log.info("drafter is back; drafting again")

@@ -100,10 +100,11 @@ def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     """A token drawn from p (unnormalised is fine): the first whose running sum passes a
     uniform draw times the total."""
     blocks = -(-len(p) // SAMPLE_BLOCK)
-    padded = np.zeros(blocks * SAMPLE_BLOCK) if len(p) % SAMPLE_BLOCK else None
-    if padded is not None:
-        padded[: len(p)] = p
-    block_totals = np.cumsum((p if padded is None else padded).reshape(blocks, -1).sum(axis=1))
+    whole = p
+    if len(p) % SAMPLE_BLOCK:  # the last block padded with zeros
+        whole = np.zeros(blocks * SAMPLE_BLOCK)
+        whole[: len(p)] = p
+    block_totals = np.cumsum(whole.reshape(blocks, -1).sum(axis=1))
     target = rng.random() * block_totals[-1]
     block = min(int(np.searchsorted(block_totals, target, side="right")), blocks - 1)
     start = block * SAMPLE_BLOCK
