@@ -16,13 +16,14 @@
 #          client (default 1: a level of 16 lasts ~1 s, and mlx-lm's own rate there moved 2x
 #          between two runs of one sitting, run AO; 3 makes the steady part count);
 #          VERIFIER_ARGS added to the verifier's (e.g. "--prefill-between-steps 8")
-# drafters [SECONDS [DRAFTERS [in-process|pinned]]]  model drafters (default eagle3-k6)
+# drafters [SECONDS [DRAFTERS [in-process|pinned|"" [BENCH_ARGS]]]]  model drafters (default eagle3-k6)
 #          against drafting off and plain mlx-lm, every 4th MT-bench question; a stack's start
 #          with its warm-ups takes ~70 s, so name few; in-process also runs each question's
 #          rounds in the bench's own process, the target served with the stack's verifier
 #          settings (one GPU context beside the services' two: whether the split costs the
 #          verify); pinned turns adaptive k off (--no-adaptive), so a tree drafter drafts its
-#          trees every round
+#          trees every round; BENCH_ARGS added to the bench's (e.g. '--verifier-args
+#          "--log-stats 1"'), its logs' load lines then copied to $OUT/drafters-load.log
 # before-after PATCH [DRAFTERS [SECONDS [after-first]]]  the same bench (every 8th MT-bench
 #          question, k pinned; default eagle3-k3,none) with the carried PATCH (git diff OLD NEW
 #          of the code) reversed, then applied again (after-first: the tree as it is, then
@@ -176,9 +177,13 @@ drafters)
   "") mode=() ;;
   *) echo "drafters: the 4th argument is in-process, pinned or nothing" >&2; exit 2 ;;
   esac
+  eval "extra=(${5:-})"
   bench --dtype float32 --questions mt-bench --every 4 --drafter "${3:-eagle3-k6},none" \
-    "${mode[@]}" --time-limit "${2:-300}" --json ~/res/drafters.json \
-    >> "$OUT/drafters.log" 2>&1 ;;
+    "${mode[@]}" "${extra[@]}" --time-limit "${2:-300}" --json ~/res/drafters.json \
+    >> "$OUT/drafters.log" 2>&1
+  logs=$(sed -n 's/.*logs in //p' "$OUT/drafters.log" | tail -1)
+  [ -n "${5:-}" ] && [ -n "$logs" ] && grep -H "verify calls" "$logs"/*/verifier.log \
+    >> "$OUT/drafters-load.log" ;;
 before-after)
   [ -f "${2:-}" ] || { echo "before-after: give the carried patch (git diff OLD NEW)" >&2; exit 2; }
   sides="before after"

@@ -38,7 +38,7 @@ FIRST_REQUEST_AGAIN = 2
 _DRAFTER_NAME = re.compile(
     r"(?P<variant>.+?)(?:-p(?P<p_min>[0-9]{2}))?(?P<uncut>-uncut)?"
     r"(?:-burst(?P<burst>[1-9][0-9]*))?"
-    r"(?P<nolimit>-nolimit)?(?P<serial>-serial)?(?:-k(?P<k>[0-9]+))?"
+    r"(?P<nolimit>-nolimit)?(?P<serial>-serial)?(?P<overlap>-overlap)?(?:-k(?P<k>[0-9]+))?"
 )
 _DFLASH_BLOCKS = re.compile(r"dflash-b[0-9]+")
 # -pNN is a chain's --draft-p-min (EAGLE-3 only) or a tree's --tree-min-prob
@@ -59,11 +59,12 @@ class BenchDrafter:
     burst: int | None = None  # -burstN: the stack's --decode-burst; None: the bench's own
     nolimit: bool = False  # -nolimit: --draft-max-requests 0, drafting under any load
     serial: bool = False  # -serial: --no-draft-beside-decode
+    overlap: bool = False  # -overlap: --overlap-drafting
     pinned_k: int | None = None  # -kN: every request drafts k = N, adaptive k off
 
 
 def parse_drafter_name(name: str) -> BenchDrafter:
-    """DRAFTER[-pNN][-uncut][-burstN][-nolimit][-serial][-kN], in that order:
+    """DRAFTER[-pNN][-uncut][-burstN][-nolimit][-serial][-overlap][-kN], in that order:
     "eagle3-mlx-p50-burst8-serial-k2". ValueError for a name that is not one."""
     match = _DRAFTER_NAME.fullmatch(name)
     variant = match["variant"] if match else ""
@@ -74,10 +75,11 @@ def parse_drafter_name(name: str) -> BenchDrafter:
         or (match["p_min"] and variant not in _P_MIN_VARIANTS)
         or (match["uncut"] and variant not in _TREE_VARIANTS)
         or (k is not None and (k == 0 or variant == "none"))  # no drafts to pin k of
+        or (match["overlap"] and variant == "none")  # no drafts to draft ahead of
     ):
         raise ValueError(
             f"unknown drafter {name!r}: want DRAFTER[-pNN][-uncut][-burstN][-nolimit][-serial]"
-            "[-kN], "
+            "[-overlap][-kN], "
             f"DRAFTER one of {', '.join(BENCH_DRAFTERS)} or dflash-bN"
         )
     return BenchDrafter(
@@ -89,6 +91,7 @@ def parse_drafter_name(name: str) -> BenchDrafter:
         burst=int(match["burst"]) if match["burst"] else None,
         nolimit=bool(match["nolimit"]),
         serial=bool(match["serial"]),
+        overlap=bool(match["overlap"]),
         pinned_k=k,
     )
 
@@ -113,7 +116,9 @@ def add_bench_args(p) -> None:
         "none (the services without drafting: what the split costs); a -serial suffix "
         "(ngram-serial) makes every draft call before its verify (--no-draft-beside-decode); "
         "a -nolimit suffix before it (ngram-nolimit) drafts under any load "
-        "(--draft-max-requests 0); "
+        "(--draft-max-requests 0); an -overlap suffix after those (eagle3-overlap-k1) drafts "
+        "the next block while the verify runs (--overlap-drafting, as --overlap for every "
+        "stack); "
         "a -burstN suffix before those (none-burst16) sets that stack's --decode-burst; "
         "a -kN suffix (eagle3-k2) drafts k = N every round, adaptive k off; all run side by "
         "side",
@@ -787,7 +792,7 @@ def bench_stack(args, drafter: str, log_dir: Path):
         verifier_args=timing_prefills(shlex.split(args.verifier_args)),
         drafter_args=_drafter_args(args, drafter),
         coordinator_args=([] if args.adaptive else ["--no-adaptive"])
-        + (["--overlap-drafting"] if args.overlap else [])
+        + (["--overlap-drafting"] if args.overlap or parsed.overlap else [])
         + ["--decode-burst", str(parsed.burst or args.decode_burst)]
         + (["--no-draft-beside-decode"] if parsed.serial else [])
         + (["--draft-max-requests", "0"] if parsed.nolimit else [])

@@ -181,6 +181,9 @@ def test_drafter_names_parse_into_their_suffixes():
     assert parse_drafter_name("eagle3-k3") == BenchDrafter(
         "eagle3-k3", "eagle3", "eagle3", pinned_k=3
     )
+    assert parse_drafter_name("eagle3-serial-overlap-k1") == BenchDrafter(
+        "eagle3-serial-overlap-k1", "eagle3", "eagle3", serial=True, overlap=True, pinned_k=1
+    )
     assert parse_drafter_name("eagle3-tree") == BenchDrafter("eagle3-tree", "eagle3-tree", "eagle3")
     assert parse_drafter_name("eagle3-tree-p20-uncut") == BenchDrafter(
         "eagle3-tree-p20-uncut", "eagle3-tree", "eagle3", p_min=0.2, uncut=True
@@ -199,6 +202,8 @@ def test_drafter_names_parse_into_their_suffixes():
         "none-k2",  # no drafts to pin k of
         "none-serial-k2",
         "none-burst16-k2",
+        "none-overlap",  # no drafts to draft ahead of
+        "eagle3-overlap-serial",
         "eagle3-k0",
         "eagle3-kx",
         "none-burst0",
@@ -231,6 +236,11 @@ def test_suffixes_reach_their_stacks_coordinator_and_requests(tmp_path):
     flags = bench.bench_stack(args, "none-burst16-serial", tmp_path).coordinator_args
     assert flags[flags.index("--decode-burst") + 1] == "16" and "--no-draft-beside-decode" in flags
     default = bench.bench_stack(args, "none", tmp_path).coordinator_args
+    assert "--overlap-drafting" not in default
+    assert (
+        "--overlap-drafting"
+        in bench.bench_stack(args, "eagle3-overlap-k1", tmp_path).coordinator_args
+    )
     assert default[default.index("--decode-burst") + 1] == str(args.decode_burst)
     assert bench.bench_request([1, 2], args, "ngram-serial-k8").num_draft_tokens == 8
     assert (
