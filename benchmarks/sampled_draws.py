@@ -1,8 +1,9 @@
 """What a sampled session's draw costs the verifier's step, in one process: a pooled step's
-logits for N sessions (the target's forward over N prompts' last tokens), then per row the
-copy to the host and the draw (`target_distribution` and `sample`, the served path), median
-ms a row and a step of N rows. --compare FILE times a second `verifier_svc/sampling.py`
-beside (`git show REV:verifier_svc/sampling.py > FILE`), on the same rows.
+logits for N sessions (the target's forward over N prompts' last tokens), copied to the host
+a row at a time and all at once (the served copy on a GPU, `verifier_svc.engine._drawn_rows`), then
+per row the draw (`target_distribution` and `sample`, the served path), median ms a row and
+a step of N rows. --compare FILE times a second `verifier_svc/sampling.py`'s draws beside
+(`git show REV:verifier_svc/sampling.py > FILE`), on the same rows.
 
     python benchmarks/sampled_draws.py [--target MODEL] [--rows 64] [--temperature 0.7]
         [--top-p 0] [--repeats 5] [--compare FILE]
@@ -22,6 +23,7 @@ import numpy as np
 from specd.argtypes import positive_float, positive_int
 from specd.models.load import load_target
 from verifier_svc import sampling
+from verifier_svc.engine import _drawn_rows
 
 
 def _module_from(path: str):
@@ -41,22 +43,33 @@ def _step_logits(model, rows: int) -> mx.array:
     return logits
 
 
-def _time_draws(module, logits: mx.array, cfg, repeats: int) -> tuple[float, float]:
-    """Median ms a row of the copy to the host and of the draw, over `repeats` steps."""
-    copies, draws = [], []
+def _time_copies(logits: mx.array, repeats: int) -> tuple[float, float]:
+    """Median ms a row of the copy to the host: a row at a time, and the step's rows at once."""
+    rows = [logits[i : i + 1] for i in range(logits.shape[0])]
+    one_by_one, together = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for row in rows:
+            np.array(row.astype(mx.float32))
+        one_by_one.append(1e3 * (time.perf_counter() - start) / len(rows))
+        start = time.perf_counter()
+        on_device, to_host = _drawn_rows(rows, [False] * len(rows), join=True)
+        mx.eval(on_device)
+        to_host()
+        together.append(1e3 * (time.perf_counter() - start) / len(rows))
+    return statistics.median(one_by_one), statistics.median(together)
+
+
+def _time_draws(module, host_rows: np.ndarray, cfg, repeats: int) -> float:
+    """Median ms a row of the draw, over `repeats` steps."""
+    draws = []
     for repeat in range(repeats):
         generator = np.random.default_rng(repeat)
-        copy_s = draw_s = 0.0
-        for i in range(logits.shape[0]):
-            start = time.perf_counter()
-            row = np.array(logits[i].astype(mx.float32))
-            copied = time.perf_counter()
+        start = time.perf_counter()
+        for row in host_rows:
             module.sample(module.target_distribution(row, cfg), generator)
-            draw_s += time.perf_counter() - copied
-            copy_s += copied - start
-        copies.append(1e3 * copy_s / logits.shape[0])
-        draws.append(1e3 * draw_s / logits.shape[0])
-    return statistics.median(copies), statistics.median(draws)
+        draws.append(1e3 * (time.perf_counter() - start) / len(host_rows))
+    return statistics.median(draws)
 
 
 def main() -> None:
@@ -73,14 +86,19 @@ def main() -> None:
     logits = _step_logits(target.model, args.rows)
     print(f"{args.rows} rows of {logits.shape[1]} logits on {mx.default_device()}, "
           f"temperature {args.temperature}, top-p {args.top_p}")  # fmt: skip
+    by_row, at_once = _time_copies(logits, args.repeats)
+    print(f"copy to the host: {by_row:.3f} ms a row one by one, {at_once:.3f} ms a row the "
+          f"step at once (served on a GPU); a step {args.rows * by_row:.1f} against "
+          f"{args.rows * at_once:.1f} ms")  # fmt: skip
+    host_rows = np.array(logits.astype(mx.float32))
     modules = [("served", sampling)]
     if args.compare:
         modules.append((args.compare, _module_from(args.compare)))
     for name, module in modules:
         config = module.SamplingConfig(args.temperature, top_p=args.top_p)
-        copy_ms, draw_ms = _time_draws(module, logits, config, args.repeats)
-        print(f"{name}: a row's copy {copy_ms:.3f} ms, its draw {draw_ms:.3f} ms; "
-              f"a step of {args.rows} rows {args.rows * (copy_ms + draw_ms):.1f} ms")  # fmt: skip
+        draw_ms = _time_draws(module, host_rows, config, args.repeats)
+        print(f"{name}: a row's draw {draw_ms:.3f} ms; a step of {args.rows} rows "
+              f"{args.rows * (at_once + draw_ms):.1f} ms with the copy at once")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -161,6 +161,16 @@ def run_rounds_alone(target, rounds) -> list:
     ]
 
 
+def joined_copies(monkeypatch, join: bool) -> None:
+    """Sampled rows copied to the host joined in one (a GPU's way) or one by one (the CPU's),
+    whatever the device running the test."""
+    from functools import partial
+
+    from verifier_svc import engine
+
+    monkeypatch.setattr(engine, "_drawn_rows", partial(engine._drawn_rows, join=join))
+
+
 def assert_sampled_rounds_share_and_equal_each_alone(target, forward_calls: list) -> None:
     """Sampled rounds take part in the shared forwards (`forward_calls`: rows per session of
     each, recorded) and commit what each commits alone: the same logits, the same draws from

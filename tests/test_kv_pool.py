@@ -19,6 +19,7 @@ from tests.sessions import (
     assert_sampled_rounds_share_and_equal_each_alone,
     assert_tree_rounds_share_and_equal_each_alone,
     close,
+    joined_copies,
     loaded_verifier,
     recorded,
     round_plans,
@@ -436,12 +437,16 @@ def test_a_round_that_would_grow_the_pool_past_the_kv_limit_is_refused(tiny_mode
     verifier._check_round(session, session.position, 0, 16)  # room for the doubled pool
 
 
-def test_sampled_rounds_run_in_the_pooled_forward_and_equal_each_alone(pooled, monkeypatch):
+@pytest.mark.parametrize("join", [False, True])
+def test_sampled_rounds_run_in_the_pooled_forward_and_equal_each_alone(pooled, monkeypatch, join):
+    joined_copies(monkeypatch, join)
     calls = recorded(monkeypatch, pooled, "forward_pooled")
     assert_sampled_rounds_share_and_equal_each_alone(pooled, calls)
 
 
-def test_tree_rounds_run_in_the_pooled_forward_and_equal_each_alone(pooled, monkeypatch):
+@pytest.mark.parametrize("join", [False, True])
+def test_tree_rounds_run_in_the_pooled_forward_and_equal_each_alone(pooled, monkeypatch, join):
+    joined_copies(monkeypatch, join)
     calls = recorded(monkeypatch, pooled, "forward_pooled")
     assert_tree_rounds_share_and_equal_each_alone(pooled, calls)
 

@@ -11,6 +11,7 @@ from tests.sessions import (
     assert_same_rounds,
     assert_sampled_rounds_share_and_equal_each_alone,
     assert_tree_rounds_share_and_equal_each_alone,
+    joined_copies,
     loaded_verifier,
     recorded,
     round_plans,
@@ -140,12 +141,38 @@ def test_a_second_call_for_one_session_in_a_batch_runs_after_the_first(tiny_mode
     assert first.position == 1 + len(PROMPTS[0]) + len(want)
 
 
-def test_sampled_rounds_share_mlx_forwards_and_equal_each_alone(target, monkeypatch):
+@pytest.mark.parametrize("join", [False, True])
+def test_sampled_rows_reach_the_host_as_each_sessions_float32_logits(join):
+    import mlx.core as mx
+    import numpy as np
+
+    from verifier_svc.engine import _drawn_rows
+
+    rng = np.random.default_rng(0)
+    device = mx.array(rng.standard_normal((3, 50)).astype(np.float32))
+    host = rng.standard_normal((2, 50)).astype(np.float32)  # the CPU kernels' logits
+    prompt = mx.array(rng.standard_normal((4, 50)), dtype=mx.bfloat16)
+    pending, to_host = _drawn_rows([device, host, prompt], [False, False, True], join=join)
+    assert len(pending) == (1 if join else 2)  # joined: the step's rows in one copy
+    mx.eval(pending)
+    rows = to_host()
+    assert rows[0].dtype == rows[2].dtype == np.float32
+    assert np.array_equal(rows[0], np.array(device))
+    assert rows[1] is host
+    assert np.array_equal(rows[2], np.array(prompt[-1:].astype(mx.float32)))  # its last row
+    assert _drawn_rows([], [], join=join)[0] == [] and _drawn_rows([], [], join=join)[1]() == []
+
+
+@pytest.mark.parametrize("join", [False, True])
+def test_sampled_rounds_share_mlx_forwards_and_equal_each_alone(target, monkeypatch, join):
+    joined_copies(monkeypatch, join)
     calls = recorded(monkeypatch, target, "forward_many")
     assert_sampled_rounds_share_and_equal_each_alone(target, calls)
 
 
-def test_tree_rounds_share_mlx_forwards_and_equal_each_alone(target, monkeypatch):
+@pytest.mark.parametrize("join", [False, True])
+def test_tree_rounds_share_mlx_forwards_and_equal_each_alone(target, monkeypatch, join):
+    joined_copies(monkeypatch, join)
     calls = recorded(monkeypatch, target, "forward_many")
     assert_tree_rounds_share_and_equal_each_alone(target, calls)
 

@@ -678,14 +678,14 @@ def _prefill_group(target: Target, prompts, group: list[int], answers: list) -> 
             kept.append(_joined(parts[i], 0).astype(p.rows_dtype) if parts[i] else None)
         sampled = [not p.sampling.greedy for p in chosen]
         also = [[r for r in kept if r is not None], [c.state for c in caches[0]]]
-        firsts = _step_choices(lasts, sampled, also)
+        firsts, drawn = _step_choices(lasts, sampled, also)
     except Exception as exc:  # noqa: BLE001 - the error of this group's prompts
         for n in group:
             answers[n] = exc
         return
     seconds = time.perf_counter() - start
-    for n, p, cache, (logits, _), first, rows in zip(group, chosen, caches, lasts, firsts, kept,
-                                                     strict=True):  # fmt: skip
+    for n, p, cache, logits, first, rows in zip(group, chosen, caches, drawn, firsts, kept,
+                                                strict=True):  # fmt: skip
         rng = None
         if p.sampling.greedy:
             token = int(first[-1])
@@ -1133,15 +1133,18 @@ def _step(
     try:
         outs = forward_many(segments, capture)
         sampled = [s.samples() for s in running]
-        choices = _step_choices(outs, sampled)
+        prompts = [s.round.prompt is not None for s in running]  # a draw from its last row
+        choices, drawn = _step_choices(outs, sampled, last_only=prompts)
         seconds = time.perf_counter() - start  # every session's logits computed by now
         step_rows = sum(len(segment.token_ids) for segment in segments)
         judged = True
-        for state, segment, (logits, outputs), choice in zip(running, segments, outs, choices,
-                                                             strict=True):  # fmt: skip
+        for state, segment, (logits, outputs), choice, host in zip(
+            running, segments, outs, choices, drawn, strict=True
+        ):
             try:
-                if _take_step(target, state, len(segment.token_ids), logits, outputs, choice,
-                              seconds, step_rows):  # fmt: skip
+                if _take_step(target, state, len(segment.token_ids),
+                              logits if host is None else host, outputs, choice, seconds,
+                              step_rows):  # fmt: skip
                     done.append(state)
             except Exception as exc:  # noqa: BLE001 - this session's verdict; the others go on
                 _undo(state)
@@ -1272,23 +1275,55 @@ def _accept_tree(target: Target, session: Session, draft_ids, parents, logits, g
     )
 
 
-def _step_choices(outs: list, sampled: list[bool], also: list = ()) -> list:
+def _step_choices(
+    outs: list, sampled: list[bool], also: list = (), last_only: list[bool] | None = None
+) -> tuple[list, list]:
     """A shared forward's greedy choices per session (None for a sampled one), evaluated with
     the sampled sessions' logits and the arrays in `also`: over a pooled forward's every row
     at once (`SessionOutputs.every_logits`: a few operations and one copy to the host a
-    step), else session by session (`_greedy_choices`)."""
+    step), else session by session (`_greedy_choices`). Also each sampled session's logits as
+    float32 numpy (None for a greedy one; its last row alone where `last_only`), copied to the
+    host together: a copy a session cost a wait for the device each on a GPU."""
     drawn = [x for (x, _), s in zip(outs, sampled, strict=True) if s]
+    lasts = [o for o, s in zip(last_only or [False] * len(sampled), sampled, strict=True) if s]
+    on_device, to_host = _drawn_rows(drawn, lasts)
     every = getattr(outs, "every_logits", None)
     if every is None or all(sampled):
         kept = [x for (x, _), s in zip(outs, sampled, strict=True) if not s]
-        greedy = iter(_greedy_choices(kept, [*drawn, *also]))
-        return [None if s else next(greedy) for s in sampled]
-    together = _greedy_next(every)
-    mx.eval(together, [x for x in drawn if isinstance(x, mx.array)], also)
-    flat = np.array(together).reshape(-1)
-    ends = np.cumsum([len(x) for x, _ in outs]).tolist()
-    return [None if s else flat[end - len(x) : end]
-            for (x, _), s, end in zip(outs, sampled, ends, strict=True)]  # fmt: skip
+        greedy = iter(_greedy_choices(kept, [on_device, *also]))
+        choices = [None if s else next(greedy) for s in sampled]
+    else:
+        together = _greedy_next(every)
+        mx.eval(together, on_device, also)
+        flat = np.array(together).reshape(-1)
+        ends = np.cumsum([len(x) for x, _ in outs]).tolist()
+        choices = [None if s else flat[end - len(x) : end]
+                   for (x, _), s, end in zip(outs, sampled, ends, strict=True)]  # fmt: skip
+    host = iter(to_host())
+    return choices, [next(host) if s else None for s in sampled]
+
+
+def _drawn_rows(drawn: list, last_only: list[bool], join: bool | None = None):
+    """The sampled sessions' logits bound for the host: the MLX ones cast to float32, to
+    evaluate with the step (a list), and a function giving each session's float32 numpy rows
+    once they are evaluated. On a GPU each copy waits for the device, so the rows go over
+    joined in one; on the CPU a copy is a memcpy, and joining them would be one more
+    (`join`: None chooses by the device)."""
+    wanted = [x[-1:] if last else x for x, last in zip(drawn, last_only, strict=True)]
+    device = [x.astype(mx.float32) for x in wanted if not isinstance(x, np.ndarray)]
+    joined = len(device) > 1 and (mx.default_device() != mx.cpu if join is None else join)
+    pending = [mx.concatenate(device)] if joined else device
+
+    def to_host() -> list[np.ndarray]:
+        if joined:
+            bounds = np.cumsum([len(x) for x in device])[:-1]
+            copies = iter(np.split(np.array(pending[0]), bounds))
+        else:
+            copies = (np.array(x) for x in pending)
+        return [x.astype(np.float32, copy=False) if isinstance(x, np.ndarray) else next(copies)
+                for x in wanted]  # fmt: skip
+
+    return pending, to_host
 
 
 def _greedy_choices(logits: list, drawn: list = ()) -> list[mx.array]:
