@@ -34,6 +34,19 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
+def spawn_together(stacks: list[Stack]) -> None:
+    """Spawn the services of stacks on one host at once, their ports chosen together (a port
+    another stack's service has not bound yet could otherwise be handed out again); each
+    stack still to `wait_healthy`."""
+    unset = [(stack, name) for stack in stacks for name in stack.service_names()
+             if not stack.ports.get(name)]  # fmt: skip
+    ports = iter(free_ports(len(unset), stacks[0].host if stacks else "127.0.0.1"))
+    for stack, name in unset:
+        stack.ports = {**stack.ports, name: next(ports)}
+    for stack in stacks:
+        stack.spawn()
+
+
 def health_status(
     address: str, timeout_s: float = 2.0, credentials: grpc.ChannelCredentials | None = None
 ) -> int | None:
@@ -164,8 +177,14 @@ class Stack:
     _flags: dict[str, list[str]] = field(default_factory=dict, repr=False)
 
     def start(self) -> Stack:
-        names = ["verifier", *(["drafter"] if self.drafter else []), "coordinator"]
-        unset = [n for n in names if not self.ports.get(n)]
+        """Spawn the services and wait until each is healthy."""
+        self.spawn()
+        return self.wait_healthy()
+
+    def spawn(self) -> Stack:
+        """Start the services' processes, not waiting for them (`wait_healthy`): stacks
+        spawned one after another warm up side by side."""
+        unset = [n for n in self.service_names() if not self.ports.get(n)]
         chosen = free_ports(len(unset), self.host)
         self.ports = {**self.ports, **dict(zip(unset, chosen, strict=True))}
         try:
@@ -185,12 +204,23 @@ class Stack:
                     *self.coordinator_args,
                 ],
             )
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_healthy(self) -> Stack:
+        """Wait until every spawned service is healthy; stops them all if one is not."""
+        try:
             for service in self.services.values():
                 service.wait_healthy(self.startup_timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def service_names(self) -> list[str]:
+        return ["verifier", *(["drafter"] if self.drafter else []), "coordinator"]
 
     def verifier_flags(self) -> list[str]:
         """The flags the verifier starts with."""

@@ -710,3 +710,33 @@ def test_prompts_opened_in_the_steps_leave_every_output_as_solo(
     levels = json.loads(out.read_text())
     assert [r["outputs_differing_from_solo"] for r in levels["none"]] == [0, 0]
     assert [r["failed"] for r in levels["none"]] == [0, 0]
+
+
+def test_stacks_spawned_together_get_distinct_ports_and_keep_given_ones(monkeypatch):
+    """Spawned before any binds its ports, the stacks' ports are chosen in one go."""
+    from specd import launch
+
+    spawned = []
+
+    class Spawned:
+        def __init__(self, name, port):
+            self.name, self.address = name, f"127.0.0.1:{port}"
+
+        def stop(self):
+            pass
+
+    def fake_spawn(name, args, host, port, log_dir):
+        spawned.append((name, port))
+        return Spawned(name, port)
+
+    monkeypatch.setattr(launch, "spawn", fake_spawn)
+    stacks = [launch.Stack(drafter=d) for d in ("ngram", None, "eagle3")]
+    stacks[1].ports = {"verifier": 1}  # a port given stays
+    launch.spawn_together(stacks)
+    assert [name for name, _ in spawned] == [
+        "verifier", "drafter", "coordinator", "verifier", "coordinator",
+        "verifier", "drafter", "coordinator",
+    ]  # fmt: skip
+    ports = [port for _, port in spawned]
+    assert ports[3] == 1 and len(set(ports)) == len(ports)
+    assert all(s.services for s in stacks)  # spawned, not waited for
