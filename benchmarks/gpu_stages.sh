@@ -106,10 +106,18 @@
 #          the shipped head's size, of the tokens the target predicts most there; "" keeps
 #          it); HELD as for dflash
 # A carried .gpu/kernels.tgz (an earlier stage's $OUT/kernels.tgz) spares compiling kernels.
+# The shipped drafters' weights, moved out of the tree for the upload calls and carried as
+# .gpu/e3heads and .gpu/dfdrafters, are moved back into place first (a call's tree is fresh).
 set -uo pipefail
 . ~/b/env.sh .
 : "${OUT:?run on the device, where OUT is set}"
 mkdir -p ~/.cache/specd ~/res
+for weights in .gpu/e3heads:drafter_svc/eagle3/heads .gpu/dfdrafters:drafter_svc/dflash/drafters; do
+  carried=${weights%%:*} shipped=${weights#*:}
+  if [ -d "$carried" ]; then
+    rm -rf "$shipped" && mkdir -p "$(dirname "$shipped")" && mv "$carried" "$shipped"
+  fi
+done
 [ -f .gpu/kernels.tgz ] && tar -xzf .gpu/kernels.tgz -C ~/.cache/specd
 nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv,noheader
 # specd's compiled kernels for this host's Python (a checkout's build is for its own Python)
