@@ -17,8 +17,10 @@
 #          between two runs of one sitting, run AO; 3 makes the steady part count);
 #          VERIFIER_ARGS added to the verifier's (e.g. "--prefill-between-steps 8")
 # drafters [SECONDS [DRAFTERS [in-process|pinned|"" [BENCH_ARGS]]]]  model drafters (default eagle3-k6)
-#          against drafting off and plain mlx-lm, every 4th MT-bench question; a stack's start
-#          with its warm-ups takes ~70 s, so name few; in-process also runs each question's
+#          against drafting off and plain mlx-lm, every 4th MT-bench question; a verifier's
+#          start takes ~95 s (run BH), the first stack's alone and then the others' side by
+#          side, and --time-limit counts them: give SECONDS ~200 more than the questions
+#          need; in-process also runs each question's
 #          rounds in the bench's own process, the target served with the stack's verifier
 #          settings (one GPU context beside the services' two: whether the split costs the
 #          verify); pinned turns adaptive k off (--no-adaptive), so a tree drafter drafts its
@@ -28,8 +30,8 @@
 #          question, k pinned; default eagle3-k3,none) with the carried PATCH (git diff OLD NEW
 #          of the code) reversed, then applied again (after-first: the tree as it is, then
 #          reversed): two commits side by side on one machine; a side
-#          starts its stacks one after another (a verifier's warm-up ~60 s on a fresh
-#          machine), so SECONDS (default 250) under ~100 a drafter gets no table, only the
+#          starts its first stack, then the others side by side (a verifier's start ~95 s on
+#          a fresh machine), so SECONDS (default 250) under ~200 gets no table, only the
 #          verifiers' load lines ($OUT/SIDE-load.log)
 # round-profile [DRAFTER [K]]  where a served round's time goes (benchmarks/round_profile.py:
 #          py-spy on each service, the verifier's load lines); carry py-spy's wheel as
