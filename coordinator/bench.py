@@ -683,16 +683,19 @@ def _bench_against(args, plain, questions, drafters: list[str], started: float) 
     with ExitStack() as running:
         clients, in_process, first = {}, {}, {}
         # one stack each, all up (idle ones cost memory, not time). On a GPU a verifier's
-        # warm-up takes a minute or more: the first stack's fills the kernel cache, then the
-        # others warm up side by side, reading it only (MLX writes it unlocked)
+        # warm-up takes a minute or more: the first stack, and the first of each further
+        # model drafter, warm up alone and fill the kernel cache; the others then warm up side
+        # by side, reading it only (MLX writes it unlocked); all are up before any is timed
         stacks = {d: bench_stack(args, d, log_dir / d) for d in drafters}
         for stack in stacks.values():
             running.callback(stack.stop)
-        stacks[drafters[0]].start()
-        spawn_together([stacks[d] for d in drafters[1:]])
+        alone = _stacks_started_alone(drafters)
+        for d in alone:
+            stacks[d].start()
+        spawn_together([stacks[d] for d in drafters if d not in alone])
         for d in drafters:
-            stack = stacks[d].wait_healthy()
-            clients[d] = CoordinatorClient(stack.coordinator)
+            clients[d] = CoordinatorClient(stacks[d].wait_healthy().coordinator)
+        for d in drafters:
             # the first request after SERVING, timed: the services' warm-up must have compiled
             # every shape it meets; the main loop runs the same request again
             # GPU requests of one prompt vary by a third from run to run: the later figure is
@@ -787,6 +790,19 @@ def timing_prefills(verifier_args: list[str]) -> list[str]:
     return [*verifier_args, "--prefix-cache", "0"]
 
 
+def _stacks_started_alone(drafters: list[str]) -> list[str]:
+    """The first stack, and the first of each further drafter kind that runs a model (its
+    kernels compiled once, before stacks warm up side by side)."""
+    kinds = {parse_drafter_name(drafters[0]).drafter}
+    alone = [drafters[0]]
+    for d in drafters[1:]:
+        kind = parse_drafter_name(d).drafter
+        if kind in ("eagle3", "dflash") and kind not in kinds:
+            kinds.add(kind)
+            alone.append(d)
+    return alone
+
+
 def bench_stack(args, drafter: str, log_dir: Path):
     """The three services for bench drafter `drafter`, with the bench's options."""
     from specd.launch import Stack
@@ -850,7 +866,7 @@ def _result(args, target, drafter: str, rows: list[dict], memory: dict, asked: i
         "max_tokens": args.max_tokens,
         "adaptive": args.adaptive and parsed.pinned_k is None,
         "decode_burst": parsed.burst or args.decode_burst,
-        "overlap": args.overlap,
+        "overlap": args.overlap or parsed.overlap,
         "temperature": args.temperature,
         "repeat": args.repeat,  # times each mode ran each question; rows keep the fastest
         "questions": rows,

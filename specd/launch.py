@@ -185,8 +185,9 @@ class Stack:
         """Start the services' processes, not waiting for them (`wait_healthy`): stacks
         spawned one after another warm up side by side."""
         unset = [n for n in self.service_names() if not self.ports.get(n)]
-        chosen = free_ports(len(unset), self.host)
-        self.ports = {**self.ports, **dict(zip(unset, chosen, strict=True))}
+        if unset:
+            chosen = free_ports(len(unset), self.host)
+            self.ports = {**self.ports, **dict(zip(unset, chosen, strict=True))}
         try:
             self._spawn("verifier", self.verifier_flags())
             if self.drafter:

@@ -730,6 +730,14 @@ def test_stacks_spawned_together_get_distinct_ports_and_keep_given_ones(monkeypa
         return Spawned(name, port)
 
     monkeypatch.setattr(launch, "spawn", fake_spawn)
+    asked = []
+    chosen = launch.free_ports
+
+    def counted_free_ports(count, host="127.0.0.1"):
+        asked.append(count)
+        return chosen(count, host)
+
+    monkeypatch.setattr(launch, "free_ports", counted_free_ports)
     stacks = [launch.Stack(drafter=d) for d in ("ngram", None, "eagle3")]
     stacks[1].ports = {"verifier": 1}  # a port given stays
     launch.spawn_together(stacks)
@@ -739,4 +747,15 @@ def test_stacks_spawned_together_get_distinct_ports_and_keep_given_ones(monkeypa
     ]  # fmt: skip
     ports = [port for _, port in spawned]
     assert ports[3] == 1 and len(set(ports)) == len(ports)
+    assert asked == [7]  # every port not given, chosen in one go
     assert all(s.services for s in stacks)  # spawned, not waited for
+
+
+def test_the_first_stack_and_the_first_of_each_model_drafter_warm_up_alone():
+    from coordinator.bench import _stacks_started_alone
+
+    assert _stacks_started_alone(["none", "ngram", "ngram-k2"]) == ["none"]
+    assert _stacks_started_alone(["eagle3-k1", "eagle3-overlap-k1", "none"]) == ["eagle3-k1"]
+    assert _stacks_started_alone(["none", "eagle3", "dflash", "eagle3-tree", "dflash-b8"]) == [
+        "none", "eagle3", "dflash",
+    ]  # fmt: skip

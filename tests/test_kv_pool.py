@@ -266,15 +266,18 @@ def test_the_full_warm_up_prefills_and_steps_pooled_sessions_together(
     assert target.kv_pool.open_slots == 0  # the warm-up's sessions gave their slots back
 
 
+@pytest.mark.parametrize("join", [False, True])
 def test_prompts_prefilled_together_open_the_sessions_each_prefill_opens(
-    pooled, plain, monkeypatch
+    pooled, plain, monkeypatch, join
 ):
     from verifier_svc.engine import PromptToPrefill, prefill_many
     from verifier_svc.sampling import SamplingConfig
 
+    joined_copies(monkeypatch, join)
     sampled = SamplingConfig(temperature=0.8)
     asks = [PromptToPrefill(p, c) for p, c in zip(PROMPTS, CAPTURES, strict=True)]
     asks += [PromptToPrefill([42], (0,)), PromptToPrefill(PROMPTS[2], (), sampling=sampled, seed=3)]
+    asks.append(PromptToPrefill(PROMPTS[0], (), sampling=SamplingConfig(temperature=1.3), seed=5))
     calls = recorded(monkeypatch, pooled, "forward_pooled")
     together = prefill_many(pooled, asks)
     assert len(calls) == 2 and len(calls[1]) == len(asks)  # the prompts' heads, then their lasts
@@ -444,9 +447,7 @@ def test_sampled_rounds_run_in_the_pooled_forward_and_equal_each_alone(pooled, m
     assert_sampled_rounds_share_and_equal_each_alone(pooled, calls)
 
 
-@pytest.mark.parametrize("join", [False, True])
-def test_tree_rounds_run_in_the_pooled_forward_and_equal_each_alone(pooled, monkeypatch, join):
-    joined_copies(monkeypatch, join)
+def test_tree_rounds_run_in_the_pooled_forward_and_equal_each_alone(pooled, monkeypatch):
     calls = recorded(monkeypatch, pooled, "forward_pooled")
     assert_tree_rounds_share_and_equal_each_alone(pooled, calls)
 

@@ -600,7 +600,7 @@ def _first_drawn(logits, sampling: SamplingConfig, seed: int | None):
     """A sampled session's first token, drawn from its prompt's last row of logits, and the
     generator it drew with (seeded as every prefill seeds it; the session's from then on)."""
     rng = np.random.default_rng(seed)
-    return sample(target_distribution(np.array(logits[-1], np.float32), sampling), rng), rng
+    return sample(target_distribution(_float32_rows(logits[-1:])[0], sampling), rng), rng
 
 
 @dataclass
