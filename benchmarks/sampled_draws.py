@@ -1,9 +1,11 @@
 """What a sampled session's draw costs the verifier's step, in one process: a pooled step's
-logits for N sessions (the target's forward over N prompts' last tokens), copied to the host
-a row at a time and all at once (the served copy on a GPU, `verifier_svc.engine._drawn_rows`), then
-per row the draw (`target_distribution` and `sample`, the served path), median ms a row and
-a step of N rows. --compare FILE times a second `verifier_svc/sampling.py`'s draws beside
-(`git show REV:verifier_svc/sampling.py > FILE`), on the same rows.
+logits for N sessions (the target's forward over N prompts' last tokens), copied to the host a
+row at a time and all at once (the served copy on a GPU, `verifier_svc.engine._drawn_rows`),
+then per row the host's draw (`target_distribution` and `sample`: filtered sampling, verifies
+with drafts), and the step's draws made together by MLX (`verifier_svc.device_draws`: a plain
+step sampling by temperature alone, served so), median ms a row and a step of N rows.
+--compare FILE times a second `verifier_svc/sampling.py`'s host draws beside (`git show
+REV:verifier_svc/sampling.py > FILE`), on the same rows.
 
     python benchmarks/sampled_draws.py [--target MODEL] [--rows 64] [--temperature 0.7]
         [--top-p 0] [--repeats 5] [--compare FILE]
@@ -23,6 +25,7 @@ import numpy as np
 from specd.argtypes import positive_float, positive_int
 from specd.models.load import load_target
 from verifier_svc import sampling
+from verifier_svc.device_draws import draw
 from verifier_svc.engine import _drawn_rows
 
 
@@ -60,6 +63,19 @@ def _time_copies(logits: mx.array, repeats: int) -> tuple[float, float]:
     return statistics.median(one_by_one), statistics.median(together)
 
 
+def _time_device_draws(logits: mx.array, temperature: float, repeats: int) -> float:
+    """Median ms a row of the step's draws made together by MLX, its tokens read back."""
+    rows = logits.shape[0]
+    temperatures = mx.full((rows,), temperature, dtype=mx.float32)
+    times = []
+    for repeat in range(repeats):
+        uniforms = mx.array(np.random.default_rng(repeat).random(rows), dtype=mx.float32)
+        start = time.perf_counter()
+        np.array(draw(logits, temperatures, uniforms))
+        times.append(1e3 * (time.perf_counter() - start) / rows)
+    return statistics.median(times)
+
+
 def _time_draws(module, host_rows: np.ndarray, cfg, repeats: int) -> float:
     """Median ms a row of the draw, over `repeats` steps."""
     draws = []
@@ -90,6 +106,10 @@ def main() -> None:
     print(f"copy to the host: {by_row:.3f} ms a row one by one, {at_once:.3f} ms a row the "
           f"step at once (served on a GPU); a step {args.rows * by_row:.1f} against "
           f"{args.rows * at_once:.1f} ms")  # fmt: skip
+    if args.top_p == 0:
+        on_device = _time_device_draws(logits, args.temperature, args.repeats)
+        print(f"drawn together by MLX (served): {on_device:.3f} ms a row; a step of "
+              f"{args.rows} rows {args.rows * on_device:.1f} ms")  # fmt: skip
     host_rows = np.array(logits.astype(mx.float32))
     modules = [("served", sampling)]
     if args.compare:

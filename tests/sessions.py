@@ -161,6 +161,40 @@ def run_rounds_alone(target, rounds) -> list:
     ]
 
 
+def assert_plain_draws_share_and_equal_each_alone(target, monkeypatch) -> None:
+    """Sampled bursts by temperature alone, beside a greedy one, share the forwards and draw
+    together by MLX (`device_draws`, a GPU's way), committing what each commits alone."""
+    from verifier_svc import engine
+    from verifier_svc.engine import Round, prefill, rounds_many
+
+    monkeypatch.setattr(engine, "_on_gpu", lambda: True)  # as a GPU draws, on any device
+
+    def opened():
+        settings = [None, 0.6, 1.0, 1.4]
+        return [
+            prefill(target, PROMPTS[i], CAPTURES[i], seed=20 + i,
+                    sampling=SamplingConfig(t) if t else SamplingConfig()).session
+            for i, t in enumerate(settings)
+        ]  # fmt: skip
+
+    alone_sessions = opened()
+    alone = run_rounds_alone(target, [Round(s, [], 5) for s in alone_sessions])
+    drawn, draw = [], engine.draw
+
+    def counted(rows, *args):
+        drawn.append(rows.shape[0])
+        return draw(rows, *args)
+
+    monkeypatch.setattr(engine, "draw", counted)
+    sessions = opened()
+    together = rounds_many(target, [Round(s, [], 5) for s in sessions])
+    assert 3 in drawn  # the three sampled sessions' rows drawn together in a step
+    assert_same_rounds(alone, together)
+    for got, want in zip(sessions, alone_sessions, strict=True):
+        if want.rng is not None:  # the generators took the same uniforms
+            assert got.rng.random() == want.rng.random()
+
+
 def joined_copies(monkeypatch, join: bool) -> None:
     """Sampled rows copied to the host joined in one (a GPU's way) or one by one (the CPU's),
     whatever the device running the test."""

@@ -15,6 +15,7 @@ from tests.sessions import (
     CAPTURES,
     PROMPTS,
     RpcContext,
+    assert_plain_draws_share_and_equal_each_alone,
     assert_same_rounds,
     assert_sampled_rounds_share_and_equal_each_alone,
     assert_tree_rounds_share_and_equal_each_alone,
@@ -955,3 +956,7 @@ def test_a_prompt_round_with_no_company_opens_its_session_as_prefill_does(tiny_m
     del opened
     gc.collect()
     assert target.open_sessions == 0
+
+
+def test_plain_draws_share_the_forwards_and_equal_each_alone(pooled, monkeypatch):
+    assert_plain_draws_share_and_equal_each_alone(pooled, monkeypatch)

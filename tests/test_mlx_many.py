@@ -8,6 +8,7 @@ import pytest
 from specd.models.load import load_target
 from tests.sessions import (
     PROMPTS,
+    assert_plain_draws_share_and_equal_each_alone,
     assert_same_rounds,
     assert_sampled_rounds_share_and_equal_each_alone,
     assert_tree_rounds_share_and_equal_each_alone,
@@ -205,3 +206,7 @@ def test_a_tree_the_target_cannot_verify_is_refused_in_a_batch(tiny_model_dir, m
     assert "draft chains instead" in str(answers[0])
     assert len(answers[1].committed) == 2
     assert tree.position == position and tree.cache[0].offset == position - 1
+
+
+def test_plain_draws_share_the_forwards_and_equal_each_alone(target, monkeypatch):
+    assert_plain_draws_share_and_equal_each_alone(target, monkeypatch)

@@ -99,7 +99,7 @@ def test_separate_runs_the_full_warmup_in_a_child_and_a_few_rounds_here(tiny_mod
     served, report = warm_up_served(config, load)
     assert report.mode == "separate" and loads == [1]  # loaded here once, after the child
     # the child's whole warm-up, then a prefill, a burst, two verifies and trees of 2-4 here
-    assert report.calls == full_warmup(target, 3) + 5 + 3
+    assert report.calls == full_warmup(target, 3) + 7 + 3
     assert greedy(served) == greedy(target)
 
 
@@ -110,7 +110,7 @@ def test_a_failed_separate_warmup_still_serves(tiny_model_dir, caplog):
     # the child cannot load this model; the service loads the real one and goes on
     config = _config(str(tiny_model_dir / "missing"), warmup="separate")
     served, report = warm_up_served(config, lambda: target_for(_config(str(tiny_model_dir))))
-    assert report.mode == "separate" and report.calls == 5 + 3  # trees of 2-4 nodes here too
+    assert report.mode == "separate" and report.calls == 7 + 3  # trees of 2-4 nodes here too
     assert "separate process failed" in caplog.text
     assert len(greedy(served)) == 13
 
@@ -122,16 +122,22 @@ def test_the_serving_process_meets_a_prompt_and_a_served_burst(target, monkeypat
 
     prompts, bursts = [], []
     real_prefill, real_decode = warmup.prefill, warmup.decode
+    sampled = []
     monkeypatch.setattr(
         warmup,
         "prefill",
-        lambda t, ids, *a, **k: prompts.append(len(ids)) or real_prefill(t, ids, *a, **k),
+        lambda t, ids, *a, **k: (
+            prompts.append(len(ids))
+            or sampled.append(not k.get("sampling", warmup.SamplingConfig()).greedy)
+            or real_prefill(t, ids, *a, **k)
+        ),
     )
     monkeypatch.setattr(
         warmup, "decode", lambda t, s, n, **k: bursts.append((n, k)) or real_decode(t, s, n, **k)
     )
-    assert warmup.serving_warmup(target) == 5
+    assert warmup.serving_warmup(target) == 7
     assert 64 in prompts and (4, {"look_ahead": True}) in bursts
+    assert any(sampled)  # a sampled prompt and step: a GPU's draws load their kernels here
 
 
 def test_the_serving_process_meets_a_branching_tree_of_every_size(target, monkeypatch):
@@ -146,7 +152,7 @@ def test_the_serving_process_meets_a_branching_tree_of_every_size(target, monkey
         return real_verify_tree(t, session, drafts, parents)
 
     monkeypatch.setattr(warmup, "verify_tree", recording)
-    assert warmup.serving_warmup(target, 4) == 5 + 4
+    assert warmup.serving_warmup(target, 4) == 7 + 4
     assert [len(parents) + 1 for parents in trees] == [2, 3, 4, 5]
     assert all(parents[:2] == [-1, -1] for parents in trees[1:])
 

@@ -33,6 +33,7 @@ from specd.models.compiled import CompiledForward
 from specd.models.load import LoadedTarget, device_kind, resolve_dtype
 from specd.platform import limit_numpy_blas_threads
 from verifier_svc.accept import accept_greedy
+from verifier_svc.device_draws import draw, drawable_on_device
 from verifier_svc.forwards import (
     CompiledMlxForward,
     CpuKernelForward,
@@ -600,7 +601,32 @@ def _first_drawn(logits, sampling: SamplingConfig, seed: int | None):
     """A sampled session's first token, drawn from its prompt's last row of logits, and the
     generator it drew with (seeded as every prefill seeds it; the session's from then on)."""
     rng = np.random.default_rng(seed)
+    if _draws_on_device(sampling, logits.shape[-1]):
+        token = _drawn([logits[-1:]], [(sampling.temperature, rng.random())])
+        return int(np.array(token)[0]), rng
     return sample(target_distribution(_float32_rows(logits[-1:])[0], sampling), rng), rng
+
+
+def _draws_on_device(sampling: SamplingConfig, vocab_size: int) -> bool:
+    """Whether a plain draw for `sampling` is made by MLX (`device_draws`): on a GPU, where a
+    row's copy to the host waits for the device; on a CPU the host's draw is the faster
+    (0.14 against 0.75 ms a row of 49,152 at 64 rows, benchmarks/sampled_draws.py). Every
+    plain draw of a process is made one way, so a session draws alike wherever it runs."""
+    return _on_gpu() and drawable_on_device(sampling, vocab_size)
+
+
+def _on_gpu() -> bool:
+    return device_kind() == "gpu"
+
+
+def _drawn(rows: list, asked: list[tuple[float, float]]) -> mx.array:
+    """The tokens drawn from `rows` (each a forward's last row of logits, MLX's or the CPU
+    kernels'), one a (temperature, uniform) in `asked`, by `device_draws.draw` over all of
+    them at once: lazy."""
+    joined = mx.concatenate([_mx(row) for row in rows]) if len(rows) > 1 else _mx(rows[0])
+    temperatures = mx.array([t for t, _ in asked], dtype=mx.float32)
+    uniforms = mx.array([u for _, u in asked], dtype=mx.float32)
+    return draw(joined, temperatures, uniforms)
 
 
 @dataclass
@@ -717,6 +743,10 @@ def _accept(
         choices = mx.concatenate(parts) if len(parts) > 1 else parts[0]
         mx.eval(choices, *([rows] if rows is not None else []))
         return accept_greedy(draft_ids, choices.tolist(), target.eos_ids)
+    if not draft_ids and _draws_on_device(session.sampling, logits.shape[-1]):
+        drawn = _drawn([logits[-1:]], [(session.sampling.temperature, session.rng.random())])
+        mx.eval(drawn, *([rows] if rows is not None else []))
+        return accept_greedy([], np.array(drawn).tolist(), target.eos_ids)
     return _accept_sampled(target, session, draft_ids, draft_probs, _float32_rows(logits))
 
 
@@ -1130,11 +1160,13 @@ def _step(
     done: list[_Running] = []
     failed: list[_Running] = []
     judged = False  # verdicts taken: past this, the step is no longer undone as a whole
+    generators = [_draws(s.round.session) for s in running]  # a failed step puts them back
     try:
         outs = forward_many(segments, capture)
-        sampled = [s.samples() for s in running]
+        on_device = _device_draws(running, outs)
+        on_host = [s.samples() and d is None for s, d in zip(running, on_device, strict=True)]
         prompts = [s.round.prompt is not None for s in running]  # a draw from its last row
-        choices, drawn = _step_choices(outs, sampled, last_only=prompts)
+        choices, drawn = _step_choices(outs, on_host, last_only=prompts, device_draws=on_device)
         seconds = time.perf_counter() - start  # every session's logits computed by now
         step_rows = sum(len(segment.token_ids) for segment in segments)
         judged = True
@@ -1154,8 +1186,9 @@ def _step(
     except Exception as exc:  # noqa: BLE001 - the error of the sessions in this forward
         rounds = [state for state in running if not state.looks_ahead]
         if not judged and rounds and len(running) > 1:  # each loses this step's rows only
-            for state in running:
+            for state, generator in zip(running, generators, strict=True):
                 _undo_step(state)
+                _restore_draws(state.round.session, generator)
             return [], [], rounds, False
         for state in running:
             _undo(state)
@@ -1212,7 +1245,7 @@ def _take_step(
         if captured is not None:
             state.rows.append(_mx(captured)[mx.array(keep)])
         return True
-    if r.session.rng is None:
+    if r.session.rng is None or choice is not None:  # greedy, or drawn on the device
         acceptance = accept_greedy(drafts, choice.tolist(), target.eos_ids)
     else:  # its draws from its own generator, in the order they come alone
         probs = r.draft_probs if drafts else None
@@ -1276,31 +1309,72 @@ def _accept_tree(target: Target, session: Session, draft_ids, parents, logits, g
 
 
 def _step_choices(
-    outs: list, sampled: list[bool], also: list = (), last_only: list[bool] | None = None
+    outs: list,
+    sampled: list[bool],
+    also: list = (),
+    last_only: list[bool] | None = None,
+    device_draws: list | None = None,
 ) -> tuple[list, list]:
-    """A shared forward's greedy choices per session (None for a sampled one), evaluated with
-    the sampled sessions' logits and the arrays in `also`: over a pooled forward's every row
-    at once (`SessionOutputs.every_logits`: a few operations and one copy to the host a
-    step), else session by session (`_greedy_choices`). Also each sampled session's logits as
-    float32 numpy (None for a greedy one; its last row alone where `last_only`), copied to the
-    host together: a copy a session cost a wait for the device each on a GPU."""
+    """A shared forward's greedy choices per session (None for one sampled on the host),
+    evaluated with the sampled sessions' logits and the arrays in `also`: over a pooled
+    forward's every row at once (`SessionOutputs.every_logits`: a few operations and one copy
+    to the host a step), else session by session (`_greedy_choices`). Sessions with a
+    (temperature, uniform) in `device_draws` get the token drawn from their last row on the
+    device in the same evaluation (`verifier_svc.device_draws`). Also each host-sampled session's
+    logits as float32 numpy (None for the others; its last row alone where `last_only`),
+    copied to the host together: a copy a session cost a wait for the device each on a GPU."""
+    device_draws = device_draws or [None] * len(sampled)
+    chosen = [s or d is not None for s, d in zip(sampled, device_draws, strict=True)]
     drawn = [x for (x, _), s in zip(outs, sampled, strict=True) if s]
     lasts = [o for o, s in zip(last_only or [False] * len(sampled), sampled, strict=True) if s]
-    on_device, to_host = _drawn_rows(drawn, lasts)
+    on_host, to_host = _drawn_rows(drawn, lasts)
+    tokens = _drawn_on_device(outs, device_draws)
+    pending = [on_host, *([tokens] if tokens is not None else []), *also]
     every = getattr(outs, "every_logits", None)
-    if every is None or all(sampled):
-        kept = [x for (x, _), s in zip(outs, sampled, strict=True) if not s]
-        greedy = iter(_greedy_choices(kept, [on_device, *also]))
-        choices = [None if s else next(greedy) for s in sampled]
+    if every is None or all(chosen):
+        kept = [x for (x, _), c in zip(outs, chosen, strict=True) if not c]
+        greedy = iter(_greedy_choices(kept, pending))
+        choices = [None if c else next(greedy) for c in chosen]
     else:
         together = _greedy_next(every)
-        mx.eval(together, on_device, also)
+        mx.eval(together, pending)
         flat = np.array(together).reshape(-1)
         ends = np.cumsum([len(x) for x, _ in outs]).tolist()
-        choices = [None if s else flat[end - len(x) : end]
-                   for (x, _), s, end in zip(outs, sampled, ends, strict=True)]  # fmt: skip
+        choices = [None if c else flat[end - len(x) : end]
+                   for (x, _), c, end in zip(outs, chosen, ends, strict=True)]  # fmt: skip
+    if tokens is not None:
+        device = iter(np.array(tokens).reshape(-1, 1))
+        choices = [next(device) if d is not None else c
+                   for c, d in zip(choices, device_draws, strict=True)]  # fmt: skip
     host = iter(to_host())
     return choices, [next(host) if s else None for s in sampled]
+
+
+def _drawn_on_device(outs: list, device_draws: list) -> mx.array | None:
+    """The tokens drawn from the last row of each session with a (temperature, uniform),
+    lazy (`_drawn`); None when there is none."""
+    asked = [(x[-1:], d) for (x, _), d in zip(outs, device_draws, strict=True) if d is not None]
+    if not asked:
+        return None
+    return _drawn([row for row, _ in asked], [d for _, d in asked])
+
+
+def _device_draws(running: list, outs: list) -> list:
+    """(temperature, uniform) for each round whose step is one plain draw (a step without
+    drafts of a session sampling by temperature alone: `device_draws`), its generator's
+    uniform taken now as the host's draw would take it; None for the others."""
+    made = []
+    for state, (logits, _) in zip(running, outs, strict=True):
+        r = state.round
+        plain = (
+            r.prompt is None
+            and not state.looks_ahead
+            and r.session.rng is not None
+            and not r.drafts
+            and _draws_on_device(r.session.sampling, logits.shape[-1])
+        )
+        made.append((r.session.sampling.temperature, r.session.rng.random()) if plain else None)
+    return made
 
 
 def _drawn_rows(drawn: list, last_only: list[bool], join: bool | None = None):

@@ -104,7 +104,9 @@ def full_warmup(target: Target, max_draft_tokens: int, long_context: int = PREFI
         if target.supports_trees(pair[0].cache):
             mixed.append(Round(pair[0], _prompt(target, 3, 13), 1, parents=[-1, -1, 0]))
         rounds_many(target, mixed)
-        calls += 4 + 1 + len(mixed)  # the prefills and rounds before, this prefill, its rounds
+        # a sampled session's plain steps drawn in the batch (`device_draws` on a GPU)
+        rounds_many(target, [Round(pair[1], [], 1), Round(drawn.session, [], 2)])
+        calls += 4 + 1 + len(mixed) + 1  # the prefills and rounds before, this prefill, its rounds
         calls += compiled_pooled_traces(target)
     sampled = SamplingConfig(temperature=1.0)
     session = prefill(target, _prompt(target, 64, 3), (), sampling=sampled, seed=0).session
@@ -186,11 +188,14 @@ def serving_warmup(target: Target, max_draft_tokens: int = 0) -> int:
     session = prefill(target, _prompt(target, 64, 8)).session
     decode(target, session, 4, look_ahead=True)
     verify(target, session, _prompt(target, 2, 9))
+    # a sampled prompt and step: on a GPU their draws' kernels (`device_draws`) load here
+    drawn = prefill(target, _prompt(target, 16, 14), sampling=SamplingConfig(1.0), seed=2)
+    decode(target, drawn.session, 2)
     trees = range(2, max_draft_tokens + 2) if target.supports_trees(session.cache) else ()
     drafts = _prompt(target, max_draft_tokens, 10)
     for n in trees:  # a tree that branches at its root, so its mask is not a chain's
         verify_tree(target, session, drafts[: n - 1], [-1] + list(range(-1, n - 3)))
-    return 3 + len(trees) + compiled_pooled_traces(target) + minimal_warmup(target)
+    return 5 + len(trees) + compiled_pooled_traces(target) + minimal_warmup(target)
 
 
 def warm_up(target: Target, max_draft_tokens: int, mode: str = "auto") -> WarmupReport:
