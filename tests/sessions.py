@@ -161,21 +161,21 @@ def run_rounds_alone(target, rounds) -> list:
     ]
 
 
-def assert_plain_draws_share_and_equal_each_alone(target, monkeypatch) -> None:
-    """Sampled bursts by temperature alone, beside a greedy one, share the forwards and draw
-    together by MLX (`device_draws`, a GPU's way), committing what each commits alone."""
+def assert_plain_draws_share_and_equal_each_alone(target, monkeypatch, fail_once=False) -> None:
+    """Sampled bursts by temperature alone, beside a greedy one and one sampling with top-k
+    (drawn on the host), share the forwards and draw together by MLX (`device_draws`, a GPU's
+    way), committing what each commits alone, their generators in step after. fail_once: the
+    first shared step's draws fail after their uniforms were taken, and the rounds go on."""
     from verifier_svc import engine
     from verifier_svc.engine import Round, prefill, rounds_many
 
     monkeypatch.setattr(engine, "_on_gpu", lambda: True)  # as a GPU draws, on any device
+    settings = [SamplingConfig(), SamplingConfig(0.6), SamplingConfig(1.0), SamplingConfig(1.4),
+                SamplingConfig(1.0, top_k=5)]  # fmt: skip
 
     def opened():
-        settings = [None, 0.6, 1.0, 1.4]
-        return [
-            prefill(target, PROMPTS[i], CAPTURES[i], seed=20 + i,
-                    sampling=SamplingConfig(t) if t else SamplingConfig()).session
-            for i, t in enumerate(settings)
-        ]  # fmt: skip
+        return [prefill(target, PROMPTS[i], CAPTURES[i], seed=20 + i, sampling=sampling).session
+                for i, sampling in enumerate(settings)]  # fmt: skip
 
     alone_sessions = opened()
     alone = run_rounds_alone(target, [Round(s, [], 5) for s in alone_sessions])
@@ -183,12 +183,14 @@ def assert_plain_draws_share_and_equal_each_alone(target, monkeypatch) -> None:
 
     def counted(rows, *args):
         drawn.append(rows.shape[0])
+        if fail_once and drawn.count(3) == 1 and rows.shape[0] == 3:
+            raise RuntimeError("the device failed the step")
         return draw(rows, *args)
 
     monkeypatch.setattr(engine, "draw", counted)
     sessions = opened()
     together = rounds_many(target, [Round(s, [], 5) for s in sessions])
-    assert 3 in drawn  # the three sampled sessions' rows drawn together in a step
+    assert 3 in drawn  # the three sessions sampling by temperature alone, drawn together
     assert_same_rounds(alone, together)
     for got, want in zip(sessions, alone_sessions, strict=True):
         if want.rng is not None:  # the generators took the same uniforms

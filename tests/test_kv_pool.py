@@ -254,15 +254,21 @@ def test_a_prompt_prefilled_a_layer_at_a_time_into_the_pool_is_the_same(pooled, 
 def test_the_full_warm_up_prefills_and_steps_pooled_sessions_together(
     tiny_model_dir, pool_alone, monkeypatch
 ):
+    from verifier_svc import engine
     from verifier_svc.warmup import full_warmup
 
     target = Target(load_target(str(tiny_model_dir), dtype="float32"), gemv_rows=0,
                     row_forwards=True, kv_pool=True, pool_alone=pool_alone)  # fmt: skip
     calls = recorded(monkeypatch, target, "forward_pooled")
+    monkeypatch.setattr(engine, "_on_gpu", lambda: True)  # its draws as a GPU makes them
+    draws, draw = [], engine.draw
+    monkeypatch.setattr(engine, "draw", lambda rows, *a: draws.append(len(rows)) or draw(rows, *a))
     full_warmup(target, 3, long_context=80)
     # the two prompts' heads, their last tokens, two plain steps (the first beside a verify
-    # of 4), then a plain step, a sampled verify of 3 and a tree of 4 in one batch
-    assert calls[:5] == [[63, 39], [1, 1], [1, 4], [1], [1, 3, 4]]
+    # of 4), then a plain step, a sampled verify of 3 and a tree of 4 in one batch, then a
+    # plain step beside a sampled one drawn on the device
+    assert calls[:6] == [[63, 39], [1, 1], [1, 4], [1], [1, 3, 4], [1, 1]]
+    assert draws  # its kernels compiled here, not at a client's first sampled request
     gc.collect()
     assert target.kv_pool.open_slots == 0  # the warm-up's sessions gave their slots back
 
@@ -958,5 +964,6 @@ def test_a_prompt_round_with_no_company_opens_its_session_as_prefill_does(tiny_m
     assert target.open_sessions == 0
 
 
-def test_plain_draws_share_the_forwards_and_equal_each_alone(pooled, monkeypatch):
-    assert_plain_draws_share_and_equal_each_alone(pooled, monkeypatch)
+@pytest.mark.parametrize("fail_once", [False, True])
+def test_plain_draws_share_the_forwards_and_equal_each_alone(pooled, monkeypatch, fail_once):
+    assert_plain_draws_share_and_equal_each_alone(pooled, monkeypatch, fail_once)

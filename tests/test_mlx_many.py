@@ -208,5 +208,6 @@ def test_a_tree_the_target_cannot_verify_is_refused_in_a_batch(tiny_model_dir, m
     assert tree.position == position and tree.cache[0].offset == position - 1
 
 
-def test_plain_draws_share_the_forwards_and_equal_each_alone(target, monkeypatch):
-    assert_plain_draws_share_and_equal_each_alone(target, monkeypatch)
+@pytest.mark.parametrize("fail_once", [False, True])
+def test_plain_draws_share_the_forwards_and_equal_each_alone(target, monkeypatch, fail_once):
+    assert_plain_draws_share_and_equal_each_alone(target, monkeypatch, fail_once)

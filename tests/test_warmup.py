@@ -140,6 +140,16 @@ def test_the_serving_process_meets_a_prompt_and_a_served_burst(target, monkeypat
     assert any(sampled)  # a sampled prompt and step: a GPU's draws load their kernels here
 
 
+def test_the_serving_process_draws_as_a_gpu_serves(target, monkeypatch):
+    from verifier_svc import engine, warmup
+
+    monkeypatch.setattr(engine, "_on_gpu", lambda: True)
+    draws, draw = [], engine.draw
+    monkeypatch.setattr(engine, "draw", lambda rows, *a: draws.append(len(rows)) or draw(rows, *a))
+    warmup.serving_warmup(target)
+    assert len(draws) >= 3  # the prompt's first token and two steps
+
+
 def test_the_serving_process_meets_a_branching_tree_of_every_size(target, monkeypatch):
     """A compiled tree forward traces per node count in its own process: the serving process
     runs every size a round can send, each branching at its root."""

@@ -2,9 +2,9 @@
 by MLX where the logits are: on a GPU a row copied to the host costs a wait for the device, and
 the host's draw ~0.3 ms over a 49,152-token vocabulary (run BH, docs/gpu.md), so a step of 64
 sampled sessions took ~50 ms; drawn on the device, the step's draws are a few operations over
-its rows and one copy of a token a session. Every plain draw is made so (a prompt's first
-token, a lone session's step, a shared step's), on a CPU too, so a session draws alike
-wherever it runs.
+its rows and one copy of a token a session. On a GPU every plain draw is made so (a prompt's
+first token, a lone session's step, a shared step's), so a session draws alike wherever it
+runs; a CPU draws on the host, where that is the faster (`engine._draws_on_device`).
 
 The draw is `sampling.sample` on `sampling.target_distribution` for temperature alone, in
 float32: the first token whose running sum passes the session's uniform times the total. The
@@ -39,7 +39,9 @@ def draw(logits: mx.array, temperatures: mx.array, uniforms: mx.array) -> mx.arr
     shifted = (shifted - shifted.max(axis=-1, keepdims=True)) / temperatures[:, None]
     p = mx.exp(shifted)
     running = mx.cumsum(p, axis=-1)
-    passed = (running <= (uniforms * running[:, -1])[:, None]).sum(axis=-1)
-    # a uniform within rounding of 1 passes every sum: the last token of any probability
+    # the first token of any probability whose running sum passes (a parallel sum's rounding
+    # could leave it flat or stepping back there); none: a uniform within rounding of 1
+    passing = (running > (uniforms * running[:, -1])[:, None]) & (p > 0)
+    first = mx.argmax(passing.astype(mx.int32), axis=-1)
     last_positive = logits.shape[-1] - 1 - mx.argmax((p > 0)[:, ::-1].astype(mx.int32), axis=-1)
-    return mx.minimum(passed.astype(mx.int32), last_positive.astype(mx.int32))
+    return mx.where(passing.any(axis=-1), first, last_positive).astype(mx.int32)

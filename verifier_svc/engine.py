@@ -1371,6 +1371,7 @@ def _device_draws(running: list, outs: list) -> list:
             and not state.looks_ahead
             and r.session.rng is not None
             and not r.drafts
+            and r.parents is None
             and _draws_on_device(r.session.sampling, logits.shape[-1])
         )
         made.append((r.session.sampling.temperature, r.session.rng.random()) if plain else None)
