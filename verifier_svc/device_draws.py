@@ -10,9 +10,9 @@ The draw is `sampling.sample` on `sampling.target_distribution` for temperature 
 float32: the first token whose running sum passes the session's uniform times the total. The
 uniform comes from the session's own generator, one a draw as the host's draw takes it. The
 float32 running sum moves a boundary by up to ~5e-5 of the mass over 49,152 tokens (the host
-sums in float64), so where the tokens there are rarer than that, the neighbouring token can
-be drawn: a distribution off by that much at most. Filters (top-k, top-p, min-p) and verifies
-with drafts draw on the host."""
+sums in float64), so where the tokens there are rarer than that, a token that close in the
+running sum can be drawn in its place: a distribution off by that much at most. Filters
+(top-k, top-p, min-p) and verifies with drafts draw on the host."""
 
 from __future__ import annotations
 
