@@ -78,9 +78,10 @@
 # pool     many clients on the KV pool: the verifier alone, the services, the fault drill (issue 28)
 # kvmem    the verifier's memory with 64 sessions open and after they close, three cycles
 #          (kv_memory.py; issue 28: KV per session, the peak at 64, no growth after close)
-# draws [FILE]  a pooled step's 64 sampled rows copied to the host and drawn, a row's cost
-#          (sampled_draws.py; issue 28's sampled clients), beside the carried FILE, another
-#          verifier_svc/sampling.py (e.g. .gpu/sampling_58db207.py)
+# draws [FILE]  a pooled step's 64 sampled rows: copied to the host one by one and at once,
+#          drawn there, and drawn together by MLX on the device (as a GPU draws plain steps),
+#          a row's cost (sampled_draws.py; issue 28's sampled clients), beside the carried
+#          FILE, another verifier_svc/sampling.py (e.g. .gpu/sampling_58db207.py)
 # distill [SECONDS [DTYPE]]  the target's replies to ShareGPT prompts (every user turn, the
 #          whole prompt range up to 1024 tokens, in shuffled order), appended to ~/dd.jsonl
 #          (resumes), for SECONDS (default 500) in DTYPE (default bfloat16)
