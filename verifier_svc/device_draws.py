@@ -42,6 +42,7 @@ def draw(logits: mx.array, temperatures: mx.array, uniforms: mx.array) -> mx.arr
     # the first token of any probability whose running sum passes (a parallel sum's rounding
     # could leave it flat or stepping back there); none: a uniform within rounding of 1
     passing = (running > (uniforms * running[:, -1])[:, None]) & (p > 0)
-    first = mx.argmax(passing.astype(mx.int32), axis=-1)
-    last_positive = logits.shape[-1] - 1 - mx.argmax((p > 0)[:, ::-1].astype(mx.int32), axis=-1)
-    return mx.where(passing.any(axis=-1), first, last_positive).astype(mx.int32)
+    first = mx.argmax(passing.astype(mx.int32), axis=-1).astype(mx.int32)
+    positions = mx.arange(logits.shape[-1], dtype=mx.int32)
+    last_positive = mx.max(mx.where(p > 0, positions, -1), axis=-1)
+    return mx.where(passing.any(axis=-1), first, last_positive)
