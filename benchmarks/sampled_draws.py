@@ -2,8 +2,9 @@
 logits for N sessions (the target's forward over N prompts' last tokens), copied to the host a
 row at a time and all at once (the served copy on a GPU, `verifier_svc.engine._drawn_rows`),
 then per row the host's draw (`target_distribution` and `sample`: filtered sampling, verifies
-with drafts), and the step's draws made together by MLX (`verifier_svc.device_draws`: a plain
-step sampling by temperature alone, served so), median ms a row and a step of N rows.
+with drafts, every draw on a CPU), and the step's draws made together by MLX
+(`verifier_svc.device_draws`: a GPU's plain steps sampling by temperature alone), median ms a
+row and a step of N rows.
 --compare FILE times a second `verifier_svc/sampling.py`'s host draws beside (`git show
 REV:verifier_svc/sampling.py > FILE`), on the same rows.
 
@@ -108,7 +109,7 @@ def main() -> None:
           f"{args.rows * at_once:.1f} ms")  # fmt: skip
     if args.top_p == 0:
         on_device = _time_device_draws(logits, args.temperature, args.repeats)
-        print(f"drawn together by MLX (served): {on_device:.3f} ms a row; a step of "
+        print(f"drawn together by MLX (served on a GPU): {on_device:.3f} ms a row; a step of "
               f"{args.rows} rows {args.rows * on_device:.1f} ms")  # fmt: skip
     host_rows = np.array(logits.astype(mx.float32))
     modules = [("served", sampling)]

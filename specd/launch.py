@@ -38,8 +38,7 @@ def spawn_together(stacks: list[Stack]) -> None:
     """Spawn the services of stacks on one host at once, their ports chosen together (a port
     another stack's service has not bound yet could otherwise be handed out again); each
     stack still to `wait_healthy`."""
-    unset = [(stack, name) for stack in stacks for name in stack.service_names()
-             if not stack.ports.get(name)]  # fmt: skip
+    unset = [(stack, name) for stack in stacks for name in stack.unset_ports()]
     ports = iter(free_ports(len(unset), stacks[0].host if stacks else "127.0.0.1"))
     for stack, name in unset:
         stack.ports = {**stack.ports, name: next(ports)}
@@ -184,7 +183,7 @@ class Stack:
     def spawn(self) -> Stack:
         """Start the services' processes, not waiting for them (`wait_healthy`): stacks
         spawned one after another warm up side by side."""
-        unset = [n for n in self.service_names() if not self.ports.get(n)]
+        unset = self.unset_ports()
         if unset:
             chosen = free_ports(len(unset), self.host)
             self.ports = {**self.ports, **dict(zip(unset, chosen, strict=True))}
@@ -220,8 +219,10 @@ class Stack:
             raise
         return self
 
-    def service_names(self) -> list[str]:
-        return ["verifier", *(["drafter"] if self.drafter else []), "coordinator"]
+    def unset_ports(self) -> list[str]:
+        """The services to start whose port is not chosen yet."""
+        names = ["verifier", *(["drafter"] if self.drafter else []), "coordinator"]
+        return [name for name in names if not self.ports.get(name)]
 
     def verifier_flags(self) -> list[str]:
         """The flags the verifier starts with."""

@@ -602,9 +602,14 @@ def _first_drawn(logits, sampling: SamplingConfig, seed: int | None):
     generator it drew with (seeded as every prefill seeds it; the session's from then on)."""
     rng = np.random.default_rng(seed)
     if _draws_on_device(sampling, logits.shape[-1]):
-        token = _drawn([logits[-1:]], [(sampling.temperature, rng.random())])
-        return int(np.array(token)[0]), rng
+        return int(np.array(_drawn_last(logits, sampling, rng))[0]), rng
     return sample(target_distribution(_float32_rows(logits[-1:])[0], sampling), rng), rng
+
+
+def _drawn_last(logits, sampling: SamplingConfig, rng: np.random.Generator) -> mx.array:
+    """A lone session's plain draw from its last row of logits, its uniform taken from `rng`
+    (`_drawn`): lazy."""
+    return _drawn([logits[-1:]], [(sampling.temperature, rng.random())])
 
 
 def _draws_on_device(sampling: SamplingConfig, vocab_size: int) -> bool:
@@ -744,7 +749,7 @@ def _accept(
         mx.eval(choices, *([rows] if rows is not None else []))
         return accept_greedy(draft_ids, choices.tolist(), target.eos_ids)
     if not draft_ids and _draws_on_device(session.sampling, logits.shape[-1]):
-        drawn = _drawn([logits[-1:]], [(session.sampling.temperature, session.rng.random())])
+        drawn = _drawn_last(logits, session.sampling, session.rng)
         mx.eval(drawn, *([rows] if rows is not None else []))
         return accept_greedy([], np.array(drawn).tolist(), target.eos_ids)
     return _accept_sampled(target, session, draft_ids, draft_probs, _float32_rows(logits))
@@ -1386,7 +1391,7 @@ def _drawn_rows(drawn: list, last_only: list[bool], join: bool | None = None):
     (`join`: None chooses by the device)."""
     wanted = [x[-1:] if last else x for x, last in zip(drawn, last_only, strict=True)]
     device = [x.astype(mx.float32) for x in wanted if not isinstance(x, np.ndarray)]
-    joined = len(device) > 1 and (mx.default_device() != mx.cpu if join is None else join)
+    joined = len(device) > 1 and (_on_gpu() if join is None else join)
     pending = [mx.concatenate(device)] if joined else device
 
     def to_host() -> list[np.ndarray]:

@@ -30,9 +30,10 @@ class SamplingConfig:
 def target_distribution(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
     """logits [V] -> p [V], as mlx-lm's make_sampler samples: top-p, min-p and top-k filter
     the model's own probabilities, then the temperature applies to what is left. A served
-    step draws for every sampled session on the host, so each pass over the vocabulary
-    counts: shifted logits stand for the log-probabilities (the normalisation cancels), and
-    top-p sorts only the tokens it may keep."""
+    step may draw for many sampled sessions on the host (filtered sampling, verifies with
+    drafts, every draw on a CPU), so each pass over the vocabulary counts: shifted logits
+    stand for the log-probabilities (the normalisation cancels), and top-p sorts only the
+    tokens it may keep."""
     shifted = np.array(logits, dtype=np.float64)
     shifted -= shifted.max()
     if 0 < cfg.top_p < 1 or cfg.min_p > 0 or 0 < cfg.top_k < len(shifted):

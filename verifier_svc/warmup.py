@@ -106,7 +106,8 @@ def full_warmup(target: Target, max_draft_tokens: int, long_context: int = PREFI
         rounds_many(target, mixed)
         # a sampled session's plain steps drawn in the batch (`device_draws` on a GPU)
         rounds_many(target, [Round(pair[1], [], 1), Round(drawn.session, [], 2)])
-        calls += 4 + 1 + len(mixed) + 1  # the prefills and rounds before, this prefill, its rounds
+        # the prefills and rounds before, this prefill, its rounds, the plain draws' step
+        calls += 4 + 1 + len(mixed) + 1
         calls += compiled_pooled_traces(target)
     sampled = SamplingConfig(temperature=1.0)
     session = prefill(target, _prompt(target, 64, 3), (), sampling=sampled, seed=0).session
