@@ -11,6 +11,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -646,7 +647,11 @@ def run_bench(args) -> int:
         announce(args, target.identity.name, target.dtype_timings, drafters, len(prompts), log_dir)
         from coordinator.concurrency import concurrency_table, run_concurrency, write_concurrency
 
-        levels = run_concurrency(args, target, drafters, prompts, log_dir)
+        try:
+            levels = run_concurrency(args, target, drafters, prompts, log_dir)
+        except StackDidNotStart as exc:
+            print(f"specd: bench: {exc}", file=sys.stderr)
+            return 1
         print(concurrency_table(levels))
         if args.json_out:
             write_concurrency(args.json_out, levels)
@@ -659,7 +664,7 @@ def run_bench(args) -> int:
     with plain:
         try:
             return _bench_against(args, plain, questions, drafters, started)
-        except PlainProcessDied as exc:
+        except (PlainProcessDied, StackDidNotStart) as exc:
             print(f"specd: bench: {exc}", file=sys.stderr)
             return 1
 
@@ -691,10 +696,13 @@ def _bench_against(args, plain, questions, drafters: list[str], started: float) 
             running.callback(stack.stop)
         alone = _stacks_started_alone(drafters)
         for d in alone:
-            stacks[d].start()
-        spawn_together([stacks[d] for d in drafters if d not in alone])
+            with starting(d):
+                stacks[d].start()
+        with starting("every"):
+            spawn_together([stacks[d] for d in drafters if d not in alone])
         for d in drafters:
-            clients[d] = CoordinatorClient(stacks[d].wait_healthy().coordinator)
+            with starting(d):
+                clients[d] = CoordinatorClient(stacks[d].wait_healthy().coordinator)
         for d in drafters:
             # the first request after SERVING, timed: the services' warm-up must have compiled
             # every shape it meets; the main loop runs the same request again
@@ -801,6 +809,32 @@ def _stacks_started_alone(drafters: list[str]) -> list[str]:
             kinds.add(kind)
             alone.append(d)
     return alone
+
+
+class StackDidNotStart(RuntimeError):
+    """A bench stack's services did not come up (e.g. no shipped drafter fits the target)."""
+
+
+@contextmanager
+def starting(drafter: str):
+    """Turns a failed start of `drafter`'s stack into one error that names it."""
+    try:
+        yield
+    except (RuntimeError, TimeoutError) as exc:
+        raise StackDidNotStart(f"the {drafter} stack did not start: {exc}") from exc
+
+
+@contextmanager
+def running_stack(args, drafter: str, log_dir: Path):
+    """`bench_stack`'s services, started (StackDidNotStart if they do not come up), then
+    stopped on leaving."""
+    stack = bench_stack(args, drafter, log_dir)
+    with starting(drafter):
+        stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
 
 
 def bench_stack(args, drafter: str, log_dir: Path):

@@ -308,7 +308,7 @@ def _explained(rows_of_differences: list[dict]) -> str:
 
 
 def run_concurrency(args, target, drafters: list[str], prompts, log_dir: Path) -> dict:
-    from coordinator.bench import bench_request, bench_stack
+    from coordinator.bench import bench_request, running_stack
     from specd.client import CoordinatorClient
 
     levels = parse_levels(args.concurrency)
@@ -320,7 +320,7 @@ def run_concurrency(args, target, drafters: list[str], prompts, log_dir: Path) -
     results = {MLX_LM_BATCHED: mlx_lm_batched(target, prompts, levels, args)}
     _print_rows(MLX_LM_BATCHED, results[MLX_LM_BATCHED])
     for d in drafters:
-        with bench_stack(args, d, log_dir / f"concurrency-{d}") as stack:
+        with running_stack(args, d, log_dir / f"concurrency-{d}") as stack:
             client = CoordinatorClient(stack.coordinator)
             client.generate(bench_request(prompts[0], args, d))  # the first request aside
             drill = FaultDrill(stack) if args.concurrency_faults else None

@@ -619,6 +619,21 @@ def test_bench_says_why_plain_mlx_lm_could_not_load(tmp_path):
     assert "plain mlx-lm could not load the target" in run.stderr and "missing" in run.stderr
 
 
+@pytest.mark.parametrize("levels", [None, "1"])
+def test_a_stack_that_cannot_start_is_named_with_its_reason_not_a_traceback(tiny_model_dir, levels):
+    # no shipped EAGLE-3 head fits the tiny target, so its drafter exits at start
+    run = subprocess.run(
+        [sys.executable, "-m", "specd", "bench", "--questions", "mt-bench", "--limit", "1",
+         "--max-tokens", "4", "--target", str(tiny_model_dir), "--drafter", "eagle3",
+         *(["--concurrency", levels] if levels else [])],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert "specd: bench: the eagle3 stack did not start: drafter exited" in run.stderr
+    assert "no EAGLE-3 head ships for this target" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
 def test_a_killed_plain_mlx_lm_process_is_reported_not_hung(tiny_model_dir):
     from coordinator.baseline import BaselineProcess, PlainProcessDied
 
