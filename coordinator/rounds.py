@@ -441,6 +441,7 @@ class Round:
     verified: Verified | None = None
     forwards: int = 1  # target forwards the round took
     guess: Drafted | None = None  # beside: the draft call's answer
+    guess_k: int = 0  # beside: the drafts the call asked for
     matched: int = 0  # beside: the guess's tokens the burst decoded, in a row
     decode_s: float = 0.0  # beside: the burst's own wall time
     guess_s: float | None = None  # beside: the call's own wall time; None: no call made
@@ -557,18 +558,18 @@ def _round_kind(request: _Request, played: Round, remaining: int) -> str:
         request.stats.predrafted_rounds += 1
         played.drafted = carried
         return "verify"
-    if (
-        plan.draft_beside_decode
-        and played.tree is None
-        and (link.empty_answers or _probe_beside(request))
-    ):
-        # the last call found nothing (or, in company, a probe: _probe_beside); this one
-        # will likely find nothing too, so decode meanwhile instead of waiting for it with one
-        # token to verify
-        if link.skip_call():  # no call this round: nothing to wait for, drafting off's burst
-            played.steps = _burst(plan, remaining)
+    probe_beside = _probe_beside(request)
+    if plan.draft_beside_decode and played.tree is None and (link.empty_answers or probe_beside):
+        # the last call found nothing (or a probe: _probe_beside); this one will likely find
+        # nothing of use too, so decode meanwhile instead of waiting for it with one token to
+        # verify. A model drafter's probes keep adaptive k's own backoff: none is skipped
+        if not (probe_beside and link.drafter.capture_layers) and link.skip_call():
+            played.steps = _burst(plan, remaining)  # no call: drafting off's burst
             return "plain"
-        played.steps = _steps_after_empty_answer(request, remaining)
+        if probe_beside:
+            played.steps = _burst(plan, remaining)
+        else:
+            played.steps = _steps_after_empty_answer(request, remaining)
         return "beside"
     return "draft"
 
@@ -586,17 +587,17 @@ def _steps_after_empty_answer(request: _Request, remaining: int) -> int:
 
 
 def _probe_beside(request: _Request) -> bool:
-    """In company a probe's own verify call costs a whole wait for the batched forwards for
-    a token or two, where a burst gets drafting off's; a drafter that needs no hidden rows
-    (n-gram) can be asked beside the burst instead, its guess checked against the burst's
-    tokens as a verify would check it."""
+    """Whether adaptive k's probe is asked beside a decode burst, its guess checked against
+    the burst's tokens as a verify would check it, rather than in a verify call of its own: a
+    model drafter's (one that reads the target's hidden rows, and so catches up on every row
+    of the plain spell before its guess) always, since that call and the probe's own short
+    verify would cost a drafter that does not pay two round trips every probe; in company any
+    drafter's, since there a probe's call waits for the batched forwards for a token or two
+    where a burst gets drafting off's."""
     adaptive = request.plan.adaptive
-    return (
-        request.in_company
-        and adaptive is not None
-        and adaptive.probing
-        and not request.link.drafter.capture_layers
-    )
+    if adaptive is None or not adaptive.probing:
+        return False
+    return request.in_company or bool(request.link.drafter.capture_layers)
 
 
 async def _verify_round(request: _Request, played: Round, remaining: int) -> None:
@@ -622,10 +623,10 @@ async def _overlap_round(request: _Request, played: Round, remaining: int) -> No
 
 async def _beside_round(request: _Request, played: Round, remaining: int) -> None:
     link, plan = request.link, request.plan
-    guess_k = min(max(played.k, plan.num_draft_tokens), remaining - 1)
+    played.guess_k = min(max(played.k, plan.num_draft_tokens), remaining - 1)
     played.verified, played.guess, played.decode_s, played.guess_s = await _decode_beside_draft(
-        request.verifier, link, request.session_id, request.position, played.steps, guess_k,
-        plan.sampling,
+        request.verifier, link, request.session_id, request.position, played.steps,
+        played.guess_k, plan.sampling,
     )  # fmt: skip
     request.stats.beside_calls += played.guess_s is not None
     played.matched = link.carry_guess(played.guess, played.verified)
@@ -667,8 +668,8 @@ def _learn_round(adaptive: AdaptiveK, played: Round) -> None:
     verify_s = played.verify_price_s
     if played.kind == "beside":
         _learn_beside(
-            adaptive, played.k, played.guess, played.verified, played.matched, played.decode_s,
-            played.guess_s,
+            adaptive, played.k, played.guess_k, played.guess, played.verified, played.matched,
+            played.decode_s, played.guess_s,
         )  # fmt: skip
     elif played.kind == "plain":
         adaptive.observe_plain(played.forwards)
@@ -759,6 +760,7 @@ async def _decode_beside_draft(
 def _learn_beside(
     adaptive: AdaptiveK,
     k: int,
+    asked: int,  # the drafts the call asked for: its price is a draft of that many
     guess: Drafted,
     verified: Verified,
     matched: int,  # the guess's tokens the burst decoded, in a row
@@ -767,12 +769,12 @@ def _learn_beside(
 ) -> None:
     """A burst beside a draft call: the guess's head met the target's tokens as drafts would
     have, so it counts as acceptance evidence; the burst prices plain steps and the call a
-    draft of k, each timed on its own."""
+    draft of the drafts it asked for, each timed on its own."""
     checked = min(len(guess.ids), len(verified.committed))
     adaptive.observe(k, checked, matched)
     adaptive.costs.verify.observe(1, decode_s * verified.share / max(1, len(verified.committed)))
     if guess_s is not None:
-        adaptive.costs.draft.observe(k, guess_s)
+        adaptive.costs.draft.observe(asked, guess_s)
 
 
 def _learn(

@@ -458,6 +458,41 @@ def test_in_company_probes_of_a_text_drafter_run_beside_bursts(target, monkeypat
     assert adaptive.acceptance < 0.2  # the guesses beside the bursts were judged, and wrong
 
 
+class RowsReadingGarbageProposer(GarbageProposer):
+    """Wrong drafts from a drafter that reads the target's hidden rows, as a model drafter
+    does (its rows are sent on with every call)."""
+
+    capture_layers = (0,)
+
+
+def test_a_model_drafters_probes_run_beside_bursts_and_cost_no_call_of_their_own(
+    target, monkeypatch
+):
+    """A model drafter's probe would cost two round trips (its draft call, then a short verify
+    of its own) every probe wait while it does not pay: asked beside a burst instead, its guess
+    is judged against the burst's tokens and the session makes drafting off's verify calls."""
+    ticks = iter(range(10**9))  # adaptive k's costs from a fake clock, as above
+    monkeypatch.setattr("coordinator.rounds.time.perf_counter", lambda: next(ticks) * 0.01)
+    plain, _ = collect(LocalVerifier(target), None, PROMPTS[2], Plan(90, 0, decode_burst=8))
+    runs = []
+    for beside in (True, False):
+        verifier = CountingVerifier(target)
+        adaptive = AdaptiveK(SpeculationCosts(), k_max=4, probe_every=8, probe_every_max=16)
+        drafter = LocalDrafter(RowsReadingGarbageProposer(target.identity.vocab_size))
+        plan = Plan(90, 4, adaptive=adaptive, decode_burst=8, draft_beside_decode=beside)
+        out, stats = collect(verifier, drafter, PROMPTS[2], plan)
+        assert out == plain
+        runs.append((verifier.calls, stats, adaptive))
+    (calls, stats, adaptive), (serial_calls, serial_stats, _) = runs
+    # adaptive k drafts at first (its prior), then only probes once the drafts fail
+    first_plain = next(i for i, (drafts, _) in enumerate(calls) if not drafts)
+    assert not any(drafts for drafts, _ in calls[first_plain:])
+    assert stats.beside_calls >= 2 and serial_stats.beside_calls == 0
+    assert any(drafts for drafts, _ in serial_calls[first_plain:])  # serial: probes verify
+    assert adaptive.acceptance < 0.2  # the guesses beside the bursts were judged, and wrong
+    assert len(calls) < len(serial_calls)
+
+
 def test_after_fruitless_calls_the_drafter_is_asked_every_few_rounds():
     from coordinator.rounds import EMPTY_BACKOFF_AFTER, DrafterLink
 
@@ -604,18 +639,22 @@ def test_a_guess_beside_a_burst_is_evidence_as_drafts_would_be():
     from coordinator.rounds import Verified, _learn_beside
 
     adaptive = AdaptiveK(SpeculationCosts(), k_max=4)
+    adaptive.costs.draft.observe(1, 0.001)  # drafts of one, priced twice: their own mean
+    adaptive.costs.draft.observe(1, 0.001)
     successes, trials = adaptive.successes, adaptive.trials
     burst = Verified(committed=[5, 6, 7], num_accepted=0, finished=False, rows=None)
-    # two of the burst's three tokens guessed, then a miss: two successes in three trials
-    _learn_beside(adaptive, 4, Drafted([5, 6, 9, 9]), burst, 2, decode_s=0.03, guess_s=0.002)
+    # a probe (k = 1) whose call asked for 4: two of the burst's three tokens guessed, then a
+    # miss: two successes in three trials
+    _learn_beside(adaptive, 1, 4, Drafted([5, 6, 9, 9]), burst, 2, decode_s=0.03, guess_s=0.002)
     assert adaptive.successes == pytest.approx(successes * adaptive.decay + 2)
     assert adaptive.trials == pytest.approx(trials * adaptive.decay + 3)
-    # each burst token prices a plain step; the call prices a draft of k
+    # each burst token prices a plain step; the call prices a draft of the 4 it asked for
     assert adaptive.costs.verify.predict(1) == pytest.approx(0.01, rel=0.3)
-    assert adaptive.costs.draft.predict(4) == pytest.approx(0.002, rel=0.3)
+    assert adaptive.costs.draft.predict(4) == pytest.approx(0.002, rel=0.01)
+    assert adaptive.costs.draft.predict(1) == pytest.approx(0.001)  # not the probe's k
     # an empty guess says nothing; no call made (drafter down) prices nothing
     successes, trials = adaptive.successes, adaptive.trials
-    _learn_beside(adaptive, 4, Drafted([]), burst, 0, decode_s=0.03, guess_s=None)
+    _learn_beside(adaptive, 4, 4, Drafted([]), burst, 0, decode_s=0.03, guess_s=None)
     assert (adaptive.successes, adaptive.trials) == (successes, trials)
 
 
