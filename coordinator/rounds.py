@@ -588,16 +588,21 @@ def _steps_after_empty_answer(request: _Request, remaining: int) -> int:
 
 def _probe_beside(request: _Request) -> bool:
     """Whether adaptive k's probe is asked beside a decode burst, its guess checked against
-    the burst's tokens as a verify would check it, rather than in a verify call of its own: a
-    model drafter's (one that reads the target's hidden rows, and so catches up on every row
-    of the plain spell before its guess) always, since that call and the probe's own short
-    verify would cost a drafter that does not pay two round trips every probe; in company any
-    drafter's, since there a probe's call waits for the batched forwards for a token or two
-    where a burst gets drafting off's."""
-    adaptive = request.plan.adaptive
-    if adaptive is None or not adaptive.probing:
+    the burst's tokens as a verify would check it, rather than in a verify call of its own.
+
+    A greedy request's probe of a model drafter (one that reads the target's hidden rows, and
+    so catches up on every row of the plain spell before its guess): that call and the probe's
+    own short verify would cost a drafter that does not pay two round trips every probe. A
+    sampled one keeps its verify: a guess drawn from the drafter's q matches a sampled token
+    less often than a verify accepts it. In company a drafter without hidden rows (n-gram,
+    whose drafts are one-hot, so a match is an acceptance): there a probe's call waits for
+    the batched forwards for a token or two where a burst gets drafting off's."""
+    plan = request.plan
+    if plan.adaptive is None or not plan.adaptive.probing:
         return False
-    return request.in_company or bool(request.link.drafter.capture_layers)
+    if request.link.drafter.capture_layers:
+        return plan.sampling is None or plan.sampling.temperature <= 0
+    return request.in_company
 
 
 async def _verify_round(request: _Request, played: Round, remaining: int) -> None:

@@ -493,6 +493,24 @@ def test_a_model_drafters_probes_run_beside_bursts_and_cost_no_call_of_their_own
     assert len(calls) < len(serial_calls)
 
 
+def test_a_sampled_requests_probes_of_a_model_drafter_verify_their_drafts(target, monkeypatch):
+    """A guess drawn from a drafter's q matches a sampled token less often than a verify
+    accepts it, so a sampled request's probes of a model drafter keep their verify."""
+    from specd.v1 import common_pb2
+
+    ticks = iter(range(10**9))  # adaptive k's costs from a fake clock, as above
+    monkeypatch.setattr("coordinator.rounds.time.perf_counter", lambda: next(ticks) * 0.01)
+    verifier = CountingVerifier(target)
+    adaptive = AdaptiveK(SpeculationCosts(), k_max=4, probe_every=8, probe_every_max=16)
+    drafter = LocalDrafter(RowsReadingGarbageProposer(target.identity.vocab_size))
+    sampling = common_pb2.SamplingParams(temperature=0.8)
+    plan = Plan(90, 4, sampling, adaptive=adaptive, decode_burst=8, draft_beside_decode=True)
+    _, stats = collect(verifier, drafter, PROMPTS[2], plan)
+    first_plain = next(i for i, (drafts, _) in enumerate(verifier.calls) if not drafts)
+    assert any(drafts for drafts, _ in verifier.calls[first_plain:])  # probes verify drafts
+    assert stats.beside_calls == 0
+
+
 def test_after_fruitless_calls_the_drafter_is_asked_every_few_rounds():
     from coordinator.rounds import EMPTY_BACKOFF_AFTER, DrafterLink
 
