@@ -226,12 +226,17 @@ def stack(tiny_model_dir, drafter_dir, tmp_path_factory):
 def test_greedy_output_equals_plain_decoding(stack, tiny_model_dir, k):
     plain = load_target(str(tiny_model_dir), "float32")
     client = CoordinatorClient(stack.coordinator)
+    drafted = 0
     for prompt in PROMPTS:
         ids = plain.tokenizer.encode(prompt)
         ref = plain_decode(plain.model, ids, 40, set(plain.identity.eos_token_ids)).token_ids
         result = client.generate(make_request(prompt=prompt, max_tokens=40, num_draft_tokens=k))
         assert result.token_ids == ref, prompt
-        assert result.stats["drafted"] > 0
+        # adaptive k (k None) probes a random drafter it finds hopeless beside decode bursts,
+        # so not every request verifies drafts; every one asks the drafter
+        assert result.stats["draft_calls"] > 0
+        drafted += result.stats["drafted"]
+    assert drafted > 0
     client.close()
 
 

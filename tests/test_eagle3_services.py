@@ -53,13 +53,18 @@ def _reference(plain, prompt: str, n: int) -> list[int]:
 )
 def test_greedy_output_equals_plain_decoding(stack, plain, tree):
     client = CoordinatorClient(stack.coordinator)
+    drafted = 0
     for prompt in PROMPTS:
         request = make_request(prompt=prompt, max_tokens=40)
         if tree is not None:
             request.tree.CopyFrom(tree)
         result = client.generate(request)
         assert result.token_ids == _reference(plain, prompt, 40), prompt
-        assert result.stats["rounds"] > 0 and result.stats["drafted"] > 0
+        # the head is asked every request; once adaptive k finds this random head hopeless
+        # its probes of a chain run beside decode bursts, so not every request verifies drafts
+        assert result.stats["rounds"] > 0 and result.stats["draft_calls"] > 0
+        drafted += result.stats["drafted"]
+    assert drafted > 0
     client.close()
 
 
