@@ -166,7 +166,9 @@ def test_a_lone_sessions_tree_through_the_kernel_is_the_masked_trees(
 ):
     """A compiled forward's draft tree on a session's own cache: with the pool kernel (here
     its stand-in) each node attends over the cache as a pool of one slot, and the logits and
-    rows are the masked attention's; the kernel is called once a layer and no mask is built."""
+    rows are the masked attention's up to float32 rounding (the two take their products in
+    other shapes: with OpenBLAS on an AMD EPYC without AVX-512 they part by ~2e-5 at logits of
+    ~14); the kernel is called once a layer and no mask is built."""
     calls = []
 
     def counted(q, keys, values, info, scale):
@@ -193,5 +195,5 @@ def test_a_lone_sessions_tree_through_the_kernel_is_the_masked_trees(
     assert calls[0][:, 1].tolist() == [len(PROMPT)] * len(sees)  # the cached keys first
     assert calls[0][:, 3].tolist() == bits.tolist()  # then the node's ancestors and itself
     (masked_logits, masked_rows), (kernel_logits, kernel_rows) = results
-    assert mx.allclose(kernel_logits, masked_logits, rtol=1e-5, atol=1e-5).item()
-    assert mx.allclose(kernel_rows, masked_rows, rtol=1e-5, atol=1e-5).item()
+    assert mx.allclose(kernel_logits, masked_logits, rtol=1e-4, atol=1e-4).item()
+    assert mx.allclose(kernel_rows, masked_rows, rtol=1e-4, atol=1e-4).item()
