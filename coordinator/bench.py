@@ -698,8 +698,7 @@ def _bench_against(args, plain, questions, drafters: list[str], started: float) 
         for d in alone:
             with starting(d):
                 stacks[d].start()
-        with starting("every"):
-            spawn_together([stacks[d] for d in drafters if d not in alone])
+        spawn_together([stacks[d] for d in drafters if d not in alone])
         for d in drafters:
             with starting(d):
                 clients[d] = CoordinatorClient(stacks[d].wait_healthy().coordinator)

@@ -230,6 +230,7 @@ class DrafterClient:
         self.timeout_s = timeout_s
         self.capture_layers: tuple[int, ...] = ()
         self.accepts_speculative_ids = False
+        self.sends_draft_probs = True  # until told: a sampled guess is drawn from q
         self.rounds = SessionStreams(
             f"drafter {address}", self.stub.DraftStream, self.stub.Draft, self.metadata
         )
@@ -244,6 +245,7 @@ class DrafterClient:
         info = await self._call(self.stub.GetInfo, common_pb2.InfoRequest())
         self.capture_layers = tuple(info.capture_layers)
         self.accepts_speculative_ids = info.accepts_speculative_ids
+        self.sends_draft_probs = info.sends_draft_probs
         return info
 
     async def open(self, context_ids, rows) -> str:

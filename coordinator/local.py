@@ -54,6 +54,7 @@ class LocalDrafter:
         self.proposer = proposer
         self.capture_layers = tuple(proposer.capture_layers)
         self.accepts_speculative_ids = proposer.accepts_speculative_ids
+        self.sends_draft_probs = proposer.sends_draft_probs
         self.sessions = {}
 
     async def open(self, context_ids, rows) -> str:

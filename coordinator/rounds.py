@@ -61,6 +61,7 @@ class VerifierPort(Protocol):
 
 class DrafterPort(Protocol):
     capture_layers: tuple[int, ...]
+    sends_draft_probs: bool  # a sampled request's drafts are drawn from q (and q is sent)
 
     async def open(self, context_ids: list[int], rows) -> str: ...
     async def draft(
@@ -442,6 +443,7 @@ class Round:
     forwards: int = 1  # target forwards the round took
     guess: Drafted | None = None  # beside: the draft call's answer
     guess_k: int = 0  # beside: the drafts the call asked for
+    model_probe: bool = False  # beside: adaptive k's probe of a drafter reading hidden rows
     matched: int = 0  # beside: the guess's tokens the burst decoded, in a row
     decode_s: float = 0.0  # beside: the burst's own wall time
     guess_s: float | None = None  # beside: the call's own wall time; None: no call made
@@ -562,14 +564,17 @@ def _round_kind(request: _Request, played: Round, remaining: int) -> str:
     if plan.draft_beside_decode and played.tree is None and (link.empty_answers or probe_beside):
         # the last call found nothing (or a probe: _probe_beside); this one will likely find
         # nothing of use too, so decode meanwhile instead of waiting for it with one token to
-        # verify. A model drafter's probes keep adaptive k's own backoff: none is skipped
-        if not (probe_beside and link.drafter.capture_layers) and link.skip_call():
+        # verify. A model drafter's probes are spaced by adaptive k's probe wait alone:
+        # skip_call does not skip them
+        model_probe = probe_beside and bool(link.drafter.capture_layers)
+        if not model_probe and link.skip_call():
             played.steps = _burst(plan, remaining)  # no call: drafting off's burst
             return "plain"
         if probe_beside:
             played.steps = _burst(plan, remaining)
         else:
             played.steps = _steps_after_empty_answer(request, remaining)
+        played.model_probe = model_probe
         return "beside"
     return "draft"
 
@@ -590,18 +595,20 @@ def _probe_beside(request: _Request) -> bool:
     """Whether adaptive k's probe is asked beside a decode burst, its guess checked against
     the burst's tokens as a verify would check it, rather than in a verify call of its own.
 
-    A greedy request's probe of a model drafter (one that reads the target's hidden rows, and
-    so catches up on every row of the plain spell before its guess): that call and the probe's
-    own short verify would cost a drafter that does not pay two round trips every probe. A
-    sampled one keeps its verify: a guess drawn from the drafter's q matches a sampled token
-    less often than a verify accepts it. In company a drafter without hidden rows (n-gram,
-    whose drafts are one-hot, so a match is an acceptance): there a probe's call waits for
-    the batched forwards for a token or two where a burst gets drafting off's."""
-    plan = request.plan
+    A model drafter's (one that reads the target's hidden rows, so its call first catches up
+    on every row of the plain spell): a probe would otherwise cost two round trips, its draft
+    call and then a short verify of its own, every probe wait, while the drafter does not
+    pay. A guess matches a token as a verify accepts it where the drafts are one-hot (greedy
+    requests, or a drafter that drafts by argmax); a sampled guess drawn from q (DFlash)
+    matches less often, so that probe keeps its verify. A drafter without hidden rows
+    (n-gram) only in company: there a probe's call waits for the batched forwards for a token
+    or two where a burst gets drafting off's."""
+    plan, drafter = request.plan, request.link.drafter
     if plan.adaptive is None or not plan.adaptive.probing:
         return False
-    if request.link.drafter.capture_layers:
-        return plan.sampling is None or plan.sampling.temperature <= 0
+    if drafter.capture_layers:
+        greedy = plan.sampling is None or plan.sampling.temperature <= 0
+        return greedy or not drafter.sends_draft_probs
     return request.in_company
 
 
@@ -672,8 +679,10 @@ def _learn_round(adaptive: AdaptiveK, played: Round) -> None:
     verify at its share of shared forwards, `Round.verify_price_s`)."""
     verify_s = played.verify_price_s
     if played.kind == "beside":
+        # a model drafter's probe asks for k_max drafts where its round's k is 1
+        asked = played.guess_k if played.model_probe else played.k
         _learn_beside(
-            adaptive, played.k, played.guess_k, played.guess, played.verified, played.matched,
+            adaptive, played.k, asked, played.guess, played.verified, played.matched,
             played.decode_s, played.guess_s,
         )  # fmt: skip
     elif played.kind == "plain":
@@ -743,11 +752,13 @@ async def _decode_beside_draft(
     start, answered = time.perf_counter(), link.stats.draft_calls
 
     async def timed_decode() -> tuple[Verified, float]:
+        # timed from its own start: an in-process drafter runs its call to the end first
+        began = time.perf_counter()
         plain_steps = steps if steps > 1 else 0
         verified = await verifier.verify(
             session_id, position, [], None, None, plain_steps=plain_steps
         )
-        return verified, time.perf_counter() - start
+        return verified, time.perf_counter() - began
 
     decode = asyncio.ensure_future(timed_decode())
     try:

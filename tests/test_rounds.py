@@ -465,19 +465,23 @@ class RowsReadingGarbageProposer(GarbageProposer):
     capture_layers = (0,)
 
 
+@pytest.mark.parametrize("fruitless", [0, 20])
 def test_a_model_drafters_probes_run_beside_bursts_and_cost_no_call_of_their_own(
-    target, monkeypatch
+    target, monkeypatch, fruitless
 ):
     """A model drafter's probe would cost two round trips (its draft call, then a short verify
-    of its own) every probe wait while it does not pay: asked beside a burst instead, its guess
-    is judged against the burst's tokens and the session makes drafting off's verify calls."""
+    of its own) every probe wait while it does not pay: asked beside a burst of drafting off's
+    length instead, its guess is judged against the burst's tokens, and a long streak of
+    fruitless calls does not skip it (adaptive k's probe wait alone spaces them)."""
     ticks = iter(range(10**9))  # adaptive k's costs from a fake clock, as above
     monkeypatch.setattr("coordinator.rounds.time.perf_counter", lambda: next(ticks) * 0.01)
     plain, _ = collect(LocalVerifier(target), None, PROMPTS[2], Plan(90, 0, decode_burst=8))
     runs = []
     for beside in (True, False):
         verifier = CountingVerifier(target)
-        adaptive = AdaptiveK(SpeculationCosts(), k_max=4, probe_every=8, probe_every_max=16)
+        costs = SpeculationCosts()
+        costs.fruitless_calls = fruitless  # calls of earlier requests that found nothing
+        adaptive = AdaptiveK(costs, k_max=4, probe_every=8, probe_every_max=16)
         drafter = LocalDrafter(RowsReadingGarbageProposer(target.identity.vocab_size))
         plan = Plan(90, 4, adaptive=adaptive, decode_burst=8, draft_beside_decode=beside)
         out, stats = collect(verifier, drafter, PROMPTS[2], plan)
@@ -487,28 +491,72 @@ def test_a_model_drafters_probes_run_beside_bursts_and_cost_no_call_of_their_own
     # adaptive k drafts at first (its prior), then only probes once the drafts fail
     first_plain = next(i for i, (drafts, _) in enumerate(calls) if not drafts)
     assert not any(drafts for drafts, _ in calls[first_plain:])
-    assert stats.beside_calls >= 2 and serial_stats.beside_calls == 0
+    assert stats.beside_calls >= 3 and serial_stats.beside_calls == 0
     assert any(drafts for drafts, _ in serial_calls[first_plain:])  # serial: probes verify
     assert adaptive.acceptance < 0.2  # the guesses beside the bursts were judged, and wrong
     assert len(calls) < len(serial_calls)
+    # every call but the last decodes a burst: no probe is a call of one token
+    assert all(steps > 1 for _, steps in calls[first_plain:-1]), calls
 
 
-def test_a_sampled_requests_probes_of_a_model_drafter_verify_their_drafts(target, monkeypatch):
+def test_a_bursts_time_beside_a_draft_call_is_its_own(target, monkeypatch):
+    """The burst beside a draft call prices plain steps, so its time must not hold the call's:
+    an in-process drafter (`--in-process`, the tests) runs its call to the end first."""
+    from coordinator.rounds import DrafterLink, _decode_beside_draft
+
+    now = [0.0]
+    monkeypatch.setattr("coordinator.rounds.time.perf_counter", lambda: now[0])
+
+    class SlowProposer(RowsReadingGarbageProposer):
+        def propose(self, *args, **kwargs):
+            now[0] += 1.0  # the call takes a second of the fake clock
+            return super().propose(*args, **kwargs)
+
+    async def go():
+        verifier = LocalVerifier(target)
+        opened = await verifier.open(PROMPTS[2], (0,), None)
+        link = DrafterLink(LocalDrafter(SlowProposer(target.identity.vocab_size)), RoundStats())
+        link.open(PROMPTS[2] + [opened.first_token], opened.rows)
+        await link.opened()  # as in a later round: the call starts at once
+        return await _decode_beside_draft(
+            verifier, link, opened.session_id, len(PROMPTS[2]) + 1, 4, 3, None
+        )
+
+    verified, guess, decode_s, guess_s = asyncio.run(go())
+    assert len(verified.committed) == 4 and len(guess.ids) == 3
+    assert guess_s == pytest.approx(1.0) and decode_s < 0.5
+
+
+class SampledRowsReadingProposer(RowsReadingGarbageProposer):
+    """As above, its sampled drafts drawn from a q it sends (as DFlash's are)."""
+
+    sends_draft_probs = True
+
+
+@pytest.mark.parametrize("q_rows", [True, False])
+def test_a_sampled_requests_probes_beside_bursts_only_where_drafts_are_one_hot(
+    target, monkeypatch, q_rows
+):
     """A guess drawn from a drafter's q matches a sampled token less often than a verify
-    accepts it, so a sampled request's probes of a model drafter keep their verify."""
+    accepts it, so such a drafter's probes keep their verify in a sampled request; one that
+    drafts by argmax (EAGLE-3) is judged alike either way, and probes beside bursts."""
     from specd.v1 import common_pb2
 
     ticks = iter(range(10**9))  # adaptive k's costs from a fake clock, as above
     monkeypatch.setattr("coordinator.rounds.time.perf_counter", lambda: next(ticks) * 0.01)
+    monkeypatch.setattr(target, "eos_ids", set())  # a sampled reply runs to its probes
     verifier = CountingVerifier(target)
     adaptive = AdaptiveK(SpeculationCosts(), k_max=4, probe_every=8, probe_every_max=16)
-    drafter = LocalDrafter(RowsReadingGarbageProposer(target.identity.vocab_size))
-    sampling = common_pb2.SamplingParams(temperature=0.8)
+    kind = SampledRowsReadingProposer if q_rows else RowsReadingGarbageProposer
+    drafter = LocalDrafter(kind(target.identity.vocab_size))
+    sampling = common_pb2.SamplingParams(temperature=0.8, seed=0)
     plan = Plan(90, 4, sampling, adaptive=adaptive, decode_burst=8, draft_beside_decode=True)
-    _, stats = collect(verifier, drafter, PROMPTS[2], plan)
+    out, stats = collect(verifier, drafter, PROMPTS[2], plan)
+    assert len(out) == 90
     first_plain = next(i for i, (drafts, _) in enumerate(verifier.calls) if not drafts)
-    assert any(drafts for drafts, _ in verifier.calls[first_plain:])  # probes verify drafts
-    assert stats.beside_calls == 0
+    probes_verified = any(drafts for drafts, _ in verifier.calls[first_plain:])
+    assert probes_verified == q_rows
+    assert (stats.beside_calls > 0) == (not q_rows)
 
 
 def test_after_fruitless_calls_the_drafter_is_asked_every_few_rounds():
