@@ -19,6 +19,8 @@ from coordinator.config import CoordinatorConfig
 from coordinator.rounds import leading_matches
 from specd.argtypes import int_between, non_negative_int, positive_float, positive_int
 
+MODEL_DRAFTERS = ("eagle3", "dflash")  # drafters that run a model and load its weights
+
 # --drafter names -> drafter kind; "-tree" variants draft trees, the others chains; "-mlx" and
 # "-host" variants run the head in MLX or on the host (--head-forwards); dflash-bN drafts blocks
 # of N; the suffixes a name may carry after these are read by parse_drafter_name
@@ -804,7 +806,7 @@ def _stacks_started_alone(drafters: list[str]) -> list[str]:
     alone = [drafters[0]]
     for d in drafters[1:]:
         kind = parse_drafter_name(d).drafter
-        if kind in ("eagle3", "dflash") and kind not in kinds:
+        if kind in MODEL_DRAFTERS and kind not in kinds:
             kinds.add(kind)
             alone.append(d)
     return alone

@@ -6,11 +6,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from coordinator.bench import plain_decode, service_memory, timing_prefills
+from coordinator.bench import MODEL_DRAFTERS, plain_decode, service_memory, timing_prefills
 
 # answered cleanly by the embedded model: code it ends with EOS in ~150 tokens
 DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
-MODEL_DRAFTERS = ("eagle3", "dflash")  # drafters that load weights (--drafter-weights)
 
 
 def add_demo_args(p) -> None:
