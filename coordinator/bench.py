@@ -649,15 +649,13 @@ def run_bench(args) -> int:
         announce(args, target.identity.name, target.dtype_timings, drafters, len(prompts), log_dir)
         from coordinator.concurrency import concurrency_table, run_concurrency, write_concurrency
 
-        try:
-            levels = run_concurrency(args, target, drafters, prompts, log_dir)
-        except StackDidNotStart as exc:
-            print(f"specd: bench: {exc}", file=sys.stderr)
-            return 1
+        levels, not_started = run_concurrency(args, target, drafters, prompts, log_dir)
         print(concurrency_table(levels))
         if args.json_out:
             write_concurrency(args.json_out, levels)
-        return 0
+        for reason in not_started:  # again after the table, so it is not missed
+            print(f"specd: bench: {reason}", file=sys.stderr)
+        return 1 if not_started else 0
     try:
         plain = BaselineProcess(args.target, args.dtype)
     except RuntimeError as exc:

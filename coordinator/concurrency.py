@@ -307,9 +307,12 @@ def _explained(rows_of_differences: list[dict]) -> str:
     return ""
 
 
-def run_concurrency(args, target, drafters: list[str], prompts, log_dir: Path) -> dict:
-    from coordinator.bench import bench_request, running_stack
-    from specd.client import CoordinatorClient
+def run_concurrency(
+    args, target, drafters: list[str], prompts, log_dir: Path
+) -> tuple[dict, list[str]]:
+    """Every level for mlx-lm's batched generation and each drafter's stack, and why each
+    stack that did not start failed: the others still run, so no measured level is lost."""
+    from coordinator.bench import StackDidNotStart, running_stack
 
     levels = parse_levels(args.concurrency)
 
@@ -319,24 +322,39 @@ def run_concurrency(args, target, drafters: list[str], prompts, log_dir: Path) -
 
     results = {MLX_LM_BATCHED: mlx_lm_batched(target, prompts, levels, args)}
     _print_rows(MLX_LM_BATCHED, results[MLX_LM_BATCHED])
+    not_started = []
     for d in drafters:
-        with running_stack(args, d, log_dir / f"concurrency-{d}") as stack:
-            client = CoordinatorClient(stack.coordinator)
-            client.generate(bench_request(prompts[0], args, d))  # the first request aside
-            drill = FaultDrill(stack) if args.concurrency_faults else None
-
-            def request_of(ids, d=d):
-                return bench_request(ids, args, d, prompt_seed(ids) if args.temperature else None)
-
-            # a sampled output depends on how its tokens were split into rounds, which
-            # drafting and the load decide: comparable with drafting off alone
-            compare = args.temperature == 0 or d == "none"
-            results[d] = services(client, request_of, prompts, levels, args, drill, compare,
-                                  compare_faulted=args.temperature == 0,
-                                  cpu_of=stack.cpu_seconds, explain=explain)  # fmt: skip
-            client.close()
+        try:
+            with running_stack(args, d, log_dir / f"concurrency-{d}") as stack:
+                results[d] = _stack_levels(stack, d, prompts, levels, args, explain)
+        except StackDidNotStart as exc:
+            print(f"specd: bench: {exc}", file=sys.stderr)
+            not_started.append(str(exc))
+            continue
         _print_rows(d, results[d])
-    return results
+    return results, not_started
+
+
+def _stack_levels(stack, d: str, prompts, levels, args, explain) -> list[dict]:
+    from coordinator.bench import bench_request
+    from specd.client import CoordinatorClient
+
+    client = CoordinatorClient(stack.coordinator)
+    client.generate(bench_request(prompts[0], args, d))  # the first request aside
+    drill = FaultDrill(stack) if args.concurrency_faults else None
+
+    def request_of(ids):
+        return bench_request(ids, args, d, prompt_seed(ids) if args.temperature else None)
+
+    # a sampled output depends on how its tokens were split into rounds, which drafting and
+    # the load decide: comparable with drafting off alone
+    compare = args.temperature == 0 or d == "none"
+    try:
+        return services(client, request_of, prompts, levels, args, drill, compare,
+                        compare_faulted=args.temperature == 0, cpu_of=stack.cpu_seconds,
+                        explain=explain)  # fmt: skip
+    finally:
+        client.close()
 
 
 def prompt_seed(prompt_ids: list[int]) -> int:

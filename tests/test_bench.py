@@ -634,6 +634,22 @@ def test_a_stack_that_cannot_start_is_named_with_its_reason_not_a_traceback(tiny
     assert "Traceback" not in run.stderr
 
 
+def test_a_stack_that_cannot_start_under_concurrency_keeps_the_others_levels(tiny_model_dir):
+    run = subprocess.run(
+        [sys.executable, "-m", "specd", "bench", "--questions", "mt-bench", "--limit", "1",
+         "--max-tokens", "4", "--target", str(tiny_model_dir), "--drafter", "none,eagle3,ngram",
+         "--concurrency", "1", "--concurrency-requests", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert "Traceback" not in run.stderr
+    # the reason after the table too, so a reader of either end sees it
+    assert run.stderr.count("specd: bench: the eagle3 stack did not start: drafter exited") == 2
+    table = [line.split("|")[1].strip() for line in run.stdout.splitlines()
+             if line.startswith("| ") and line[2:].strip()[:3] not in ("run", "---")]  # fmt: skip
+    assert table == ["mlx-lm batched", "none", "ngram"]
+
+
 def test_a_killed_plain_mlx_lm_process_is_reported_not_hung(tiny_model_dir):
     from coordinator.baseline import BaselineProcess, PlainProcessDied
 
