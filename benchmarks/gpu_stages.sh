@@ -123,6 +123,8 @@ for weights in .gpu/e3heads:drafter_svc/eagle3/heads .gpu/dfdrafters:drafter_svc
 done
 [ -f .gpu/kernels.tgz ] && tar -xzf .gpu/kernels.tgz -C ~/.cache/specd
 nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv,noheader
+# the host's CPU and load: the head on the host, and the verifier's launches, run at its speed
+echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)"
 # specd's compiled kernels for this host's Python (a checkout's build is for its own Python)
 python3 -c "import specd.cpu._row_kernels" 2> /dev/null \
   || python3 setup.py -q build_ext --inplace > "$OUT/kernels-build.log" 2>&1 \
