@@ -18,6 +18,7 @@ from pathlib import Path
 from coordinator.config import CoordinatorConfig
 from coordinator.rounds import leading_matches
 from specd.argtypes import int_between, non_negative_int, positive_float, positive_int
+from specd.platform import host_description
 
 MODEL_DRAFTERS = ("eagle3", "dflash")  # drafters that run a model and load its weights
 
@@ -592,6 +593,9 @@ def announce(args, name: str, dtype_timings: dict, drafters, count: int, log_dir
         f"{', '.join(drafters)}, {args.max_tokens} tokens; logs in {log_dir}",
         file=sys.stderr,
     )
+    host = host_description()
+    load = " ".join(map(str, host["load"])) if host["load"] else "unknown"
+    print(f"bench: host {host['cpu']}, {host['cores']} cores, load {load}", file=sys.stderr)
 
 
 def run_bench(args) -> int:
@@ -909,6 +913,7 @@ def _result(args, target, drafter: str, rows: list[dict], memory: dict, asked: i
         },
         "overall": summarize(rows),
         "peak_rss_bytes": memory,
+        "host": host_description(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 

@@ -33,6 +33,21 @@ DEBIAN_PACKAGE = "libopenblas0-pthread"
 _MARK = "SPECD_BLAS_CHECKED"  # set on re-exec so a process never loops
 
 
+def host_description() -> dict:
+    """This host's CPU model, cores and load average: timings on a lent machine depend on its
+    CPU (Python, the host-side drafter heads) as well as its accelerator."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            model = next((line.split(":", 1)[1].strip() for line in info
+                          if line.startswith("model name")), model)  # fmt: skip
+    except OSError:  # not Linux
+        pass
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"cpu": model, "cores": os.cpu_count(),
+            "load": None if load is None else [round(x, 2) for x in load]}  # fmt: skip
+
+
 def openblas_path() -> str | None:
     """The OpenBLAS build of libblas.so.3 (Debian/Ubuntu layout), if installed."""
     if sys.platform != "linux":

@@ -47,6 +47,7 @@ def test_bench_compares_drafters_and_writes_json_markdown_chart(tiny_model_dir, 
     pinned = json.loads((tmp_path / "out-ngram-k2.json").read_text())
     assert result["adaptive"] is True and pinned["adaptive"] is False
     assert result["repeat"] == 2
+    assert result["host"]["cores"] == os.cpu_count()  # timings say which machine made them
     # k pinned at 2: no round asks for more (n-gram's own default is 8)
     assert all(q["drafted"] <= 2 * q["rounds"] for q in pinned["questions"])
     assert pinned["overall"]["identical"] == 2

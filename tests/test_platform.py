@@ -51,3 +51,17 @@ def test_blas_threads_can_be_set_where_openblas_is_loaded():
         assert out == ["False", "-1"]
     else:
         assert out == ["True", "1"]
+
+
+def test_the_host_is_described_by_its_cpu_model_cores_and_load():
+    import os
+
+    from specd import platform as host_platform
+
+    described = host_platform.host_description()
+    assert described["cores"] == os.cpu_count()
+    assert len(described["load"]) == 3 and all(x >= 0 for x in described["load"])
+    with open("/proc/cpuinfo") as info:
+        model = next(line.split(":", 1)[1].strip() for line in info
+                     if line.startswith("model name"))  # fmt: skip
+    assert described["cpu"] == model
