@@ -10,7 +10,7 @@ times.
 
 Without --kernels it times the installed build twice in one process, passes alternating:
 the weights as stored and paired (specd.cpu.row_products.pair_rows, where the CPU has
-AVX-512VL), and prints both.
+AVX2 and F16C), and prints both.
 
     python benchmarks/row_kernels.py [--rows 1 2 4 8 16] [--kernels A.so B.so] [--trials 3]
 """

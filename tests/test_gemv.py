@@ -140,14 +140,35 @@ def test_half_weight_row_products_equal_blas(rows, width):
 
 
 needs_pairs = pytest.mark.skipif(
-    not pairs_supported(), reason="this CPU has no AVX-512VL: weights stay unpaired"
+    not pairs_supported(), reason="this CPU has no AVX2 and F16C: weights stay unpaired"
 )
+
+
+def _paired_passes() -> list[bool]:
+    """Input rows a paired pass takes, as wide: two (AVX2), and four where the CPU has
+    AVX-512VL."""
+    if not pairs_supported():
+        return [False]
+    from specd.cpu.row_products import _row_kernels as kernels
+
+    was = kernels.paired_wide(True)
+    wide = kernels.paired_wide(was)
+    return [False, True] if wide else [False]
+
+
+@pytest.fixture(params=_paired_passes(), ids=lambda wide: "four rows a pass" if wide else "two")
+def paired_pass(request):
+    from specd.cpu.row_products import _row_kernels as kernels
+
+    was = kernels.paired_wide(request.param)
+    yield request.param
+    kernels.paired_wide(was)
 
 
 @needs_pairs
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 17])
 @pytest.mark.parametrize("width", [16, 64, 1536])
-def test_paired_products_sum_each_row_as_a_one_row_product(rows, width):
+def test_paired_products_sum_each_row_as_a_one_row_product(rows, width, paired_pass):
     """At every row count each row of the paired products is its one-row product's number,
     and so is each row of the unpaired ones on the same CPU (where weights pair, the
     unpaired loops take groups of four, not the eight-row loop, which sums otherwise)."""

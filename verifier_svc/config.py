@@ -63,8 +63,9 @@ class VerifierConfig:
         "first), so a later prompt that begins with the same tokens (the chat template's "
         "system turn, a conversation's earlier turns) prefills only the rest; 0: off. "
         "Default: 256MiB where a reused prefix is bit for bit the prefill it replaces (the "
-        "CPU layers with float16 weights on a CPU with AVX-512VL), else off: elsewhere it "
-        "can differ from the prompt's own prefill in the last bits and flip a near-tie. "
+        "CPU layers with float16 weights on an x86-64 CPU with AVX2 and F16C), else off: "
+        "elsewhere it can differ from the prompt's own prefill in the last bits and flip a "
+        "near-tie. "
         "Sessions on the KV pool (--kv-pool) reuse none",
         flag="--prefix-cache",
         type=byte_size_or_zero,

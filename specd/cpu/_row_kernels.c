@@ -286,19 +286,21 @@ static int have_f16c;  /* set when the module loads */
 /* Paired weights: two weight rows interleaved in blocks of sixteen halves, so the rows a loop
  * multiplies together are one stream in memory (two rows read side by side as two streams
  * ran at half the speed). Each loop takes a pair at a time, every input vector it loads
- * serving both rows, and needs AVX-512VL's 32 vector registers for four input rows' sums,
- * though its arithmetic stays 256-bit: each (input row, weight row) pair is summed exactly as
- * the one-row loop above sums it (two accumulators, alternate blocks of eight). */
+ * serving both rows: each (input row, weight row) pair is summed exactly as the one-row loop
+ * above sums it (two accumulators, alternate blocks of eight). Four input rows' sums need
+ * AVX-512VL's 32 vector registers (the arithmetic stays 256-bit); with AVX2's 16 a group of
+ * four is two passes of two over the span, which the tiling keeps in L2. */
 #define PAIRED_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl")))
-static int have_paired;  /* set when the module loads */
+static int have_paired;       /* paired products run here: AVX2, FMA, F16C (set at load) */
+static int have_paired_wide;  /* and four rows a pass: AVX-512VL */
 /* an input vector GCC would otherwise load again as each multiply-add's memory operand */
 #define IN_REGISTER(p, q) __asm__("" : "+v"(p), "+v"(q))
 
-#define PAIRED_SPAN(ROWS)                                                                      \
-    PAIRED_TARGET static void paired_span_##ROWS(const uint16_t *paired, const float *rows,    \
-                                                 float *out, Py_ssize_t outputs,               \
-                                                 Py_ssize_t width, Py_ssize_t first,           \
-                                                 Py_ssize_t last) {                            \
+#define PAIRED_SPAN(ROWS, TARGET, SUFFIX)                                                      \
+    TARGET static void paired_span_##ROWS##SUFFIX(const uint16_t *paired, const float *rows,   \
+                                                  float *out, Py_ssize_t outputs,              \
+                                                  Py_ssize_t width, Py_ssize_t first,          \
+                                                  Py_ssize_t last) {                           \
         for (Py_ssize_t p = first; p < last; p++) {                                           \
             const uint16_t *w = paired + p * 2 * width;                                       \
             __m256 a[ROWS], b[ROWS], c[ROWS], d[ROWS];                                        \
@@ -322,9 +324,11 @@ static int have_paired;  /* set when the module loads */
             }                                                                                 \
         }                                                                                     \
     }
-PAIRED_SPAN(1)
-PAIRED_SPAN(2)
-PAIRED_SPAN(4)
+PAIRED_SPAN(1, PAIRED_TARGET, )
+PAIRED_SPAN(2, PAIRED_TARGET, )
+PAIRED_SPAN(4, PAIRED_TARGET, )
+PAIRED_SPAN(1, F16C_TARGET, _avx2)
+PAIRED_SPAN(2, F16C_TARGET, _avx2)
 #endif
 
 /* Weight rows are split into spans: for one or two input rows PIECES spans, for groups of four
@@ -381,6 +385,14 @@ static void run_span(const Job *job, Py_ssize_t first, Py_ssize_t last) {
 static void run_paired_span(const Job *job, Py_ssize_t first, Py_ssize_t last) {
     const uint16_t *w = job->weight;
     Py_ssize_t outputs = job->outputs * 2, width = job->width, n = job->n;
+    if (!have_paired_wide) {
+        for (Py_ssize_t i = 0; i < n; i += 2) {
+            const float *rows = job->rows + i * width;
+            if (n - i == 1) paired_span_1_avx2(w, rows, job->out + i * outputs, outputs, width, first, last);
+            else paired_span_2_avx2(w, rows, job->out + i * outputs, outputs, width, first, last);
+        }
+        return;
+    }
     if (n == 1) paired_span_1(w, job->rows, job->out, outputs, width, first, last);
     else if (n == 2) paired_span_2(w, job->rows, job->out, outputs, width, first, last);
     else
@@ -623,7 +635,7 @@ static PyObject *paired_products(PyObject *self, PyObject *args) {
     Py_buffer v[3];
     if (take_arrays(objs, specs, 3, v) < 0) return NULL;
 #ifdef HALF_AVX2
-    if (!have_paired) return finish(v, 3, 0, "paired_products: this CPU lacks AVX-512VL");
+    if (!have_paired) return finish(v, 3, 0, "paired_products: this CPU lacks AVX2, FMA or F16C");
     Py_ssize_t pairs = v[0].shape[0], width = v[0].shape[1] / 2, n = v[1].shape[0];
     if (v[0].itemsize != 2) return finish(v, 3, 0, "paired_products: paired must be float16");
     if (v[0].shape[1] % 32 != 0 || v[1].shape[1] != width || v[2].shape[0] != n ||
@@ -1216,6 +1228,22 @@ static PyObject *vector_half(PyObject *self, PyObject *arg) {
 #endif
 }
 
+/* For tests: paired products four input rows a pass (True, where the CPU has AVX-512VL) or
+ * two (False, as on AVX2 alone); returns whether four were in use. */
+static PyObject *paired_wide(PyObject *self, PyObject *arg) {
+    (void)self;
+    int wanted = PyObject_IsTrue(arg);
+    if (wanted < 0) return NULL;
+#ifdef HALF_AVX2
+    int was = have_paired_wide;
+    have_paired_wide = wanted && have_paired && __builtin_cpu_supports("avx512f") &&
+                       __builtin_cpu_supports("avx512vl");
+    return PyBool_FromLong(was);
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyMethodDef methods[] = {
     {"products", products, METH_VARARGS,
      "products(weight, rows, out): out = rows @ weight.T in float32; 1, 2 or 4k rows; "
@@ -1236,6 +1264,8 @@ static PyMethodDef methods[] = {
      "of rows (specd.cpu.row_products.pair_rows); 1, 2 or 4k rows"},
     {"paired_supported", paired_supported, METH_NOARGS,
      "paired_supported() -> whether this CPU runs paired_products"},
+    {"paired_wide", paired_wide, METH_O,
+     "paired_wide(enabled) -> was: paired products four input rows a pass or two"},
     {"vector_half", vector_half, METH_O,
      "vector_half(enabled) -> was: half weights through the F16C loops or the portable ones"},
     {NULL, NULL, 0, NULL},
@@ -1248,8 +1278,9 @@ PyMODINIT_FUNC PyInit__row_kernels(void) {
     __builtin_cpu_init();
     have_f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                 __builtin_cpu_supports("f16c");
-    have_paired = have_f16c && __builtin_cpu_supports("avx512f") &&
-                  __builtin_cpu_supports("avx512vl");
+    have_paired = have_f16c;
+    have_paired_wide = have_f16c && __builtin_cpu_supports("avx512f") &&
+                       __builtin_cpu_supports("avx512vl");
 #endif
     pthread_atfork(NULL, NULL, forget_workers);
     return PyModule_Create(&module);

@@ -8,12 +8,13 @@ walk the weight rows once and multiply each, while it is in cache, with one, two
 converting as they go and summing in float32, for half the bytes (specd.cpu.gemv says
 when). Where they were not built (no C compiler), numpy's gemv and sgemm do the products.
 
-On a CPU with AVX-512VL a float16 weight can also be held paired (`pair_rows`): two rows
+On an x86-64 CPU with AVX2 and F16C a float16 weight can also be held paired (`pair_rows`): two rows
 interleaved in blocks of sixteen, so each input vector loaded serves two weight rows and
 the rows multiplied together are one stream in memory. The same sums bit for bit, and every
 row count then sums each row as a one-row product does; a pass of 1, 2, 4 and 8 rows over
 the embedded model's weight shapes took 8.7, 9.0, 12.3 and 16.4 ms paired against 9.7, 11.4,
-16.8 and 23.6 as stored (benchmarks/row_kernels.py, docs/results.md).
+16.8 and 23.6 as stored on a CPU with AVX-512VL, whose 32 vector registers take four input rows
+a pass (with AVX2's 16, two; benchmarks/row_kernels.py, docs/results.md).
 
 Their threads are the extension's own, one pool per process whichever thread calls: a second
 BLAS thread pool busy or spinning beside them halves their speed on two cores, so the verifier
@@ -43,7 +44,7 @@ def layer_kernels():
 
 
 def pairs_supported() -> bool:
-    """Whether this CPU runs the paired products (AVX-512VL and F16C)."""
+    """Whether this CPU runs the paired products (AVX2, FMA and F16C)."""
     return _row_kernels is not None and _row_kernels.paired_supported()
 
 
