@@ -36,16 +36,19 @@ _MARK = "SPECD_BLAS_CHECKED"  # set on re-exec so a process never loops
 def host_description() -> dict:
     """This host's CPU model, cores and load average: timings on a lent machine depend on its
     CPU (Python, the host-side drafter heads) as well as its accelerator."""
-    model = platform.processor() or platform.machine()
+    model = None
     try:
         with open("/proc/cpuinfo") as info:
             model = next((line.split(":", 1)[1].strip() for line in info
-                          if line.startswith("model name")), model)  # fmt: skip
+                          if line.startswith("model name")), None)  # fmt: skip
     except OSError:  # not Linux
         pass
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    return {"cpu": model, "cores": os.cpu_count(),
-            "load": None if load is None else [round(x, 2) for x in load]}  # fmt: skip
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):  # no load average here
+        load = None
+    return {"cpu": model or platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "load": load}  # fmt: skip
 
 
 def openblas_path() -> str | None:

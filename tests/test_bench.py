@@ -635,13 +635,17 @@ def test_a_stack_that_cannot_start_is_named_with_its_reason_not_a_traceback(tiny
     assert "Traceback" not in run.stderr
 
 
-def test_a_stack_that_cannot_start_under_concurrency_keeps_the_others_levels(tiny_model_dir):
+def test_a_stack_that_cannot_start_under_concurrency_keeps_the_others_levels(
+    tiny_model_dir, tmp_path
+):
+    out = tmp_path / "levels.json"
     run = subprocess.run(
         [sys.executable, "-m", "specd", "bench", "--questions", "mt-bench", "--limit", "1",
          "--max-tokens", "4", "--target", str(tiny_model_dir), "--drafter", "none,eagle3,ngram",
-         "--concurrency", "1", "--concurrency-requests", "1"],
+         "--concurrency", "1", "--concurrency-requests", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
+    assert set(json.loads(out.read_text())) == {"mlx-lm batched", "none", "ngram"}
     assert run.returncode == 1
     assert "Traceback" not in run.stderr
     # the reason after the table too, so a reader of either end sees it

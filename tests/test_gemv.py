@@ -170,8 +170,8 @@ def paired_pass(request):
 @pytest.mark.parametrize("width", [16, 64, 1536])
 def test_paired_products_sum_each_row_as_a_one_row_product(rows, width, paired_pass):
     """At every row count each row of the paired products is its one-row product's number,
-    and so is each row of the unpaired ones on the same CPU (where weights pair, the
-    unpaired loops take groups of four, not the eight-row loop, which sums otherwise)."""
+    and so is each row of the unpaired ones on the same CPU (groups of four, each row summed
+    as one row is)."""
     rng = np.random.default_rng(rows * width)
     weight = rng.standard_normal((300, width)).astype(np.float16)
     x = rng.standard_normal((rows, width), dtype=np.float32)

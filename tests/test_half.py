@@ -245,8 +245,8 @@ def test_a_prompts_chunks_skip_the_output_head(quantized_dir, monkeypatch):
 def test_paired_weights_give_the_same_logits(quantized_dir, tokens):
     """The few-row forwards read paired copies of the half weights where the CPU allows
     (specd.cpu.row_products.pair_rows): the same logits bit for bit as unpaired (past four
-    rows only where the CPU pairs weights: elsewhere the unpaired eight-row loop sums in
-    another order)."""
+    rows only where the CPU pairs weights: elsewhere the portable loops sum in the order the
+    compiler chose)."""
     from specd.cpu.llama import CpuLlama
     from specd.cpu.row_products import pairs_supported
 

@@ -252,35 +252,6 @@ static void four_rows_span_f16c(const uint16_t *weight, const float *rows, float
     }
 }
 
-/* Eight input rows against one weight row: the weights are read from memory once for all
- * eight, while four-row groups read each tile twice, once from memory and once from L2, and
- * the first pass waits on memory. Eight accumulators, each input vector loaded once per use. */
-F16C_TARGET
-static void eight_rows_span_f16c(const uint16_t *weight, const float *rows, float *out,
-                                 Py_ssize_t outputs, Py_ssize_t width, Py_ssize_t first,
-                                 Py_ssize_t last) {
-    Py_ssize_t vector_end = width & ~(Py_ssize_t)7;
-    const float *x[8];
-    for (int r = 0; r < 8; r++) x[r] = rows + r * width;
-    for (Py_ssize_t o = first; o < last; o++) {
-        const uint16_t *w = weight + o * width;
-        if (o + AHEAD < last) prefetch_row(w + AHEAD * width, width * (Py_ssize_t)sizeof *w);
-        __m256 a[8];
-        for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
-        Py_ssize_t k = 0;
-        for (; k < vector_end; k += 8) {
-            __m256 v = LOAD8(w, k);
-            for (int r = 0; r < 8; r++)
-                a[r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x[r] + k), a[r]);
-        }
-        for (int r = 0; r < 8; r++) {
-            float s = sum8(a[r]);
-            for (Py_ssize_t t = k; t < width; t++) s += half_to_float(w[t]) * x[r][t];
-            out[r * outputs + o] = s;
-        }
-    }
-}
-
 static int have_f16c;  /* set when the module loads */
 
 /* Paired weights: two weight rows interleaved in blocks of sixteen halves, so the rows a loop
@@ -361,17 +332,9 @@ static void run_span(const Job *job, Py_ssize_t first, Py_ssize_t last) {
     if (have_f16c) {
         if (n == 1) one_row_span_f16c(w, rows, out, width, first, last);
         else if (n == 2) two_rows_span_f16c(w, rows, out, outputs, width, first, last);
-        else {
-            /* where weights are paired every row count sums as one row: so do the few a
-             * shape leaves unpaired (an odd number of rows), in groups of four */
-            Py_ssize_t eights = have_paired ? 0 : n & ~(Py_ssize_t)7;
-            for (Py_ssize_t i = 0; i < eights; i += 8)
-                eight_rows_span_f16c(w, rows + i * width, out + i * outputs, outputs, width,
-                                     first, last);
-            if (eights < n)
-                four_rows_span_f16c(w, rows + eights * width, out + eights * outputs, outputs,
-                                    width, n - eights, first, last);
-        }
+        /* groups of four, each row summed as one row is: weights that cannot pair (an odd
+         * number of rows) give a verify its decode step's numbers too */
+        else four_rows_span_f16c(w, rows, out, outputs, width, n, first, last);
         return;
     }
 #endif
@@ -388,8 +351,9 @@ static void run_paired_span(const Job *job, Py_ssize_t first, Py_ssize_t last) {
     if (!have_paired_wide) {
         for (Py_ssize_t i = 0; i < n; i += 2) {
             const float *rows = job->rows + i * width;
-            if (n - i == 1) paired_span_1_avx2(w, rows, job->out + i * outputs, outputs, width, first, last);
-            else paired_span_2_avx2(w, rows, job->out + i * outputs, outputs, width, first, last);
+            float *out = job->out + i * outputs;
+            if (n - i == 1) paired_span_1_avx2(w, rows, out, outputs, width, first, last);
+            else paired_span_2_avx2(w, rows, out, outputs, width, first, last);
         }
         return;
     }

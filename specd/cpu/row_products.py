@@ -3,8 +3,8 @@
 For a few rows a BLAS sgemm first packs the whole weight matrix (numpy's and MLX's alike),
 and a gemv per row reads it once per row; on a memory-bound CPU both cost about the rows
 times one gemv. The compiled kernels (specd/cpu/_row_kernels.c, built by pip with the package)
-walk the weight rows once and multiply each, while it is in cache, with one, two, four or
-(half weights on AVX2) eight input rows at a time (docs/history). They also read float16 weights,
+walk the weight rows once and multiply each, while it is in cache, with one, two or four
+input rows at a time (docs/history). They also read float16 weights,
 converting as they go and summing in float32, for half the bytes (specd.cpu.gemv says
 when). Where they were not built (no C compiler), numpy's gemv and sgemm do the products.
 
