@@ -183,6 +183,13 @@ def test_paired_products_sum_each_row_as_a_one_row_product(rows, width, paired_p
     assert np.array_equal(got, row_products(weight, x))
 
 
+@needs_pairs
+def test_a_paired_pass_takes_two_input_rows_or_four_where_the_cpu_has_the_registers(paired_pass):
+    from specd.cpu.row_products import _row_kernels as kernels
+
+    assert kernels.paired_rows_a_pass() == (4 if paired_pass else 2)
+
+
 def test_weights_that_cannot_be_paired_stay_unpaired():
     rng = np.random.default_rng(0)
     assert pair_rows(rng.standard_normal((301, 64)).astype(np.float16)) is None  # odd rows

@@ -1208,6 +1208,16 @@ static PyObject *paired_wide(PyObject *self, PyObject *arg) {
 #endif
 }
 
+/* Input rows a paired pass takes: 4 with AVX-512VL, 2 with AVX2 alone, 0 without pairs. */
+static PyObject *paired_rows_a_pass(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+#ifdef HALF_AVX2
+    return PyLong_FromLong(!(have_paired && have_f16c) ? 0 : have_paired_wide ? 4 : 2);
+#else
+    return PyLong_FromLong(0);
+#endif
+}
+
 static PyMethodDef methods[] = {
     {"products", products, METH_VARARGS,
      "products(weight, rows, out): out = rows @ weight.T in float32; 1, 2 or 4k rows; "
@@ -1228,6 +1238,8 @@ static PyMethodDef methods[] = {
      "of rows (specd.cpu.row_products.pair_rows); 1, 2 or 4k rows"},
     {"paired_supported", paired_supported, METH_NOARGS,
      "paired_supported() -> whether this CPU runs paired_products"},
+    {"paired_rows_a_pass", paired_rows_a_pass, METH_NOARGS,
+     "paired_rows_a_pass() -> input rows a paired pass takes (4, 2, or 0 without pairs)"},
     {"paired_wide", paired_wide, METH_O,
      "paired_wide(enabled) -> was: paired products four input rows a pass or two"},
     {"vector_half", vector_half, METH_O,

@@ -75,7 +75,9 @@ def row_products(
         grouped = np.zeros((padded, width), dtype=np.float32)
         grouped[:n] = rows
     out = np.empty((padded, weight.shape[0]), dtype=np.float32)
-    if paired is None:
+    # a group of four in two paired passes of two (AVX2 alone) ran ~7 % behind the stored
+    # four-row loop, which sums each row alike (benchmarks/row_kernels.py)
+    if paired is None or (padded == GROUP and _row_kernels.paired_rows_a_pass() < GROUP):
         _row_kernels.products(weight, grouped, out)
     else:
         _row_kernels.paired_products(paired, grouped, out)
