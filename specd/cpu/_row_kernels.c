@@ -599,7 +599,8 @@ static PyObject *paired_products(PyObject *self, PyObject *args) {
     Py_buffer v[3];
     if (take_arrays(objs, specs, 3, v) < 0) return NULL;
 #ifdef HALF_AVX2
-    if (!have_paired) return finish(v, 3, 0, "paired_products: this CPU lacks AVX2, FMA or F16C");
+    if (!have_paired)
+        return finish(v, 3, 0, "paired_products: this CPU lacks AVX2, FMA or F16C");
     Py_ssize_t pairs = v[0].shape[0], width = v[0].shape[1] / 2, n = v[1].shape[0];
     if (v[0].itemsize != 2) return finish(v, 3, 0, "paired_products: paired must be float16");
     if (v[0].shape[1] % 32 != 0 || v[1].shape[1] != width || v[2].shape[0] != n ||

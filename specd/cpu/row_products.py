@@ -4,13 +4,13 @@ For a few rows a BLAS sgemm first packs the whole weight matrix (numpy's and MLX
 and a gemv per row reads it once per row; on a memory-bound CPU both cost about the rows
 times one gemv. The compiled kernels (specd/cpu/_row_kernels.c, built by pip with the package)
 walk the weight rows once and multiply each, while it is in cache, with one, two or four
-input rows at a time (docs/history). They also read float16 weights,
-converting as they go and summing in float32, for half the bytes (specd.cpu.gemv says
-when). Where they were not built (no C compiler), numpy's gemv and sgemm do the products.
+input rows at a time (docs/history). They also read float16 weights, converting as they go
+and summing in float32, for half the bytes (specd.cpu.gemv says when). Where they were not
+built (no C compiler), numpy's gemv and sgemm do the products.
 
-On an x86-64 CPU with AVX2 and F16C a float16 weight can also be held paired (`pair_rows`): two rows
-interleaved in blocks of sixteen, so each input vector loaded serves two weight rows and
-the rows multiplied together are one stream in memory. The same sums bit for bit, and every
+On an x86-64 CPU with AVX2 and F16C a float16 weight can also be held paired (`pair_rows`):
+two rows interleaved in blocks of sixteen, so each input vector loaded serves two weight rows
+and the rows multiplied together are one stream in memory. The same sums bit for bit, and every
 row count then sums each row as a one-row product does; a pass of 1, 2, 4 and 8 rows over
 the embedded model's weight shapes took 8.7, 9.0, 12.3 and 16.4 ms paired against 9.7, 11.4,
 16.8 and 23.6 as stored on a CPU with AVX-512VL, whose 32 vector registers take four input rows
