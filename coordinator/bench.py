@@ -656,7 +656,9 @@ def run_bench(args) -> int:
         levels, not_started = run_concurrency(args, target, drafters, prompts, log_dir)
         print(concurrency_table(levels))
         if args.json_out:
-            write_concurrency(args.json_out, levels)
+            host = host_description()
+            notes = [f"host: {host['cpu']}, {host['cores']} cores", *not_started]
+            write_concurrency(args.json_out, levels, notes)
         for reason in not_started:  # again after the table, so it is not missed
             print(f"specd: bench: {reason}", file=sys.stderr)
         return 1 if not_started else 0

@@ -391,13 +391,15 @@ def _count(value: int | None) -> str:
     return "–" if value is None else str(value)
 
 
-def write_concurrency(path: Path, results: dict[str, list[dict]]) -> None:
-    """JSON of every level, a markdown table and a chart of aggregate tok/s and p99 latency."""
+def write_concurrency(path: Path, results: dict[str, list[dict]], notes: list[str] = ()) -> None:
+    """JSON of every level, a markdown table (with `notes` under it: the host, stacks that
+    did not start) and a chart of aggregate tok/s and p99 latency."""
     import json
 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
-    path.with_suffix(".md").write_text(concurrency_table(results) + "\n")
+    below = "".join(f"\n{note}\n" for note in notes)
+    path.with_suffix(".md").write_text(concurrency_table(results) + "\n" + below)
     try:
         import matplotlib
 

@@ -646,6 +646,8 @@ def test_a_stack_that_cannot_start_under_concurrency_keeps_the_others_levels(
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert set(json.loads(out.read_text())) == {"mlx-lm batched", "none", "ngram"}
+    table = out.with_suffix(".md").read_text()
+    assert "the eagle3 stack did not start" in table and "host: " in table
     assert run.returncode == 1
     assert "Traceback" not in run.stderr
     # the reason after the table too, so a reader of either end sees it
