@@ -1177,18 +1177,27 @@ static PyObject *swiglu(PyObject *self, PyObject *args) {
     return finish(v, 2, 1, NULL);
 }
 
+#ifdef HALF_AVX2
+static int cpu_f16c, cpu_wide;  /* what the CPU has (set at load): the most these flags may be */
+
+/* For tests: `*flag` set to `arg` where the CPU allows (`possible`); returns its old value. */
+static PyObject *switch_flag(PyObject *arg, int *flag, int possible) {
+    int wanted = PyObject_IsTrue(arg);
+    if (wanted < 0) return NULL;
+    int was = *flag;
+    *flag = wanted && possible;
+    return PyBool_FromLong(was);
+}
+#endif
+
 /* For tests: route half weights through the portable loops (False) or back (True, where the
  * CPU has F16C); returns whether the vector loops were in use. */
 static PyObject *vector_half(PyObject *self, PyObject *arg) {
     (void)self;
-    int wanted = PyObject_IsTrue(arg);
-    if (wanted < 0) return NULL;
 #ifdef HALF_AVX2
-    int was = have_f16c;
-    have_f16c = wanted && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                __builtin_cpu_supports("f16c");
-    return PyBool_FromLong(was);
+    return switch_flag(arg, &have_f16c, cpu_f16c);
 #else
+    if (PyObject_IsTrue(arg) < 0) return NULL;
     Py_RETURN_FALSE;
 #endif
 }
@@ -1197,14 +1206,10 @@ static PyObject *vector_half(PyObject *self, PyObject *arg) {
  * two (False, as on AVX2 alone); returns whether four were in use. */
 static PyObject *paired_wide(PyObject *self, PyObject *arg) {
     (void)self;
-    int wanted = PyObject_IsTrue(arg);
-    if (wanted < 0) return NULL;
 #ifdef HALF_AVX2
-    int was = have_paired_wide;
-    have_paired_wide = wanted && have_paired && __builtin_cpu_supports("avx512f") &&
-                       __builtin_cpu_supports("avx512vl");
-    return PyBool_FromLong(was);
+    return switch_flag(arg, &have_paired_wide, cpu_wide && have_paired);
 #else
+    if (PyObject_IsTrue(arg) < 0) return NULL;
     Py_RETURN_FALSE;
 #endif
 }
@@ -1253,11 +1258,11 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_row_kernels", NULL,
 PyMODINIT_FUNC PyInit__row_kernels(void) {
 #ifdef HALF_AVX2
     __builtin_cpu_init();
-    have_f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                __builtin_cpu_supports("f16c");
-    have_paired = have_f16c;
-    have_paired_wide = have_f16c && __builtin_cpu_supports("avx512f") &&
-                       __builtin_cpu_supports("avx512vl");
+    cpu_f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
+    cpu_wide = cpu_f16c && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+    have_f16c = have_paired = cpu_f16c;
+    have_paired_wide = cpu_wide;
 #endif
     pthread_atfork(NULL, NULL, forget_workers);
     return PyModule_Create(&module);
