@@ -653,15 +653,15 @@ def run_bench(args) -> int:
         announce(args, target.identity.name, target.dtype_timings, drafters, len(prompts), log_dir)
         from coordinator.concurrency import concurrency_table, run_concurrency, write_concurrency
 
-        levels, not_started = run_concurrency(args, target, drafters, prompts, log_dir)
+        levels, failed = run_concurrency(args, target, drafters, prompts, log_dir)
         print(concurrency_table(levels))
         if args.json_out:
             host = host_description()
-            notes = [f"host: {host['cpu']}, {host['cores']} cores", *not_started]
+            notes = [f"host: {host['cpu']}, {host['cores']} cores", *failed]
             write_concurrency(args.json_out, levels, notes)
-        for reason in not_started:  # again after the table, so it is not missed
+        for reason in failed:  # again after the table, so it is not missed
             print(f"specd: bench: {reason}", file=sys.stderr)
-        return 1 if not_started else 0
+        return 1 if failed else 0
     try:
         plain = BaselineProcess(args.target, args.dtype)
     except RuntimeError as exc:

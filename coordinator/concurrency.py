@@ -144,6 +144,7 @@ class FaultDrill:
 def services(
     client, request_of, prompts: list[list[int]], levels: list[int], args, drill=None,
     compare: bool = True, compare_faulted: bool = True, cpu_of=None, explain=None,
+    rows: list[dict] | None = None,
 ) -> list[dict]:  # fmt: skip
     """Each level's row. With `drill` (a FaultDrill) the last level runs again, the drill
     starting once every client's first request has its first tokens, and each output is
@@ -153,8 +154,11 @@ def services(
     each service's CPU seconds so far (`Stack.cpu_seconds`), for the cores each used in a
     clean level: on a shared host, a drafter's and a coordinator's CPU is the verifier's
     loss. explain(prompt index, solo output, difference): why an output differs
-    (`explain_difference`), kept with each difference in the row."""
-    rows, solo = [], {}
+    (`explain_difference`), kept with each difference in the row. rows: the list the rows
+    are appended to as each level ends (returned), so a caller keeps those measured before a
+    failure."""
+    rows = [] if rows is None else rows
+    solo: dict = {}
     runs = [(level, None) for level in levels]
     if drill is not None:
         runs.append((levels[-1], drill))
@@ -311,7 +315,8 @@ def run_concurrency(
     args, target, drafters: list[str], prompts, log_dir: Path
 ) -> tuple[dict, list[str]]:
     """Every level for mlx-lm's batched generation and each drafter's stack, and why each
-    stack that did not start failed: the others still run, so no measured level is lost."""
+    stack that did not start or stopped failed: the others still run, and a stack that
+    stops keeps the levels it finished, so no measured level is lost."""
     from coordinator.bench import StackDidNotStart, running_stack
 
     levels = parse_levels(args.concurrency)
@@ -322,20 +327,33 @@ def run_concurrency(
 
     results = {MLX_LM_BATCHED: mlx_lm_batched(target, prompts, levels, args)}
     _print_rows(MLX_LM_BATCHED, results[MLX_LM_BATCHED])
-    not_started = []
+    failed = []
     for d in drafters:
+        rows: list[dict] = []  # filled level by level: a stack that fails later keeps them
         try:
             with running_stack(args, d, log_dir / f"concurrency-{d}") as stack:
-                results[d] = _stack_levels(stack, d, prompts, levels, args, explain)
+                _stack_levels(stack, d, prompts, levels, args, explain, rows)
         except StackDidNotStart as exc:
+            failed.append(str(exc))
             print(f"specd: bench: {exc}", file=sys.stderr)
-            not_started.append(str(exc))
-            continue
-        _print_rows(d, results[d])
-    return results, not_started
+        except Exception as exc:  # noqa: BLE001 - the levels measured before it are kept
+            failed.append(f"the {d} stack stopped after {len(rows)} of {len(levels)} levels: "
+                          f"{_describe(exc)}")  # fmt: skip
+            print(f"specd: bench: {failed[-1]}", file=sys.stderr)
+        if rows:
+            results[d] = rows
+            _print_rows(d, rows)
+    return results, failed
 
 
-def _stack_levels(stack, d: str, prompts, levels, args, explain) -> list[dict]:
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, grpc.RpcError):
+        return f"{exc.code().name} {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _stack_levels(stack, d: str, prompts, levels, args, explain, rows: list[dict]) -> None:
+    """Each level's row for drafter `d`'s running stack, appended to `rows` as measured."""
     from coordinator.bench import bench_request
     from specd.client import CoordinatorClient
 
@@ -350,9 +368,9 @@ def _stack_levels(stack, d: str, prompts, levels, args, explain) -> list[dict]:
     # the load decide: comparable with drafting off alone
     compare = args.temperature == 0 or d == "none"
     try:
-        return services(client, request_of, prompts, levels, args, drill, compare,
-                        compare_faulted=args.temperature == 0, cpu_of=stack.cpu_seconds,
-                        explain=explain)  # fmt: skip
+        services(client, request_of, prompts, levels, args, drill, compare,
+                 compare_faulted=args.temperature == 0, cpu_of=stack.cpu_seconds,
+                 explain=explain, rows=rows)  # fmt: skip
     finally:
         client.close()
 

@@ -797,3 +797,36 @@ def test_the_first_stack_and_the_first_of_each_model_drafter_warm_up_alone():
     assert _stacks_started_alone(["none", "eagle3", "dflash", "eagle3-tree", "dflash-b8"]) == [
         "none", "eagle3", "dflash",
     ]  # fmt: skip
+
+
+def test_a_stack_that_stops_under_concurrency_keeps_the_levels_it_finished(monkeypatch, tmp_path):
+    import contextlib
+    from types import SimpleNamespace
+
+    import coordinator.bench as bench
+    import coordinator.concurrency as concurrency
+
+    def row(clients: int) -> dict:
+        return concurrency.level_row(clients, 10, 1.0, [1.0], 0, 0, [])
+
+    @contextlib.contextmanager
+    def stack(args, drafter, log_dir):
+        yield SimpleNamespace(drafter=drafter)
+
+    def levels(stack, d, prompts, levels, args, explain, rows):
+        for clients in levels:
+            if d == "ngram" and clients == 4:
+                raise RuntimeError("the coordinator exited (code -9)")
+            rows.append(row(clients))
+
+    monkeypatch.setattr(bench, "running_stack", stack)
+    monkeypatch.setattr(concurrency, "_stack_levels", levels)
+    monkeypatch.setattr(concurrency, "mlx_lm_batched", lambda t, p, ls, a: [row(c) for c in ls])
+    args = SimpleNamespace(concurrency="1,4,16")
+    results, failed = concurrency.run_concurrency(args, None, ["ngram", "none"], [[1]], tmp_path)
+    assert [r["clients"] for r in results["ngram"]] == [1]  # the level before the failure
+    assert [r["clients"] for r in results["none"]] == [1, 4, 16]  # the next stack still ran
+    assert failed == [
+        "the ngram stack stopped after 1 of 3 levels: "
+        "RuntimeError: the coordinator exited (code -9)"
+    ]
