@@ -184,6 +184,7 @@ class DrafterLink:
         self.retry_at: float | None = None  # set while the drafter is down
         self.carried: Drafted | None = None  # next block, drafted while the last verify ran
         self.empty_answers = 0  # drafter calls in a row that proposed nothing
+        self.drafts_trees = False  # its last answer was a tree: no chain to guess beside a burst
         # drafter calls in a row the target kept nothing of: no draft, or drafts (a guess beside
         # a burst) wrong from the first; after empty answers they set the bursts and the backoff,
         # so a drafter whose rare proposals miss does not restart its bursts at one token
@@ -223,6 +224,10 @@ class DrafterLink:
         self, position: int, k: int, sampling, speculative_ids=(), tree=None
     ) -> Drafted:
         drafted = await self._draft(position, k, sampling, speculative_ids, tree)
+        if drafted is None:  # down or faulted: a call the target kept nothing of, no answer
+            self.fruitless_calls += 1
+            return Drafted([])
+        self.drafts_trees = drafted.parents is not None
         self.empty_answers = 0 if drafted.ids else self.empty_answers + 1
         if not drafted.ids:
             self.fruitless_calls += 1  # an answer with drafts counts once judged (`judged`)
@@ -249,20 +254,23 @@ class DrafterLink:
         self.calls_skipped += 1
         return True
 
-    async def _draft(self, position: int, k: int, sampling, speculative_ids, tree) -> Drafted:
+    async def _draft(
+        self, position: int, k: int, sampling, speculative_ids, tree
+    ) -> Drafted | None:
+        """The drafter's answer; None where it gave none (down, or failing now)."""
         await self.opened()
         if self.retry_at is not None:
             if self.down:
-                return Drafted([])
+                return None
             await self._open(self.all_rows if self.drafter.capture_layers else None, self.context)
             if self.session is None:
-                return Drafted([])
+                return None
             log.info("drafter is back; drafting again")
             self.retry_at, self.pending_ids, self.pending_rows = None, [], []
             # a drafter back (often a fresh process, or another one) starts its streaks anew
             self.empty_answers = self.fruitless_calls = 0
         if self.session is None:
-            return Drafted([])
+            return None
         try:
             drafted = await self.drafter.draft(
                 self.session, position, self.pending_ids, self.pending_rows, k, sampling,
@@ -270,7 +278,7 @@ class DrafterLink:
             )  # fmt: skip
         except Exception as exc:  # noqa: BLE001
             self._down(exc)
-            return Drafted([])
+            return None
         self.pending_ids, self.pending_rows = [], []
         self.stats.draft_calls += 1
         return drafted
@@ -561,7 +569,8 @@ def _round_kind(request: _Request, played: Round, remaining: int) -> str:
         played.drafted = carried
         return "verify"
     probe_beside = _probe_beside(request)
-    if plan.draft_beside_decode and played.tree is None and (link.empty_answers or probe_beside):
+    beside = played.tree is None and not link.drafts_trees
+    if plan.draft_beside_decode and beside and (link.empty_answers or probe_beside):
         # the last call found nothing (or a probe: _probe_beside); this one will likely find
         # nothing of use too, so decode meanwhile instead of waiting for it with one token to
         # verify. A model drafter's probes are spaced by adaptive k's probe wait alone:
