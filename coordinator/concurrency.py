@@ -328,22 +328,35 @@ def run_concurrency(
     results = {MLX_LM_BATCHED: mlx_lm_batched(target, prompts, levels, args)}
     _print_rows(MLX_LM_BATCHED, results[MLX_LM_BATCHED])
     failed = []
-    for d in drafters:
+    for d, label in zip(drafters, run_labels(drafters), strict=True):
         rows: list[dict] = []  # filled level by level: a stack that fails later keeps them
         try:
-            with running_stack(args, d, log_dir / f"concurrency-{d}") as stack:
+            with running_stack(
+                args, d, log_dir / f"concurrency-{label.replace(' #', '-')}"
+            ) as stack:
                 _stack_levels(stack, d, prompts, levels, args, explain, rows)
         except StackDidNotStart as exc:
             failed.append(str(exc))
             print(f"specd: bench: {exc}", file=sys.stderr)
         except Exception as exc:  # noqa: BLE001 - the levels measured before it are kept
-            failed.append(f"the {d} stack stopped after {len(rows)} of {len(levels)} levels: "
-                          f"{_describe(exc)}")  # fmt: skip
+            failed.append(f"the {label} stack stopped after {len(rows)} of {len(levels)} "
+                          f"levels: {_describe(exc)}")  # fmt: skip
             print(f"specd: bench: {failed[-1]}", file=sys.stderr)
         if rows:
-            results[d] = rows
-            _print_rows(d, rows)
+            results[label] = rows
+            _print_rows(label, rows)
     return results, failed
+
+
+def run_labels(drafters: list[str]) -> list[str]:
+    """Each stack's name in the results: its drafter, "#2", "#3" after a drafter named again
+    (stacks run one after another, so a drafter run twice shows the order's effect)."""
+    seen: dict[str, int] = {}
+    labels = []
+    for d in drafters:
+        seen[d] = seen.get(d, 0) + 1
+        labels.append(d if seen[d] == 1 else f"{d} #{seen[d]}")
+    return labels
 
 
 def _describe(exc: Exception) -> str:

@@ -823,9 +823,12 @@ def test_a_stack_that_stops_under_concurrency_keeps_the_levels_it_finished(monke
     monkeypatch.setattr(concurrency, "_stack_levels", levels)
     monkeypatch.setattr(concurrency, "mlx_lm_batched", lambda t, p, ls, a: [row(c) for c in ls])
     args = SimpleNamespace(concurrency="1,4,16")
-    results, failed = concurrency.run_concurrency(args, None, ["ngram", "none"], [[1]], tmp_path)
+    drafters = ["ngram", "none", "none"]
+    results, failed = concurrency.run_concurrency(args, None, drafters, [[1]], tmp_path)
     assert [r["clients"] for r in results["ngram"]] == [1]  # the level before the failure
     assert [r["clients"] for r in results["none"]] == [1, 4, 16]  # the next stack still ran
+    # a drafter named again is a run of its own, not written over the first
+    assert list(results) == ["mlx-lm batched", "ngram", "none", "none #2"]
     assert failed == [
         "the ngram stack stopped after 1 of 3 levels: "
         "RuntimeError: the coordinator exited (code -9)"
