@@ -88,7 +88,8 @@ class Plan:
     overlap: bool = False  # draft the next block while the verify runs, assuming acceptance
     tree: Any = None  # TreeShape asked of a tree drafter; None: the drafter's default
     decode_burst: int = 1  # tokens one verify call may decode when no drafts are wanted
-    # after a drafter call that proposed nothing, ask the next one beside a decode burst
+    # after a drafter call that proposed nothing, ask the next one beside a decode burst (its
+    # answer is matched as a chain: not for a drafter whose default is a tree)
     draft_beside_decode: bool = False
     # adaptive k drafts nothing while this says the coordinator is under load (None: never)
     under_load: Callable[[], bool] | None = None
@@ -184,7 +185,6 @@ class DrafterLink:
         self.retry_at: float | None = None  # set while the drafter is down
         self.carried: Drafted | None = None  # next block, drafted while the last verify ran
         self.empty_answers = 0  # drafter calls in a row that proposed nothing
-        self.drafts_trees = False  # its last answer was a tree: no chain to guess beside a burst
         # drafter calls in a row the target kept nothing of: no draft, or drafts (a guess beside
         # a burst) wrong from the first; after empty answers they set the bursts and the backoff,
         # so a drafter whose rare proposals miss does not restart its bursts at one token
@@ -224,14 +224,13 @@ class DrafterLink:
         self, position: int, k: int, sampling, speculative_ids=(), tree=None
     ) -> Drafted:
         drafted = await self._draft(position, k, sampling, speculative_ids, tree)
+        self.calls_skipped = 0
         if drafted is None:  # down or faulted: a call the target kept nothing of, no answer
             self.fruitless_calls += 1
             return Drafted([])
-        self.drafts_trees = drafted.parents is not None
         self.empty_answers = 0 if drafted.ids else self.empty_answers + 1
         if not drafted.ids:
             self.fruitless_calls += 1  # an answer with drafts counts once judged (`judged`)
-        self.calls_skipped = 0
         return drafted
 
     def judged(self, kept: int) -> None:
@@ -569,8 +568,9 @@ def _round_kind(request: _Request, played: Round, remaining: int) -> str:
         played.drafted = carried
         return "verify"
     probe_beside = _probe_beside(request)
-    beside = played.tree is None and not link.drafts_trees
-    if plan.draft_beside_decode and beside and (link.empty_answers or probe_beside):
+    # a drafter due to be re-opened after a fault: its open runs beside the burst too
+    unsure = link.empty_answers or link.retry_at is not None
+    if plan.draft_beside_decode and played.tree is None and (unsure or probe_beside):
         # the last call found nothing (or a probe: _probe_beside); this one will likely find
         # nothing of use too, so decode meanwhile instead of waiting for it with one token to
         # verify. A model drafter's probes are spaced by adaptive k's probe wait alone:

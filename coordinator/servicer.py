@@ -205,7 +205,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             overlap=overlap,
             tree=tree,
             decode_burst=self._decode_burst(),
-            draft_beside_decode=self.config.draft_beside_decode,
+            # a guess beside a burst is matched as a chain: a tree drafter drafts before its
+            # verify whatever its last answer was
+            draft_beside_decode=self.config.draft_beside_decode and TreeLimits.of(shape) is None,
             tree_prices=tree_prices,
             under_load=self._under_load if adaptive is not None else None,
         )

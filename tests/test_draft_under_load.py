@@ -106,3 +106,16 @@ def test_trees_are_cut_at_prices_unless_a_seeded_sample_or_the_flag_says_no():
     assert s._plan(coordinator_pb2.GenerateRequest(prompt="hi"), NGRAM).tree_prices is None
     s.config.priced_tree_cut = False
     assert s._plan(coordinator_pb2.GenerateRequest(prompt="hi"), EAGLE3_TREES).tree_prices is None
+
+
+def test_a_drafter_drafting_trees_gets_no_guesses_beside_bursts():
+    """A guess made beside a decode burst is matched as a chain: a request whose drafter
+    drafts trees (its default, or the request's shape) asks before each verify."""
+    s = servicer(0)
+    s.running = 1
+    chains = coordinator_pb2.GenerateRequest(prompt="hi", max_tokens=10)
+    assert s._plan(chains, NGRAM).draft_beside_decode
+    assert not s._plan(chains, EAGLE3_TREES).draft_beside_decode
+    request = coordinator_pb2.GenerateRequest(prompt="hi", max_tokens=10, num_draft_tokens=4)
+    request.tree.CopyFrom(common_pb2.TreeShape(total_tokens=8, depth=4, top_k=2))
+    assert not s._plan(request, EAGLE3_TREES).draft_beside_decode
