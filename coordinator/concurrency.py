@@ -328,6 +328,7 @@ def run_concurrency(
     results = {MLX_LM_BATCHED: mlx_lm_batched(target, prompts, levels, args)}
     _print_rows(MLX_LM_BATCHED, results[MLX_LM_BATCHED])
     failed = []
+    runs = len(levels) + bool(args.concurrency_faults)  # the drill runs the last level again
     for d, label in zip(drafters, run_labels(drafters), strict=True):
         rows: list[dict] = []  # filled level by level: a stack that fails later keeps them
         try:
@@ -339,8 +340,8 @@ def run_concurrency(
             failed.append(str(exc))
             print(f"specd: bench: {exc}", file=sys.stderr)
         except Exception as exc:  # noqa: BLE001 - the levels measured before it are kept
-            failed.append(f"the {label} stack stopped after {len(rows)} of {len(levels)} "
-                          f"levels: {_describe(exc)}")  # fmt: skip
+            failed.append(f"the {label} stack stopped after {len(rows)} of {runs} levels: "
+                          f"{_describe(exc)}")  # fmt: skip
             print(f"specd: bench: {failed[-1]}", file=sys.stderr)
         if rows:
             results[label] = rows

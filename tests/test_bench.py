@@ -822,7 +822,7 @@ def test_a_stack_that_stops_under_concurrency_keeps_the_levels_it_finished(monke
     monkeypatch.setattr(bench, "running_stack", stack)
     monkeypatch.setattr(concurrency, "_stack_levels", levels)
     monkeypatch.setattr(concurrency, "mlx_lm_batched", lambda t, p, ls, a: [row(c) for c in ls])
-    args = SimpleNamespace(concurrency="1,4,16")
+    args = SimpleNamespace(concurrency="1,4,16", concurrency_faults=False)
     drafters = ["ngram", "none", "none"]
     results, failed = concurrency.run_concurrency(args, None, drafters, [[1]], tmp_path)
     assert [r["clients"] for r in results["ngram"]] == [1]  # the level before the failure
