@@ -830,11 +830,11 @@ def starting(drafter: str):
 
 
 @contextmanager
-def running_stack(args, drafter: str, log_dir: Path):
-    """`bench_stack`'s services, started (StackDidNotStart if they do not come up), then
-    stopped on leaving."""
+def running_stack(args, drafter: str, log_dir: Path, name: str | None = None):
+    """`bench_stack`'s services, started (StackDidNotStart, naming the stack `name` or its
+    drafter, if they do not come up), then stopped on leaving."""
     stack = bench_stack(args, drafter, log_dir)
-    with starting(drafter):
+    with starting(name or drafter):
         stack.start()
     try:
         yield stack

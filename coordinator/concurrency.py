@@ -332,9 +332,8 @@ def run_concurrency(
     for d, label in zip(drafters, run_labels(drafters), strict=True):
         rows: list[dict] = []  # filled level by level: a stack that fails later keeps them
         try:
-            with running_stack(
-                args, d, log_dir / f"concurrency-{label.replace(' #', '-')}"
-            ) as stack:
+            logs = log_dir / f"concurrency-{label.replace(' #', '-')}"
+            with running_stack(args, d, logs, label) as stack:
                 _stack_levels(stack, d, prompts, levels, args, explain, rows)
         except StackDidNotStart as exc:
             failed.append(str(exc))

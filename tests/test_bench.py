@@ -809,8 +809,11 @@ def test_a_stack_that_stops_under_concurrency_keeps_the_levels_it_finished(monke
     def row(clients: int) -> dict:
         return concurrency.level_row(clients, 10, 1.0, [1.0], 0, 0, [])
 
+    started = []
+
     @contextlib.contextmanager
-    def stack(args, drafter, log_dir):
+    def stack(args, drafter, log_dir, name):
+        started.append((drafter, log_dir.name, name))
         yield SimpleNamespace(drafter=drafter)
 
     def levels(stack, d, prompts, levels, args, explain, rows):
@@ -829,6 +832,7 @@ def test_a_stack_that_stops_under_concurrency_keeps_the_levels_it_finished(monke
     assert [r["clients"] for r in results["none"]] == [1, 4, 16]  # the next stack still ran
     # a drafter named again is a run of its own, not written over the first
     assert list(results) == ["mlx-lm batched", "ngram", "none", "none #2"]
+    assert started[-1] == ("none", "concurrency-none-2", "none #2")  # its drafter, its logs
     assert failed == [
         "the ngram stack stopped after 1 of 3 levels: "
         "RuntimeError: the coordinator exited (code -9)"

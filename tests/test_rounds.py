@@ -959,10 +959,8 @@ def test_rounds_ahead_cancelled_from_outside_ends_its_reader_cancelled():
 
 
 def test_a_fault_is_no_empty_answer_and_the_re_open_runs_beside_a_burst(target):
-    """A faulted call is no answer: the drafter's streak of empty answers stays as it was
-    (a tree drafter's guess beside a burst would be matched as a chain). The round that finds
-    the drafter due again re-opens its session beside a decode burst, as after an empty
-    answer, so the session's re-open costs no wait."""
+    """The round that finds the drafter due again after a fault re-opens its session beside a
+    decode burst, as after an empty answer, so the re-open costs no wait."""
     prompt = PROMPTS[0]
     plain, _ = collect(LocalVerifier(target), None, prompt, Plan(max_tokens=40, num_draft_tokens=0))
     flaky = FlakyDrafter(OracleProposer(prompt + plain), failures=1)
@@ -971,3 +969,18 @@ def test_a_fault_is_no_empty_answer_and_the_re_open_runs_beside_a_burst(target):
     assert out == plain and stats.drafter_failed and flaky.opens == 2
     assert stats.beside_calls == 1  # the re-open; the oracle's answers are never empty
     assert stats.accepted > 0
+
+
+def test_a_faulted_draft_call_is_no_empty_answer():
+    """A fault is no answer: it counts as a call the target kept nothing of, but the streak of
+    empty answers (what sends the next call beside a burst) stays as it was."""
+    from coordinator.rounds import DrafterLink
+
+    async def go():
+        link = DrafterLink(FlakyDrafter(NgramProposer(), failures=1), RoundStats(), retry_s=0.0)
+        link.open([3, 4, 5, 3, 4], None)
+        return link, await link.draft(5, 4, None)
+
+    link, drafted = asyncio.run(go())
+    assert drafted.ids == [] and link.retry_at is not None  # down until its retry
+    assert (link.empty_answers, link.fruitless_calls) == (0, 1)
