@@ -228,7 +228,7 @@ def _clients(client, request_of, batch, level: int, drill=None):
                             if drill is not None and len(started) == min(level, len(batch)):
                                 drill_thread.start()
             except grpc.RpcError as exc:
-                failures.append(f"request {n}: {exc.code().name} {exc.details()}")
+                failures.append(f"request {n}: {_describe(exc)}")
                 continue
             outputs[n] = ids
             latencies.append(time.perf_counter() - start)
