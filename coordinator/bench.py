@@ -498,7 +498,8 @@ def in_process_runner(args, name: str):
             common_pb2.SamplingParams(temperature=args.temperature),
             adaptive,
             decode_burst=parsed.burst or args.decode_burst,
-            draft_beside_decode=not parsed.serial,
+            # as the services: a tree drafter's guess is never matched beside a burst
+            draft_beside_decode=not parsed.serial and TreeLimits.of(shape) is None,
             tree_prices=costs.verify if cut else None,
         )
         stats = RoundStats()
